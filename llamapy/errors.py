@@ -1,0 +1,25 @@
+"""One exception family for everything a user can get wrong.
+
+Command-line front ends catch `LlamapyError` and print its message as a single line,
+so every message must stand on its own ("what is wrong with which input").
+"""
+
+
+class LlamapyError(Exception):
+    """Base of all user-facing errors (bad files, unsupported models, bad arguments)."""
+
+
+class ModelLoadError(LlamapyError):
+    """The model file is missing, not GGUF, truncated, or otherwise unreadable."""
+
+
+class UnsupportedModelError(LlamapyError):
+    """The file is valid GGUF but describes something llamapy does not run."""
+
+
+class VocabError(LlamapyError):
+    """The tokenizer described by the GGUF metadata cannot be rebuilt."""
+
+
+class InputError(LlamapyError):
+    """The user's input (text, arguments) does not fit the requested job."""

@@ -1,0 +1,35 @@
+"""Shared fixtures: where the project's shared models, texts and golden files live.
+
+`LLAMAPY_SHARED` overrides the default `../shared` (relative to the repository root).
+Tests skip with a stated reason only when that folder is absent; in CI it never is.
+"""
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("LLAMAPY_SHARED", REPO_ROOT.parent / "shared")).resolve()
+
+
+def shared_path(*parts: str) -> Path:
+    """Path to a file under shared/, skipping the test if it is missing."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"shared file {path} is absent (set LLAMAPY_SHARED to the shared/ folder)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    return shared_path("models", "stories260K.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_random_path() -> Path:
+    return shared_path("models", "llama-2-tiny-random.gguf")
+
+
+@pytest.fixture(scope="session")
+def wiki_path() -> Path:
+    return shared_path("data", "wiki.test.raw")
