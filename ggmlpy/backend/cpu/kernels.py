@@ -1,0 +1,216 @@
+"""numba kernels of the CPU backend, written to reproduce ggml's float32 arithmetic.
+
+Arrays arrive in ggml order reversed: shape (ne3, ne2, ne1, ne0), any strides. Rows
+(the innermost dimension) are independent, so the outer loops run in parallel.
+Accumulations that ggml does in `ggml_float` (double) are done in float64 here too.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+F32 = np.float32
+
+
+@njit(cache=True, inline="always")
+def _row_index(r, n2, n1):
+    return r // (n2 * n1), (r // n1) % n2, r % n1
+
+
+@njit(parallel=True, cache=True)
+def rms_norm_f32(x, dst, eps):
+    n3, n2, n1, n0 = x.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        s = 0.0
+        for i0 in range(n0):
+            v = x[i3, i2, i1, i0]
+            s += np.float64(v * v)
+        mean = F32(s / n0)
+        sc = F32(1.0) / np.sqrt(mean + F32(eps))
+        for i0 in range(n0):
+            dst[i3, i2, i1, i0] = x[i3, i2, i1, i0] * sc
+
+
+@njit(parallel=True, cache=True)
+def norm_f32(x, dst, eps):
+    n3, n2, n1, n0 = x.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        s = 0.0
+        for i0 in range(n0):
+            s += np.float64(x[i3, i2, i1, i0])
+        mean = F32(s / n0)
+        s2 = 0.0
+        for i0 in range(n0):
+            v = x[i3, i2, i1, i0] - mean
+            dst[i3, i2, i1, i0] = v
+            s2 += np.float64(v * v)
+        variance = F32(s2 / n0)
+        sc = F32(1.0) / np.sqrt(variance + F32(eps))
+        for i0 in range(n0):
+            dst[i3, i2, i1, i0] *= sc
+
+
+@njit(cache=True)
+def alibi_slope(max_bias, h, n_head):
+    if max_bias <= 0.0:
+        return F32(1.0)
+    n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = F32(2.0) ** (F32(-max_bias) / F32(n_head_log2))
+    m1 = F32(2.0) ** (F32(-max_bias / 2.0) / F32(n_head_log2))
+    if h < n_head_log2:
+        return m0 ** F32(h + 1)
+    return m1 ** F32(2 * (h - n_head_log2) + 1)
+
+
+@njit(parallel=True, cache=True)
+def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
+    """dst = softmax(x * scale + slope * mask) per row; masked -inf entries cost no exp."""
+    n3, n2, n1, n0 = x.shape
+    m3, m2 = mask.shape[0], mask.shape[1]
+    sc = F32(scale)
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        slope = alibi_slope(max_bias, i2, n2)
+        mx = F32(-np.inf)
+        for i0 in range(n0):
+            v = x[i3, i2, i1, i0] * sc
+            if has_mask:
+                v += slope * F32(mask[i3 % m3, i2 % m2, i1, i0])
+            dst[i3, i2, i1, i0] = v
+            if v > mx:
+                mx = v
+        s = 0.0
+        for i0 in range(n0):
+            v = dst[i3, i2, i1, i0]
+            e = F32(0.0) if v == -np.inf else np.exp(v - mx)
+            dst[i3, i2, i1, i0] = e
+            s += np.float64(e)
+        inv = F32(1.0 / s)
+        for i0 in range(n0):
+            dst[i3, i2, i1, i0] *= inv
+
+
+@njit(cache=True)
+def _rope_yarn_corr_dim(n_dims, n_ctx_orig, n_rot, base):
+    return F32(n_dims) * F32(math.log(F32(n_ctx_orig) / (F32(n_rot) * F32(2.0 * math.pi)))) / (F32(2.0) * F32(math.log(base)))
+
+
+@njit(cache=True)
+def rope_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
+    start = math.floor(_rope_yarn_corr_dim(n_dims, n_ctx_orig, beta_fast, freq_base))
+    end = math.ceil(_rope_yarn_corr_dim(n_dims, n_ctx_orig, beta_slow, freq_base))
+    return F32(max(0.0, start)), F32(min(n_dims - 1.0, end))
+
+
+@njit(cache=True)
+def rope_cache(p, ne0, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, ff, has_ff, out_cos, out_sin):
+    """cos/sin per rotated pair at position p, in ggml's iterative float32 order."""
+    theta_scale = F32(freq_base) ** (F32(-2.0) / F32(n_dims))
+    theta = F32(p)
+    fs = F32(freq_scale)
+    for i0 in range(0, ne0, 2):
+        extrap = theta / (F32(ff[i0 // 2]) if has_ff else F32(1.0))
+        interp = fs * extrap
+        th = interp
+        mscale = F32(attn_factor)
+        if ext_factor != 0.0:
+            y = (F32(i0 // 2) - corr0) / max(F32(0.001), corr1 - corr0)
+            ramp = (F32(1.0) - min(F32(1.0), max(F32(0.0), y))) * F32(ext_factor)
+            th = interp * (F32(1.0) - ramp) + extrap * ramp
+            mscale *= F32(1.0) + F32(0.1) * F32(math.log(F32(1.0) / fs))
+        out_cos[i0 // 2] = F32(math.cos(th)) * mscale
+        out_sin[i0 // 2] = F32(math.sin(th)) * mscale
+        theta *= theta_scale
+
+
+@njit(parallel=True, cache=True)
+def rope_f32(x, pos, ff, dst, n_dims, neox, freq_base, freq_scale, ext_factor, attn_factor,
+             corr0, corr1, has_ff, sign):
+    """Rotate pairs of each head; `sign` -1 gives the inverse rotation (rope_back)."""
+    n3, n2, n1, n0 = x.shape
+    half = n_dims // 2
+    for r in prange(n3 * n2):
+        i3 = r // n2
+        i2 = r % n2
+        cs = np.empty(n0 // 2, dtype=np.float32)
+        sn = np.empty(n0 // 2, dtype=np.float32)
+        rope_cache(pos[i2], n0, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, ff, has_ff, cs, sn)
+        for i1 in range(n1):
+            for k in range(half):
+                c = cs[k]
+                s = sn[k] * F32(sign)
+                if neox:
+                    j0 = k
+                    j1 = k + half
+                else:
+                    j0 = 2 * k
+                    j1 = 2 * k + 1
+                a = x[i3, i2, i1, j0]
+                b = x[i3, i2, i1, j1]
+                dst[i3, i2, i1, j0] = a * c - b * s
+                dst[i3, i2, i1, j1] = a * s + b * c
+            for i0 in range(n_dims, n0):
+                dst[i3, i2, i1, i0] = x[i3, i2, i1, i0]
+
+
+@njit(parallel=True, cache=True)
+def get_rows(src, idx, dst):
+    """dst[i12, i11, i10, :] = src[i12, i11, idx[i12, i11, i10], :] (with conversion to dst's type)."""
+    n12, n11, n10 = idx.shape
+    n0 = dst.shape[3]
+    for r in prange(n12 * n11 * n10):
+        i12, i11, i10 = _row_index(r, n11, n10)
+        row = idx[i12, i11, i10]
+        for i0 in range(n0):
+            dst[i12, i11, i10, i0] = src[i12, i11, row, i0]
+
+
+@njit(parallel=True, cache=True)
+def silu_f32(x, dst):
+    n3, n2, n1, n0 = x.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        for i0 in range(n0):
+            v = x[i3, i2, i1, i0]
+            dst[i3, i2, i1, i0] = v / (F32(1.0) + np.exp(-v))
+
+
+@njit(parallel=True, cache=True)
+def swiglu_f32(a, b, dst):
+    n3, n2, n1, n0 = a.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        for i0 in range(n0):
+            v = a[i3, i2, i1, i0]
+            dst[i3, i2, i1, i0] = v / (F32(1.0) + np.exp(-v)) * b[i3, i2, i1, i0]
+
+
+GELU_COEF_A = 0.044715
+SQRT_2_OVER_PI = 0.79788456080286535587989211986876
+
+
+@njit(cache=True, inline="always")
+def _gelu(x):
+    return F32(0.5) * x * (F32(1.0) + np.tanh(F32(SQRT_2_OVER_PI) * x * (F32(1.0) + F32(GELU_COEF_A) * x * x)))
+
+
+@njit(parallel=True, cache=True)
+def gelu_f32(x, dst):
+    n3, n2, n1, n0 = x.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        for i0 in range(n0):
+            dst[i3, i2, i1, i0] = _gelu(x[i3, i2, i1, i0])
+
+
+@njit(parallel=True, cache=True)
+def geglu_f32(a, b, dst):
+    n3, n2, n1, n0 = a.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        for i0 in range(n0):
+            dst[i3, i2, i1, i0] = _gelu(a[i3, i2, i1, i0]) * b[i3, i2, i1, i0]

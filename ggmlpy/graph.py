@@ -1,0 +1,53 @@
+"""Compute graphs: the nodes reachable from chosen tensors, in dependency order."""
+from __future__ import annotations
+
+from .tensor import Flag, Op, Tensor
+
+
+class Graph:
+    """`nodes` are computed in order; `leafs` are tensors without an op (weights, inputs).
+
+    A graph can be computed many times: backends plan each graph once and reuse the
+    plan while its tensors keep their memory.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: list[Tensor] = []
+        self.leafs: list[Tensor] = []
+        self._seen: set[int] = set()
+        self.plan = None  # a backend's compiled execution plan, set on first compute
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def visit(self, tensor: Tensor) -> None:
+        """Append `tensor` and everything it depends on, sources first (ggml's visit order)."""
+        stack = [(tensor, False)]
+        while stack:
+            t, expanded = stack.pop()
+            if id(t) in self._seen:
+                continue
+            if expanded:
+                self._seen.add(id(t))
+                if t.op == Op.NONE and not t.flags & Flag.PARAM:
+                    self.leafs.append(t)
+                else:
+                    self.nodes.append(t)
+                continue
+            stack.append((t, True))
+            for s in reversed(t.src):
+                if id(s) not in self._seen:
+                    stack.append((s, False))
+        self.plan = None
+
+
+def build_forward_expand(graph: Graph, tensor: Tensor) -> Graph:
+    graph.visit(tensor)
+    return graph
+
+
+def new_graph(*outputs: Tensor) -> Graph:
+    graph = Graph()
+    for t in outputs:
+        graph.visit(t)
+    return graph

@@ -1,0 +1,280 @@
+"""Graph-building op functions, with ggml's names, shapes and broadcasting rules.
+
+Nothing is computed here: each function checks its operands and records a node
+(`op`, `src`, `op_params`). Backends compute nodes later, in graph order.
+"""
+from __future__ import annotations
+
+import math
+
+from .context import Context
+from .tensor import MAX_DIMS, Op, Tensor
+from .types import GGMLType, row_size, traits
+
+# rope modes (ggml's GGML_ROPE_TYPE_*)
+ROPE_TYPE_NORM = 0
+ROPE_TYPE_NEOX = 2
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def can_repeat(b: Tensor, a: Tensor) -> bool:
+    """True when `b` can be tiled to `a`'s shape (ggml_can_repeat)."""
+    return all(b.ne[i] > 0 and a.ne[i] % b.ne[i] == 0 for i in range(MAX_DIMS))
+
+
+def _node(ctx: Context, op: Op, type: GGMLType, ne, src, params=()) -> Tensor:
+    return ctx.add(Tensor(type, tuple(ne), op=op, src=tuple(src), op_params=tuple(params)))
+
+
+def _unary(ctx: Context, op: Op, a: Tensor, params=()) -> Tensor:
+    return _node(ctx, op, a.type, a.ne, (a,), params)
+
+
+def _binary(ctx: Context, op: Op, a: Tensor, b: Tensor) -> Tensor:
+    _check(can_repeat(b, a), f"{op.name}: {b.ne} cannot be broadcast to {a.ne}")
+    return _node(ctx, op, a.type, a.ne, (a, b))
+
+
+# ---- element-wise ------------------------------------------------------------------
+def add(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    return _binary(ctx, Op.ADD, a, b)
+
+
+def sub(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    return _binary(ctx, Op.SUB, a, b)
+
+
+def mul(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    return _binary(ctx, Op.MUL, a, b)
+
+
+def div(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    return _binary(ctx, Op.DIV, a, b)
+
+
+def scale(ctx: Context, a: Tensor, s: float, b: float = 0.0) -> Tensor:
+    """a * s + b (ggml_scale / ggml_scale_bias)."""
+    return _unary(ctx, Op.SCALE, a, (float(s), float(b)))
+
+
+def sqr(ctx: Context, a: Tensor) -> Tensor:
+    return _unary(ctx, Op.SQR, a)
+
+
+def sqrt(ctx: Context, a: Tensor) -> Tensor:
+    return _unary(ctx, Op.SQRT, a)
+
+
+def log(ctx: Context, a: Tensor) -> Tensor:
+    return _unary(ctx, Op.LOG, a)
+
+
+def exp(ctx: Context, a: Tensor) -> Tensor:
+    return _unary(ctx, Op.EXP, a)
+
+
+def silu(ctx: Context, a: Tensor) -> Tensor:
+    return _unary(ctx, Op.SILU, a)
+
+
+def gelu(ctx: Context, a: Tensor) -> Tensor:
+    """tanh-approximated GELU, as ggml_gelu."""
+    return _unary(ctx, Op.GELU, a)
+
+
+def swiglu_split(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """silu(a) * b, fused (ggml_swiglu_split)."""
+    _check(a.ne == b.ne, f"SWIGLU: shapes differ {a.ne} vs {b.ne}")
+    return _node(ctx, Op.SWIGLU, GGMLType.F32, a.ne, (a, b))
+
+
+def geglu_split(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """gelu(a) * b, fused (ggml_geglu_split)."""
+    _check(a.ne == b.ne, f"GEGLU: shapes differ {a.ne} vs {b.ne}")
+    return _node(ctx, Op.GEGLU, GGMLType.F32, a.ne, (a, b))
+
+
+# ---- normalization -------------------------------------------------------------------
+def rms_norm(ctx: Context, a: Tensor, eps: float) -> Tensor:
+    """Each row divided by its root mean square (plus eps)."""
+    return _unary(ctx, Op.RMS_NORM, a, (float(eps),))
+
+
+def norm(ctx: Context, a: Tensor, eps: float) -> Tensor:
+    """Each row centred and divided by its standard deviation (plus eps)."""
+    return _unary(ctx, Op.NORM, a, (float(eps),))
+
+
+def soft_max(ctx: Context, a: Tensor) -> Tensor:
+    return soft_max_ext(ctx, a, None, 1.0, 0.0)
+
+
+def soft_max_ext(ctx: Context, a: Tensor, mask: Tensor | None, scale: float, max_bias: float = 0.0) -> Tensor:
+    """softmax(a * scale + mask) over rows; mask broadcasts over dims 2 and 3 (ALiBi if max_bias > 0)."""
+    if mask is not None:
+        _check(mask.ne[0] == a.ne[0] and mask.ne[1] >= a.ne[1], f"SOFT_MAX: mask {mask.ne} does not cover {a.ne}")
+        _check(a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, f"SOFT_MAX: mask {mask.ne} cannot broadcast to {a.ne}")
+    src = (a,) if mask is None else (a, mask)
+    return _node(ctx, Op.SOFT_MAX, GGMLType.F32, a.ne, src, (float(scale), float(max_bias)))
+
+
+# ---- matrix products and rows ---------------------------------------------------------
+def mul_mat(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """result[i1, i0] = dot(a row i0, b row i1): shape [a.ne1, b.ne1, b.ne2, b.ne3].
+
+    a broadcasts over dims 2 and 3 (b.ne2 a multiple of a.ne2, as GQA needs).
+    """
+    _check(a.ne[0] == b.ne[0], f"MUL_MAT: row lengths differ ({a.ne[0]} vs {b.ne[0]})")
+    _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, f"MUL_MAT: {a.ne} cannot broadcast over {b.ne}")
+    _check(not (a.is_transposed() and traits(a.type).is_quantized), "MUL_MAT: a quantized first operand must not be transposed")
+    return _node(ctx, Op.MUL_MAT, GGMLType.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), (a, b))
+
+
+def get_rows(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """Rows of `a` picked by the I32 indices in `b`: shape [a.ne0, b.ne0, b.ne1, b.ne2]."""
+    _check(b.type == GGMLType.I32, "GET_ROWS: indices must be I32")
+    _check(a.ne[2] == b.ne[1] and b.ne[3] == 1, f"GET_ROWS: indices {b.ne} do not match {a.ne}")
+    out_type = GGMLType.I32 if a.type == GGMLType.I32 else GGMLType.F32
+    return _node(ctx, Op.GET_ROWS, out_type, (a.ne[0], b.ne[0], b.ne[1], b.ne[2]), (a, b))
+
+
+def set_rows(ctx: Context, a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """Write the rows of `b` into `a` at the row indices `c` (I64 or I32); returns a view of `a`.
+
+    a: [ne0, rows, ne2, ne3]; b: [ne0, n, ne2, ne3]; c: [n, ne2, ne3].
+    """
+    _check(a.ne[0] == b.ne[0], f"SET_ROWS: row lengths differ ({a.ne[0]} vs {b.ne[0]})")
+    _check(c.type in (GGMLType.I64, GGMLType.I32), "SET_ROWS: indices must be I64 or I32")
+    _check(c.ne[0] == b.ne[1] and b.ne[2] % c.ne[1] == 0 and b.ne[3] % c.ne[2] == 0,
+           f"SET_ROWS: indices {c.ne} do not match rows {b.ne}")
+    out = view_tensor(ctx, a)
+    out.op, out.src = Op.SET_ROWS, (a, b, c)
+    return out
+
+
+# ---- rotary embeddings -------------------------------------------------------------------
+def rope_ext(ctx: Context, a: Tensor, pos: Tensor, freq_factors: Tensor | None, n_dims: int, mode: int,
+             n_ctx_orig: int, freq_base: float, freq_scale: float, ext_factor: float = 0.0,
+             attn_factor: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0) -> Tensor:
+    """Rotate pairs of the first `n_dims` values of each head; a: [head_dim, n_head, n_tokens]."""
+    _check(pos.type == GGMLType.I32 and pos.ne[0] == a.ne[2], f"ROPE: need {a.ne[2]} I32 positions, got {pos.ne}")
+    _check(n_dims <= a.ne[0] and n_dims % 2 == 0, f"ROPE: n_dims {n_dims} invalid for rows of {a.ne[0]}")
+    _check(mode in (ROPE_TYPE_NORM, ROPE_TYPE_NEOX), f"ROPE: mode {mode} not supported")
+    src = (a, pos) if freq_factors is None else (a, pos, freq_factors)
+    params = (n_dims, mode, n_ctx_orig, float(freq_base), float(freq_scale), float(ext_factor),
+              float(attn_factor), float(beta_fast), float(beta_slow))
+    return _node(ctx, Op.ROPE, a.type, a.ne, src, params)
+
+
+# ---- copies -----------------------------------------------------------------------------
+def cpy(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """Copy a into b (converting type); returns a view of b."""
+    _check(a.nelements() == b.nelements(), f"CPY: element counts differ {a.ne} vs {b.ne}")
+    out = view_tensor(ctx, b)
+    out.op, out.src = Op.CPY, (a, b)
+    return out
+
+
+def cont(ctx: Context, a: Tensor, *ne: int) -> Tensor:
+    """A contiguous copy of a, optionally with a new shape of the same element count."""
+    shape = _full(ne) if ne else a.ne
+    _check(_count(shape) == a.nelements(), f"CONT: {shape} does not hold {a.nelements()} elements")
+    return _node(ctx, Op.CONT, a.type, shape, (a,))
+
+
+def dup(ctx: Context, a: Tensor) -> Tensor:
+    return _node(ctx, Op.DUP, a.type, a.ne, (a,))
+
+
+# ---- views (no computation) -----------------------------------------------------------------
+def _full(ne) -> tuple[int, int, int, int]:
+    return tuple(int(n) for n in ne) + (1,) * (MAX_DIMS - len(ne))
+
+
+def _count(ne) -> int:
+    return math.prod(ne)
+
+
+def view_tensor(ctx: Context, a: Tensor) -> Tensor:
+    base = a.view_src or a
+    return ctx.add(Tensor(a.type, a.ne, a.nb, op=Op.VIEW, src=(a,), view_src=base, view_offs=a.view_offs))
+
+
+def view(ctx: Context, a: Tensor, ne, nb_upper=(), offset: int = 0) -> Tensor:
+    """A strided window on a: `ne` (1..4 dims), byte strides nb1.. in `nb_upper`, byte `offset`."""
+    full = _full(ne)
+    _check(len(nb_upper) == len(ne) - 1, f"VIEW: a {len(ne)}-d view needs {len(ne) - 1} strides, got {len(nb_upper)}")
+    nb = [a.nb[0], 0, 0, 0]
+    for i in range(1, MAX_DIMS):
+        derived = row_size(a.type, full[0]) if i == 1 else nb[i - 1] * full[i - 1]
+        nb[i] = nb_upper[i - 1] if i - 1 < len(nb_upper) else derived
+    base = a.view_src or a
+    out = Tensor(a.type, full, tuple(nb), op=Op.VIEW, src=(a,), view_src=base, view_offs=a.view_offs + offset)
+    _check(out.view_offs + out.nbytes() <= base.nbytes(), f"VIEW: window {full} at {offset} exceeds {base.ne}")
+    return ctx.add(out)
+
+
+def view_1d(ctx: Context, a: Tensor, ne0: int, offset: int = 0) -> Tensor:
+    return view(ctx, a, (ne0,), (), offset)
+
+
+def view_2d(ctx: Context, a: Tensor, ne0: int, ne1: int, nb1: int, offset: int = 0) -> Tensor:
+    return view(ctx, a, (ne0, ne1), (nb1,), offset)
+
+
+def view_3d(ctx: Context, a: Tensor, ne0: int, ne1: int, ne2: int, nb1: int, nb2: int, offset: int = 0) -> Tensor:
+    return view(ctx, a, (ne0, ne1, ne2), (nb1, nb2), offset)
+
+
+def view_4d(ctx: Context, a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int, nb1: int, nb2: int, nb3: int,
+            offset: int = 0) -> Tensor:
+    return view(ctx, a, (ne0, ne1, ne2, ne3), (nb1, nb2, nb3), offset)
+
+
+def reshape(ctx: Context, a: Tensor, *ne: int) -> Tensor:
+    """Same bytes, new shape (a must be contiguous)."""
+    _check(a.is_contiguous(), "RESHAPE: tensor must be contiguous")
+    full = _full(ne)
+    _check(_count(full) == a.nelements(), f"RESHAPE: {full} does not hold {a.nelements()} elements")
+    base = a.view_src or a
+    return ctx.add(Tensor(a.type, full, op=Op.RESHAPE, src=(a,), view_src=base, view_offs=a.view_offs))
+
+
+def reshape_1d(ctx: Context, a: Tensor, ne0: int) -> Tensor:
+    return reshape(ctx, a, ne0)
+
+
+def reshape_2d(ctx: Context, a: Tensor, ne0: int, ne1: int) -> Tensor:
+    return reshape(ctx, a, ne0, ne1)
+
+
+def reshape_3d(ctx: Context, a: Tensor, ne0: int, ne1: int, ne2: int) -> Tensor:
+    return reshape(ctx, a, ne0, ne1, ne2)
+
+
+def reshape_4d(ctx: Context, a: Tensor, ne0: int, ne1: int, ne2: int, ne3: int) -> Tensor:
+    return reshape(ctx, a, ne0, ne1, ne2, ne3)
+
+
+def permute(ctx: Context, a: Tensor, axis0: int, axis1: int, axis2: int, axis3: int) -> Tensor:
+    """Dimension i of `a` becomes dimension axis_i of the result (ggml_permute)."""
+    axes = (axis0, axis1, axis2, axis3)
+    _check(sorted(axes) == [0, 1, 2, 3], f"PERMUTE: {axes} is not a permutation")
+    ne = [0] * MAX_DIMS
+    nb = [0] * MAX_DIMS
+    for i, ax in enumerate(axes):
+        ne[ax] = a.ne[i]
+        nb[ax] = a.nb[i]
+    base = a.view_src or a
+    return ctx.add(Tensor(a.type, tuple(ne), tuple(nb), op=Op.PERMUTE, src=(a,), op_params=axes,
+                          view_src=base, view_offs=a.view_offs))
+
+
+def transpose(ctx: Context, a: Tensor) -> Tensor:
+    out = permute(ctx, a, 1, 0, 2, 3)
+    out.op = Op.TRANSPOSE
+    return out
