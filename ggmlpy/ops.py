@@ -122,6 +122,22 @@ def soft_max_ext(ctx: Context, a: Tensor, mask: Tensor | None, scale: float, max
     return _node(ctx, Op.SOFT_MAX, GGMLType.F32, a.ne, src, (float(scale), float(max_bias)))
 
 
+def flash_attn_ext(ctx: Context, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                   max_bias: float = 0.0, logit_softcap: float = 0.0) -> Tensor:
+    """Fused softmax(q k^T * scale + mask) v, never materialising the scores.
+
+    q: [DK, n_q, n_head, n3], k: [DK, n_kv, n_head_kv, n3], v: [DV, n_kv, n_head_kv, n3],
+    mask: [n_kv, >= n_q, ...]; result: [DV, n_head, n_q, n3] (ready to reshape to rows).
+    """
+    _check(q.ne[0] == k.ne[0] and k.ne[1] == v.ne[1] and k.ne[2] == v.ne[2], f"FLASH_ATTN_EXT: q {q.ne} k {k.ne} v {v.ne}")
+    _check(q.ne[2] % k.ne[2] == 0 and q.ne[3] == k.ne[3], f"FLASH_ATTN_EXT: heads of q {q.ne} and k {k.ne} do not match")
+    if mask is not None:
+        _check(mask.ne[0] == k.ne[1] and mask.ne[1] >= q.ne[1], f"FLASH_ATTN_EXT: mask {mask.ne} does not cover q {q.ne}, k {k.ne}")
+    src = (q, k, v) if mask is None else (q, k, v, mask)
+    return _node(ctx, Op.FLASH_ATTN_EXT, GGMLType.F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), src,
+                 (float(scale), float(max_bias), float(logit_softcap)))
+
+
 # ---- matrix products and rows ---------------------------------------------------------
 def mul_mat(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     """result[i1, i0] = dot(a row i0, b row i1): shape [a.ne1, b.ne1, b.ne2, b.ne3].

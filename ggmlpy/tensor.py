@@ -51,6 +51,7 @@ class Op(IntEnum):
     PERMUTE = auto()
     TRANSPOSE = auto()
     SOFT_MAX = auto()
+    FLASH_ATTN_EXT = auto()
     SOFT_MAX_BACK = auto()
     ROPE = auto()
     ROPE_BACK = auto()

@@ -1,0 +1,7 @@
+"""llamapy: llama.cpp's model runtime and training stack, in Python on ggmlpy."""
+from .batch import Batch
+from .context import Context
+from .errors import LlamapyError
+from .model import Model, load_model
+
+__all__ = ["Batch", "Context", "LlamapyError", "Model", "load_model"]

@@ -12,6 +12,10 @@ from ...tensor import VIEW_OPS, Op
 from .compute import prepare
 
 
+# Below this many result elements a kernel runs on one thread: waking more costs more.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+
 class CpuBackend:
     """Executes graphs in node order. `compute` plans a graph once and reuses the plan.
 
@@ -36,17 +40,21 @@ class CpuBackend:
 
     def compute(self, graph: Graph) -> None:
         if graph.plan is None:
-            graph.plan = [(node.op.name, prepare(node)) for node in graph.nodes
-                          if node.op not in VIEW_OPS and node.op != Op.NONE]
-        numba.set_num_threads(self.n_threads)
-        if self.profile is None:
-            for _, run in graph.plan:
+            graph.plan = [(node.op.name, prepare(node), node.nelements() >= PARALLEL_MIN_ELEMENTS)
+                          for node in graph.nodes if node.op not in VIEW_OPS and node.op != Op.NONE]
+        threads = 0
+        profile = self.profile
+        for name, run, parallel in graph.plan:
+            want = self.n_threads if parallel else 1
+            if want != threads:
+                numba.set_num_threads(want)
+                threads = want
+            if profile is None:
                 run()
-            return
-        for name, run in graph.plan:
+                continue
             t0 = time.perf_counter()
             run()
-            self.profile[name] = self.profile.get(name, 0.0) + time.perf_counter() - t0
+            profile[name] += time.perf_counter() - t0
 
     def enable_profile(self) -> dict[str, float]:
         self.profile = defaultdict(float)

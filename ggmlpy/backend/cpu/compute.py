@@ -148,6 +148,47 @@ def _soft_max(node: Tensor) -> Prepared:
     return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False)
 
 
+@prepares(Op.FLASH_ATTN_EXT)
+def _flash_attn_ext(node: Tensor) -> Prepared:
+    """ggml picks the one-chunk kernel (f16 Q and accumulator over an F16 cache) for
+    small ubatches and a tiled float32 kernel otherwise; the tiled numerics are those of
+    scores through a float32 GEMM, a softmax summed in double, and a float32 GEMM with V,
+    which is what the large-ubatch path below computes (with BLAS)."""
+    q, k, v = node.src[:3]
+    _require_f32(node, q)
+    scale, max_bias, softcap = node.op_params
+    qv, kv, vv, dv = q.array(), k.array(), v.array(), node.array()
+    k_type, v_type = k.type, v.type
+    has_mask = len(node.src) > 3
+    mv = node.src[3].array() if has_mask else _EMPTY_F32
+    mask_type = node.src[3].type if has_mask else GGMLType.F32
+    n_q = q.ne[1]
+    if v_type == GGMLType.F16 and n_q < K.FA_TILED_MIN_ROWS:
+        def run_one_chunk() -> None:
+            K.flash_attn_ext_f32(qv, convert.to_f32(kv, k_type), convert.to_f32(vv, v_type),
+                                 convert.to_f32(mv, mask_type), dv, scale, max_bias, softcap, has_mask, True)
+        return run_one_chunk
+
+    n3, n_head, _, dk = qv.shape
+    n_head_kv, n_kv = kv.shape[1], kv.shape[2]
+    group = n_head // n_head_kv
+    q5 = qv.reshape(n3, n_head_kv, group, n_q, dk)
+    scores = np.empty((n3, n_head_kv, group, n_q, n_kv), dtype=np.float32)
+    scores4 = scores.reshape(n3, n_head, n_q, n_kv)
+    out5 = dv.reshape(n3, n_q, n_head_kv, group, dv.shape[3]).transpose(0, 2, 3, 1, 4)
+    sm_scale = 1.0 if softcap else scale
+
+    def run_tiled() -> None:
+        k32 = convert.to_f32(kv, k_type)[:, :, None]
+        v32 = convert.to_f32(vv, v_type)[:, :, None]
+        np.matmul(q5, k32.swapaxes(-1, -2), out=scores)
+        if softcap:
+            np.multiply(np.tanh(scores * np.float32(scale)), np.float32(softcap), out=scores)
+        K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask)
+        np.matmul(scores, v32, out=out5)
+    return run_tiled
+
+
 def _rope_args(node: Tensor):
     n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = node.op_params
     corr0, corr1 = K.rope_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
@@ -175,8 +216,11 @@ def _get_rows(node: Tensor) -> Prepared:
     if tr.is_quantized:
         raise NotImplementedError(f"GET_ROWS from {a.type.name}")
     av = a.array()
-    if a.type == GGMLType.BF16:
-        return lambda: K.get_rows(convert.bf16_to_f32(av), idx, dv)
+    if a.type in (GGMLType.F16, GGMLType.BF16):
+        # numba has no float16 arrays: gather the picked rows in numpy and convert only those
+        i12 = np.arange(idx.shape[0])[:, None, None]
+        i11 = np.arange(idx.shape[1])[None, :, None]
+        return lambda: np.copyto(dv, convert.to_f32(av[i12, i11, idx], a.type))
     return lambda: K.get_rows(av, idx, dv)
 
 

@@ -74,24 +74,26 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
     sc = F32(scale)
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
+        xr = x[i3, i2, i1]
+        dr = dst[i3, i2, i1]
+        mr = mask[i3 % m3, i2 % m2, i1]
         slope = alibi_slope(max_bias, i2, n2)
         mx = F32(-np.inf)
         for i0 in range(n0):
-            v = x[i3, i2, i1, i0] * sc
+            v = xr[i0] * sc
             if has_mask:
-                v += slope * F32(mask[i3 % m3, i2 % m2, i1, i0])
-            dst[i3, i2, i1, i0] = v
-            if v > mx:
-                mx = v
+                v += slope * F32(mr[i0])
+            dr[i0] = v
+            mx = max(mx, v)
         s = 0.0
         for i0 in range(n0):
-            v = dst[i3, i2, i1, i0]
+            v = dr[i0]
             e = F32(0.0) if v == -np.inf else np.exp(v - mx)
-            dst[i3, i2, i1, i0] = e
+            dr[i0] = e
             s += np.float64(e)
         inv = F32(1.0 / s)
         for i0 in range(n0):
-            dst[i3, i2, i1, i0] *= inv
+            dr[i0] *= inv
 
 
 @njit(cache=True)
@@ -118,7 +120,7 @@ def rope_cache(p, ne0, n_dims, freq_base, freq_scale, ext_factor, attn_factor, c
         th = interp
         mscale = F32(attn_factor)
         if ext_factor != 0.0:
-            y = (F32(i0 // 2) - corr0) / max(F32(0.001), corr1 - corr0)
+            y = (F32(i0 // 2) - F32(corr0)) / max(F32(0.001), F32(corr1) - F32(corr0))  # float32, as rope_yarn_ramp
             ramp = (F32(1.0) - min(F32(1.0), max(F32(0.0), y))) * F32(ext_factor)
             th = interp * (F32(1.0) - ramp) + extrap * ramp
             mscale *= F32(1.0) + F32(0.1) * F32(math.log(F32(1.0) / fs))
@@ -138,7 +140,8 @@ def rope_f32(x, pos, ff, dst, n_dims, neox, freq_base, freq_scale, ext_factor, a
         i2 = r % n2
         cs = np.empty(n0 // 2, dtype=np.float32)
         sn = np.empty(n0 // 2, dtype=np.float32)
-        rope_cache(pos[i2], n0, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, ff, has_ff, cs, sn)
+        # angles for the n_dims/2 rotated pairs only: freq_factors holds just n_dims/2 values
+        rope_cache(pos[i2], n_dims, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, ff, has_ff, cs, sn)
         for i1 in range(n1):
             for k in range(half):
                 c = cs[k]
@@ -214,3 +217,106 @@ def geglu_f32(a, b, dst):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
             dst[i3, i2, i1, i0] = _gelu(a[i3, i2, i1, i0]) * b[i3, i2, i1, i0]
+
+
+@njit(cache=True, inline="always")
+def round_f16(x):
+    """x rounded to the nearest float16 value (ties to even), as float32."""
+    if x == 0.0 or not np.isfinite(x):
+        return x
+    _, e = math.frexp(x)
+    q = max(e - 11, -24)
+    r = np.rint(np.float64(x) * 2.0 ** -q) * 2.0 ** q
+    if abs(r) > 65504.0:
+        return F32(np.inf) if r > 0 else F32(-np.inf)
+    return F32(r)
+
+
+FA_TILED_MIN_ROWS = 64  # ggml takes its tiled float32 path from this many query rows
+
+
+@njit(parallel=True, cache=True)
+def flash_attn_ext_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, f16_accum):
+    """Fused attention with ggml's CPU numerics.
+
+    q: (n3, n_head, n_q, DK), k: (n3, n_head_kv, n_kv, DK), v: (n3, n_head_kv, n_kv, DV),
+    mask: (m3, m2, n_q, n_kv), dst: (n3, n_q, n_head, DV). With `f16_accum` (ggml's
+    one-chunk path, used for small ubatches over an F16 cache) Q is rounded to f16 and
+    the V accumulator is rounded to f16 after every step, as llama.cpp does; otherwise
+    (ggml's tiled path) everything is float32 with the softmax sum in double.
+    """
+    n3, n_head, n_q, dk = q.shape
+    n_head_kv, n_kv, dv = k.shape[1], k.shape[2], v.shape[3]
+    m3, m2 = mask.shape[0], mask.shape[1]
+    group = n_head // n_head_kv
+    for r in prange(n3 * n_head):
+        i3 = r // n_head
+        h = r % n_head
+        hk = h // group
+        kh = k[i3, hk]
+        vh = v[i3, hk]
+        mh = mask[i3 % m3, h % m2]
+        slope = alibi_slope(max_bias, h, n_head)
+        qrow = np.empty(dk, dtype=np.float32)
+        acc = np.empty(dv, dtype=np.float32)
+        scores = np.empty(n_kv, dtype=np.float32)
+        for iq in range(n_q):
+            for d in range(dk):
+                qrow[d] = round_f16(q[i3, h, iq, d]) if f16_accum else q[i3, h, iq, d]
+            acc[:] = 0.0
+            mrow = mh[iq]
+            if f16_accum:
+                m = F32(-np.inf)
+                s_sum = F32(0.0)
+                for ic in range(n_kv):
+                    mv = slope * F32(mrow[ic]) if has_mask else F32(0.0)
+                    if mv == -np.inf:
+                        continue
+                    dot = 0.0
+                    for d in range(dk):
+                        dot += np.float64(F32(kh[ic, d]) * qrow[d])
+                    s = F32(dot) * F32(scale)
+                    if softcap != 0.0:
+                        s = F32(softcap) * np.tanh(s)
+                    s += mv
+                    ms = F32(1.0)
+                    vs = F32(1.0)
+                    if s > m:
+                        ms = np.exp(m - s)
+                        m = s
+                        for d in range(dv):
+                            acc[d] = round_f16(acc[d] * ms)
+                    else:
+                        vs = np.exp(s - m)
+                    for d in range(dv):
+                        acc[d] = round_f16(acc[d] + vh[ic, d] * vs)
+                    s_sum = s_sum * ms + vs
+                inv = F32(0.0) if s_sum == 0.0 else F32(1.0) / s_sum
+            else:
+                m = F32(-np.inf)
+                for ic in range(n_kv):
+                    mv = slope * F32(mrow[ic]) if has_mask else F32(0.0)
+                    if mv == -np.inf:
+                        scores[ic] = mv
+                        continue
+                    dot = F32(0.0)
+                    for d in range(dk):
+                        dot += kh[ic, d] * qrow[d]
+                    s = dot * F32(scale)
+                    if softcap != 0.0:
+                        s = F32(softcap) * np.tanh(s)
+                    s += mv
+                    scores[ic] = s
+                    if s > m:
+                        m = s
+                total = 0.0
+                for ic in range(n_kv):
+                    if scores[ic] == -np.inf:
+                        continue
+                    p = np.exp(scores[ic] - m)
+                    total += np.float64(p)
+                    for d in range(dv):
+                        acc[d] += vh[ic, d] * p
+                inv = F32(0.0) if total == 0.0 else F32(1.0 / total)
+            for d in range(dv):
+                dst[i3, iq, h, d] = acc[d] * inv

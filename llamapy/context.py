@@ -1,0 +1,143 @@
+"""The inference context: a model, its KV cache, compute graphs and the logits they produce.
+
+`decode(batch)` splits the batch into ubatches of at most n_ubatch tokens, finds KV
+cells for each, builds (or reuses) the ubatch's graph, computes it and gathers the
+requested logits. Graphs are cached by shape, so a run of equal-shaped ubatches
+(perplexity, generation) plans memory and prepares kernels once.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ggmlpy import CpuBackend, GGMLType, GraphAllocator
+
+from .batch import Batch, split_equal, split_simple
+from .errors import InputError
+from .graph_builder import GraphBuilder, GraphShape
+from .kv_cache import KVCache
+from .model import Model
+
+MAX_CACHED_GRAPHS = 8
+
+
+class Context:
+    """Defaults follow llama.cpp on the CPU: an F16 KV cache and fused (flash) attention."""
+
+    def __init__(self, model: Model, n_ctx: int = 0, n_batch: int = 2048, n_ubatch: int = 512,
+                 n_seq_max: int = 1, n_threads: int | None = None, kv_unified: bool | None = None,
+                 type_k: GGMLType = GGMLType.F16, type_v: GGMLType = GGMLType.F16,
+                 flash_attn: bool = True) -> None:
+        hp = model.hparams
+        self.model = model
+        self.flash_attn = flash_attn
+        self.n_ctx = n_ctx or hp.n_ctx_train
+        self.n_seq_max = n_seq_max
+        if not 1 <= n_seq_max <= 64:
+            raise InputError(f"n_seq_max must be in 1..64, got {n_seq_max}")
+        self.n_batch = min(n_batch, self.n_ctx)
+        self.n_ubatch = min(n_ubatch, self.n_batch)
+        if self.n_ubatch <= 0:
+            raise InputError(f"n_batch and n_ubatch must be positive (got {n_batch}, {n_ubatch})")
+        unified = n_seq_max == 1 if kv_unified is None else kv_unified
+        if not unified and self.n_ctx % n_seq_max:
+            raise InputError(f"n_ctx {self.n_ctx} must be a multiple of n_seq_max {n_seq_max}")
+        kv_size = self.n_ctx if unified else self.n_ctx // n_seq_max
+        self.kv = KVCache(hp, kv_size, n_seq_max, unified, type_k, type_v)
+        self.backend = CpuBackend(n_threads)
+        self._graphs: OrderedDict[GraphShape, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()
+        self._logits = np.empty((0, hp.n_vocab), dtype=np.float32)
+        self._output_row = np.empty(0, dtype=np.int64)  # batch index -> logits row, -1 if none
+        self.n_eval_tokens = 0
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.hparams.n_vocab
+
+    def set_n_threads(self, n_threads: int) -> None:
+        self.backend.set_n_threads(n_threads)
+
+    # ---- decoding ------------------------------------------------------------------------
+    def decode(self, batch: Batch) -> None:
+        """Compute a batch; afterwards `get_logits()` holds the outputs it asked for."""
+        self._validate(batch)
+        ubatches = split_simple(batch, self.n_ubatch) if self.kv.unified else split_equal(batch, self.n_ubatch)
+        self._output_row = np.where(batch.output, np.cumsum(batch.output) - 1, -1)
+        n_outputs = int(batch.output.sum())
+        if self._logits.shape[0] < n_outputs:
+            self._logits = np.empty((n_outputs, self.n_vocab), dtype=np.float32)
+        self._n_outputs = n_outputs
+        for ub in ubatches:
+            rows = self.kv.find_slot(ub)
+            self.kv.apply(ub, rows)
+            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, self.kv.n_kv(ub), ub.n_outputs)
+            builder = self._graph(shape)
+            builder.set_inputs(ub, rows)
+            self.backend.compute(builder.graph)
+            if ub.n_outputs:
+                dest = self._output_row[ub.idx[ub.output]]
+                self._logits[dest] = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
+        self.n_eval_tokens += len(batch)
+
+    def _validate(self, batch: Batch) -> None:
+        n = len(batch)
+        if n == 0:
+            raise InputError("decode: empty batch")
+        if n > self.n_batch:
+            raise InputError(f"decode: batch of {n} tokens exceeds n_batch {self.n_batch}")
+        if batch.tokens.min() < 0 or batch.tokens.max() >= self.n_vocab:
+            raise InputError(f"decode: token ids must be in [0, {self.n_vocab})")
+        if batch.seq_id.min() < 0 or batch.seq_id.max() >= self.n_seq_max:
+            raise InputError(f"decode: sequence ids must be in [0, {self.n_seq_max})")
+        if batch.pos is None:
+            batch.pos = np.empty(n, dtype=np.int32)
+            for s in np.unique(batch.seq_id):
+                sel = np.flatnonzero(batch.seq_id == s)
+                batch.pos[sel] = self.kv.seq_pos_max(int(s)) + 1 + np.arange(len(sel))
+
+    def _graph(self, shape: GraphShape) -> GraphBuilder:
+        if shape in self._graphs:
+            self._graphs.move_to_end(shape)
+            return self._graphs[shape][0]
+        builder = GraphBuilder(self.model, self.kv, shape, self.flash_attn)
+        builder.logits = self.model.arch.build(builder, self.model)
+        allocator = GraphAllocator()
+        allocator.alloc_graph(builder.graph)
+        self._graphs[shape] = (builder, allocator)
+        if len(self._graphs) > MAX_CACHED_GRAPHS:
+            self._graphs.popitem(last=False)
+        return builder
+
+    @property
+    def compute_buffer_bytes(self) -> int:
+        """Planned arena bytes of the graphs held (the compute buffer)."""
+        return sum(a.peak_bytes for _, a in self._graphs.values())
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def get_logits(self) -> np.ndarray:
+        """Logits of the last decode's output tokens, in batch order: [n_outputs, n_vocab]."""
+        return self._logits[: self._n_outputs]
+
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """Logits of batch token i (negative i counts from the end)."""
+        row = self._output_row[i]
+        if row < 0:
+            raise InputError(f"token {i} of the last batch did not request logits")
+        return self._logits[row]
+
+    # ---- memory (llama_memory_*) --------------------------------------------------------------
+    def memory_clear(self) -> None:
+        self.kv.clear()
+
+    def memory_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        return self.kv.seq_rm(seq, p0, p1)
+
+    def memory_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.kv.seq_cp(src, dst, p0, p1)
+
+    def memory_seq_keep(self, seq: int) -> None:
+        self.kv.seq_keep(seq)
+
+    def memory_seq_pos_max(self, seq: int) -> int:
+        return self.kv.seq_pos_max(seq)

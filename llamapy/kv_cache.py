@@ -1,0 +1,168 @@
+"""The KV cache: per-layer K and V tensors, and the cells that say what each slot holds.
+
+The cache has one or more *streams*. With a unified cache all sequences share one
+stream; otherwise sequence s owns stream s and its own kv_size cells, so that several
+sequences decode side by side as one batched attention (what llama.cpp does when
+`kv_unified` is false). A cell holds a position and the set of sequences that see it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import ggmlpy
+from ggmlpy import GGMLType, Tensor
+
+from .batch import UBatch
+from .errors import LlamapyError
+from .hparams import HParams
+
+N_KV_PAD = 256  # attention spans the used cells rounded up to this, so graphs repeat
+
+
+class KVCacheFullError(LlamapyError):
+    """No room for a ubatch: the context is too small for the sequences decoded."""
+
+
+class KVCache:
+    def __init__(self, hp: HParams, kv_size: int, n_seq_max: int = 1, unified: bool = True,
+                 type_k: GGMLType = GGMLType.F32, type_v: GGMLType = GGMLType.F32) -> None:
+        if kv_size <= 0:
+            raise LlamapyError(f"KV cache size must be positive, got {kv_size}")
+        self.hp = hp
+        self.kv_size = kv_size
+        self.n_seq_max = n_seq_max
+        self.unified = unified
+        self.n_stream = 1 if unified else n_seq_max
+        ctx = ggmlpy.Context(no_alloc=False)
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        for il in range(hp.n_layer):
+            self.k.append(ctx.new_tensor_3d(type_k, hp.n_embd_k_gqa, kv_size, self.n_stream, f"cache_k_l{il}"))
+            self.v.append(ctx.new_tensor_3d(type_v, hp.n_embd_v_gqa, kv_size, self.n_stream, f"cache_v_l{il}"))
+        self.pos = np.full((self.n_stream, kv_size), -1, dtype=np.int32)
+        self.seqs = np.zeros((self.n_stream, kv_size), dtype=np.uint64)
+        self.shift = np.zeros((self.n_stream, kv_size), dtype=np.int32)
+        self.has_shift = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes() for t in self.k + self.v)
+
+    def stream_of(self, seq: int) -> int:
+        return 0 if self.unified else seq
+
+    # ---- placing ubatches -------------------------------------------------------------
+    def find_slot(self, ub: UBatch) -> np.ndarray:
+        """Free cells for the ubatch's tokens, as global row indices (stream * kv_size + cell)."""
+        rows = np.empty(ub.n_tokens, dtype=np.int64)
+        for j in range(ub.n_seqs):
+            stream = ub.stream0 + j
+            free = np.flatnonzero(self.pos[stream] < 0)
+            if len(free) < ub.n_seq_tokens:
+                raise KVCacheFullError(
+                    f"KV cache full: {ub.n_seq_tokens} tokens need cells but only {len(free)} of "
+                    f"{self.kv_size} are free (increase n_ctx)")
+            rows[j * ub.n_seq_tokens:(j + 1) * ub.n_seq_tokens] = stream * self.kv_size + free[:ub.n_seq_tokens]
+        return rows
+
+    def apply(self, ub: UBatch, rows: np.ndarray) -> None:
+        streams, cells = np.divmod(rows, self.kv_size)
+        self.pos[streams, cells] = ub.pos
+        self.seqs[streams, cells] = np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64))
+
+    def n_kv(self, ub: UBatch) -> int:
+        """How many leading cells attention must span for this ubatch's streams."""
+        used = self.pos[ub.stream0:ub.stream0 + ub.n_seqs] >= 0
+        last = used.shape[1] - np.argmax(used[:, ::-1], axis=1)
+        last[~used.any(axis=1)] = 0
+        n = int(last.max())
+        return min(self.kv_size, max(N_KV_PAD, -(-n // N_KV_PAD) * N_KV_PAD))
+
+    def fill_mask(self, ub: UBatch, n_kv: int, mask: np.ndarray, n_swa: int = 0) -> None:
+        """0 where a token may attend to a cell, -inf elsewhere; mask: [n_seqs, 1, n_seq_tokens, n_kv].
+
+        A cell is visible to a token when it belongs to the token's sequence and holds an
+        earlier or equal position (and, with a sliding window, one less than n_swa back).
+        """
+        for j in range(ub.n_seqs):
+            stream = ub.stream0 + j
+            sl = slice(j * ub.n_seq_tokens, (j + 1) * ub.n_seq_tokens)
+            cell_pos = self.pos[stream, :n_kv][None, :]
+            cell_seq = self.seqs[stream, :n_kv][None, :]
+            tok_pos = ub.pos[sl][:, None]
+            tok_bit = np.left_shift(np.uint64(1), ub.seq_id[sl].astype(np.uint64))[:, None]
+            visible = ((cell_seq & tok_bit) != 0) & (cell_pos >= 0) & (cell_pos <= tok_pos)
+            if n_swa > 0:
+                visible &= tok_pos - cell_pos < n_swa
+            mask[j, 0] = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+
+    # ---- sequence operations (llama_memory_seq_*) -----------------------------------------
+    def _range(self, p0: int, p1: int) -> np.ndarray:
+        p0 = 0 if p0 < 0 else p0
+        p1 = np.iinfo(np.int32).max if p1 < 0 else p1
+        return (self.pos >= p0) & (self.pos < p1)
+
+    def _members(self, seq: int) -> np.ndarray:
+        if seq < 0:
+            return self.pos >= 0
+        return (self.seqs & np.uint64(1 << seq)) != 0
+
+    def clear(self) -> None:
+        self.pos.fill(-1)
+        self.seqs.fill(0)
+        self.shift.fill(0)
+        self.has_shift = False
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Forget seq's cells with positions in [p0, p1) (seq < 0: every sequence)."""
+        sel = self._members(seq) & self._range(p0, p1)
+        if seq < 0:
+            self.seqs[sel] = 0
+        else:
+            self.seqs[sel] &= ~np.uint64(1 << seq)
+        self.pos[self.seqs == 0] = -1
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make dst see src's cells in [p0, p1) (copies K/V across streams when not unified)."""
+        if src == dst:
+            return
+        sel = self._members(src) & self._range(p0, p1)
+        if self.unified:
+            self.seqs[sel] |= np.uint64(1 << dst)
+            return
+        s_src, s_dst = self.stream_of(src), self.stream_of(dst)
+        self.seq_rm(dst)
+        cells = np.flatnonzero(sel[s_src])
+        for k, v in zip(self.k, self.v):
+            for t in (k, v):
+                a = t.array()[0]
+                a[s_dst, cells] = a[s_src, cells]
+        self.pos[s_dst, cells] = self.pos[s_src, cells]
+        self.seqs[s_dst, cells] = np.uint64(1 << dst)
+
+    def seq_keep(self, seq: int) -> None:
+        keep = self._members(seq)
+        self.seqs[~keep] = 0
+        self.seqs[keep] = np.uint64(1 << seq)
+        self.pos[self.seqs == 0] = -1
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift seq's positions in [p0, p1) by delta; K is re-roped before the next decode."""
+        if delta == 0:
+            return
+        sel = self._members(seq) & self._range(p0, p1)
+        self.pos[sel] += delta
+        self.shift[sel] += delta
+        gone = sel & (self.pos < 0)
+        self.seqs[gone] = 0
+        self.pos[gone] = -1
+        self.has_shift = True
+
+    def seq_pos_max(self, seq: int) -> int:
+        sel = self._members(seq)
+        return int(self.pos[sel].max()) if sel.any() else -1
+
+    def seq_pos_min(self, seq: int) -> int:
+        sel = self._members(seq)
+        return int(self.pos[sel].min()) if sel.any() else -1

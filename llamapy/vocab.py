@@ -1,0 +1,751 @@
+"""The tokenizer rebuilt from GGUF metadata, giving the same token ids as llama.cpp.
+
+Two vocabulary kinds are supported, each delegated to a library that implements the
+merge algorithm llama.cpp copies, so none is hand-written here:
+
+* ``tokenizer.ggml.model = "llama"`` (SPM): a sentencepiece BPE model is serialised
+  from the GGUF token list (a tiny protobuf encoder below) and loaded from bytes.
+* ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE): a Hugging Face ``tokenizers``
+  BPE model from the token list and merges, pre-tokenized with llama.cpp's regexes
+  for the ``tokenizer.ggml.pre`` value.
+
+What llama.cpp does around the merge step is rebuilt in Python: splitting out special
+tokens first (``tokenizer_st_partition``), the SPM space prefix, BOS/EOS, the
+end-of-generation set, ``token_to_piece`` and ``detokenize`` (with ``clean_spaces``).
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import gguf
+import sentencepiece
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from llamapy.errors import InputError, VocabError
+
+# GGUF token types (tokenizer.ggml.token_type values).
+TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
+
+# llama.cpp token attributes (bit flags). Auto-detection can add CONTROL to a token whose
+# GGUF type says otherwise, and phi-3 adds RSTRIP, so attributes are kept apart from types.
+ATTR_UNKNOWN = 1 << 0
+ATTR_UNUSED = 1 << 1
+ATTR_NORMAL = 1 << 2
+ATTR_CONTROL = 1 << 3
+ATTR_USER_DEFINED = 1 << 4
+ATTR_BYTE = 1 << 5
+ATTR_LSTRIP = 1 << 7
+ATTR_RSTRIP = 1 << 8
+
+_TYPE_TO_ATTR = {
+    TYPE_NORMAL: ATTR_NORMAL,
+    TYPE_UNKNOWN: ATTR_UNKNOWN,
+    TYPE_CONTROL: ATTR_CONTROL,
+    TYPE_USER_DEFINED: ATTR_USER_DEFINED,
+    TYPE_UNUSED: ATTR_UNUSED,
+    TYPE_BYTE: ATTR_BYTE,
+}
+_ATTR_SPECIAL = ATTR_UNKNOWN | ATTR_CONTROL
+_C_SPACES = " \t\n\v\f\r"  # C isspace(), used by llama.cpp for lstrip/rstrip
+_SPM_SPACE = "\u2581"  # sentencepiece's escaped space "▁"
+
+# ---------------------------------------------------------------------------------------
+# Pre-tokenizers for byte-level BPE, per tokenizer.ggml.pre (llama.cpp llama-vocab.cpp).
+# Each regex splits every piece left by the previous one; matches and gaps are both kept.
+# ---------------------------------------------------------------------------------------
+
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SEED_CODER = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BAILINGMOE = (
+    r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
+# llama.cpp rewrites these two for std::regex; the originals (from tokenizer.json) are
+# what Oniguruma, the engine of `tokenizers`, understands directly.
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CASED = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CASED}|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CASED}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    """llama.cpp's per-`tokenizer.ggml.pre` settings for a byte-level BPE vocab."""
+
+    regexes: tuple[str, ...]
+    clean_spaces: bool = True
+    ignore_merges: bool = False
+    add_bos: bool = False
+    no_bos: bool = False  # chatglm: llama.cpp drops the default BOS id
+
+
+_DEFAULT_PRE = _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
+_LLAMA3_PRE = _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
+_GPT2_PRE = _PreTokenizer((_GPT2,))
+_STARCODER_PRE = _PreTokenizer((r"\p{N}", _GPT2))
+_QWEN2_PRE = _PreTokenizer((_QWEN2,), clean_spaces=False)
+
+
+def _alias(names: str, pre: _PreTokenizer) -> dict[str, _PreTokenizer]:
+    return {name: pre for name in names.split()}
+
+
+_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
+    "default": _DEFAULT_PRE,
+    **_alias("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano", _LLAMA3_PRE),
+    **_alias("dbrx smaug-bpe", _PreTokenizer((_LLAMA3,))),
+    **_alias("glm4 chatglm-bpe", _PreTokenizer((_LLAMA3,), no_bos=True)),
+    **_alias(
+        "gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert "
+        "mpt olmo jais exaone4",
+        _GPT2_PRE,
+    ),
+    **_alias("trillion granite-docling", _PreTokenizer((_GPT2,), clean_spaces=False)),
+    **_alias("starcoder refact codeshell exaone minerva-7b mellum2", _STARCODER_PRE),
+    **_alias("command-r smollm", _PreTokenizer((r"\p{N}", _GPT2), clean_spaces=False)),
+    "falcon": _PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
+    **_alias("qwen2 deepseek-r1-qwen kormo f2llmv2 hunyuan solar-open grok-2", _QWEN2_PRE),
+    **_alias("stablelm2 megrez", _PreTokenizer((_QWEN2,))),
+    "qwen35": _PreTokenizer((_QWEN35,), clean_spaces=False),
+    "seed-coder": _PreTokenizer((_SEED_CODER,), clean_spaces=False),
+    **_alias("bailingmoe bailingmoe2 llada-moe", _PreTokenizer((_BAILINGMOE,), clean_spaces=False)),
+    **_alias("gpt-4o llama4 kanana2 talkie", _PreTokenizer((_GPT4O,), clean_spaces=False)),
+    "tekken": _PreTokenizer((_TEKKEN,), clean_spaces=False, ignore_merges=True, add_bos=True),
+    "poro-chat": _PreTokenizer((_PORO,), clean_spaces=False),
+    **_alias("bloom gpt3-finnish", _PreTokenizer((_PORO,))),
+    "viking": _PreTokenizer((_PORO, r"\p{N}"), clean_spaces=False),
+    "deepseek-coder": _PreTokenizer(
+        (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"), clean_spaces=False
+    ),
+}
+
+# ---------------------------------------------------------------------------------------
+# Special tokens llama.cpp recognises by their text when the metadata does not name them.
+# Where several candidates exist, the first in these lists wins (llama.cpp's choice then
+# depends on hash-map order; this picks what it reports for Qwen2 and Phi-3).
+# ---------------------------------------------------------------------------------------
+
+_AUTODETECT_TEXTS: dict[str, tuple[str, ...]] = {
+    "eot": (
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+        "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+    ),
+    "eom": ("<|eom_id|>",),
+    "fim_pre": (
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+        "<|code_prefix|>", "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+        "<|code_suffix|>", "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+        "<|code_middle|>", "<|middle|>",
+    ),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss
+
+# Metadata keys of the special ids; the deprecated prefix/suffix/middle keys come last.
+_SPECIAL_ID_KEYS: tuple[tuple[str, str], ...] = (
+    ("bos", "tokenizer.ggml.bos_token_id"),
+    ("eos", "tokenizer.ggml.eos_token_id"),
+    ("eot", "tokenizer.ggml.eot_token_id"),
+    ("eom", "tokenizer.ggml.eom_token_id"),
+    ("unk", "tokenizer.ggml.unknown_token_id"),
+    ("sep", "tokenizer.ggml.seperator_token_id"),
+    ("pad", "tokenizer.ggml.padding_token_id"),
+    ("mask", "tokenizer.ggml.mask_token_id"),
+    ("fim_pre", "tokenizer.ggml.fim_pre_token_id"),
+    ("fim_suf", "tokenizer.ggml.fim_suf_token_id"),
+    ("fim_mid", "tokenizer.ggml.fim_mid_token_id"),
+    ("fim_pad", "tokenizer.ggml.fim_pad_token_id"),
+    ("fim_rep", "tokenizer.ggml.fim_rep_token_id"),
+    ("fim_sep", "tokenizer.ggml.fim_sep_token_id"),
+    ("fim_pre", "tokenizer.ggml.prefix_token_id"),
+    ("fim_suf", "tokenizer.ggml.suffix_token_id"),
+    ("fim_mid", "tokenizer.ggml.middle_token_id"),
+)
+
+# ---------------------------------------------------------------------------------------
+# Reading GGUF metadata
+# ---------------------------------------------------------------------------------------
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    return reader.fields.get(key)
+
+
+def _scalar(reader: gguf.GGUFReader, key: str, default=None):
+    """A scalar (number, bool or string) value, or `default` when the key is absent."""
+    field = _field(reader, key)
+    if field is None:
+        return default
+    kind = field.types[0] if field.types else None
+    if kind == gguf.GGUFValueType.ARRAY:
+        raise VocabError(f"GGUF key {key} should be a single value, not an array")
+    value = field.parts[field.data[0]]
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(value).decode("utf-8", "replace")
+    return value[0].item()
+
+
+def _array(reader: gguf.GGUFReader, key: str, allowed: tuple) -> list | None:
+    """An array value whose element type is one of `allowed`, or None when absent."""
+    field = _field(reader, key)
+    if field is None:
+        return None
+    if len(field.types) < 2 or field.types[0] != gguf.GGUFValueType.ARRAY or field.types[1] not in allowed:
+        raise VocabError(f"GGUF key {key} has type {[t.name for t in field.types]}, "
+                         f"expected an array of {[t.name for t in allowed]}")
+    if field.types[1] == gguf.GGUFValueType.STRING:
+        # surrogateescape keeps the exact bytes of a token that is not valid UTF-8.
+        return [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
+    return [field.parts[i][0].item() for i in field.data]
+
+
+def _token_list(reader: gguf.GGUFReader) -> list[str]:
+    """Token texts; empty ones renamed like llama.cpp, duplicates refused."""
+    texts = _array(reader, "tokenizer.ggml.tokens", (gguf.GGUFValueType.STRING,))
+    if not texts:
+        raise VocabError("GGUF file has no tokenizer.ggml.tokens list (no vocabulary)")
+    texts = [text or f"[EMPTY_{i}]" for i, text in enumerate(texts)]
+    if len(set(texts)) != len(texts):
+        seen: dict[str, int] = {}
+        for i, text in enumerate(texts):
+            if text in seen:
+                raise VocabError(f"duplicate token in vocabulary: {text!r} has ids {seen[text]} and {i}")
+            seen[text] = i
+    return texts
+
+
+def _per_token(reader: gguf.GGUFReader, key: str, allowed: tuple, n_tokens: int, default) -> list:
+    values = _array(reader, key, allowed)
+    if values is None:
+        return [default] * n_tokens
+    if len(values) < n_tokens:
+        raise VocabError(f"GGUF key {key} has {len(values)} entries for {n_tokens} tokens")
+    return values[:n_tokens]
+
+
+# ---------------------------------------------------------------------------------------
+# A minimal protobuf encoder for sentencepiece's ModelProto (sentencepiece_model.proto)
+# ---------------------------------------------------------------------------------------
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # negative int32 values are sign-extended to 64 bits
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _pb_int(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(int(value))
+
+
+def _pb_bytes(field: int, value: bytes) -> bytes:
+    return _varint((field << 3) | 2) + _varint(len(value)) + value
+
+
+def _pb_float(field: int, value: float) -> bytes:
+    return _varint((field << 3) | 5) + struct.pack("<f", value)
+
+
+_SP_NORMAL, _SP_UNKNOWN, _SP_BYTE = 1, 2, 6
+_SP_MODEL_BPE = 2
+
+
+def _is_byte_piece(text: str) -> bool:
+    return len(text) == 6 and text.startswith("<0x") and text.endswith(">") and all(
+        c in "0123456789ABCDEF" for c in text[3:5])
+
+
+def _spm_model_proto(texts: list[str], scores: list[float], attrs: list[int], unk_id: int) -> bytes:
+    """Serialise a sentencepiece BPE model whose ids are the GGUF token ids.
+
+    llama.cpp's SPM merge considers every token of the vocab, whatever its type, and never
+    resegments UNUSED or freezes USER_DEFINED pieces as sentencepiece would; so all
+    pieces are NORMAL except byte pieces (for byte fallback) and the one UNKNOWN piece.
+    """
+    pieces = bytearray()
+    has_bytes = False
+    for i, (text, score, attr) in enumerate(zip(texts, scores, attrs)):
+        if i == unk_id:
+            kind = _SP_UNKNOWN
+        elif attr & ATTR_BYTE and _is_byte_piece(text):
+            kind, has_bytes = _SP_BYTE, True
+        else:
+            kind = _SP_NORMAL
+        piece = (_pb_bytes(1, text.encode("utf-8", "surrogateescape"))
+                 + _pb_float(2, float(score)) + _pb_int(3, kind))
+        pieces += _pb_bytes(1, piece)
+    trainer = (_pb_int(3, _SP_MODEL_BPE) + _pb_int(4, len(texts)) + _pb_int(35, has_bytes)
+               + _pb_int(40, unk_id) + _pb_int(41, -1) + _pb_int(42, -1) + _pb_int(43, -1))
+    # The space prefix is added by Vocab.tokenize (llama.cpp adds it after special tokens too).
+    normalizer = (_pb_bytes(1, b"identity") + _pb_int(3, False) + _pb_int(4, False) + _pb_int(5, True))
+    return bytes(pieces) + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+
+
+def _spm_encoder(texts: list[str], scores: list[float], attrs: list[int], unk_id: int
+                 ) -> Callable[[str], list[int]]:
+    """A function encoding one raw-text fragment (spaces not yet escaped) to ids."""
+    processor = sentencepiece.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(_spm_model_proto(texts, scores, attrs, unk_id))
+    except (RuntimeError, OSError) as exc:
+        raise VocabError(f"cannot build the SPM tokenizer from the GGUF vocabulary: {exc}") from exc
+
+    return processor.EncodeAsIds
+
+
+# ---------------------------------------------------------------------------------------
+# Byte-level BPE (tokenizers)
+# ---------------------------------------------------------------------------------------
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+
+
+def _bpe_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Merge pairs in rank order, split like llama.cpp (at the first space after index 0).
+
+    `tokenizers` refuses merges whose parts or result are not tokens; llama.cpp keeps the
+    first of duplicate pairs. Such merges are dropped; ranks only matter relatively.
+    """
+    pairs: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for merge in merges:
+        pos = merge.find(" ", 1)
+        if pos < 0:
+            continue
+        pair = (merge[:pos], merge[pos + 1:])
+        if pair in seen or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            continue
+        seen.add(pair)
+        pairs.append(pair)
+    return pairs
+
+
+def _bpe_encoder(texts: list[str], merges: list[str], pre: _PreTokenizer) -> Callable[[str], list[int]]:
+    """A function encoding one raw-text fragment to ids with a byte-level BPE tokenizer."""
+    vocab = {text: i for i, text in enumerate(texts) if _is_str_valid(text)}
+    try:
+        model = models.BPE(vocab=vocab, merges=_bpe_merges(merges, vocab), ignore_merges=pre.ignore_merges)
+        tokenizer = Tokenizer(model)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tokenizer.decoder = decoders.ByteLevel()
+    except Exception as exc:  # tokenizers raises plain Exception subclasses
+        raise VocabError(f"cannot build the BPE tokenizer from the GGUF vocabulary: {exc}") from exc
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return encode
+
+
+def _is_str_valid(text: str) -> bool:
+    """False for token texts holding undecodable bytes (they cannot go to Rust)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _decode_byte_level(text: str) -> bytes:
+    """A byte-level BPE token's bytes (llama.cpp's llama_decode_text, quirks included)."""
+    out = bytearray()
+    for ch in text:
+        byte = _UNICODE_TO_BYTE.get(ch)
+        if byte is not None:
+            out.append(byte)
+        else:
+            raw = ch.encode("utf-8", "surrogateescape")
+            out += b"[UNK_BYTE_0x" + raw.hex().encode() + text.encode("utf-8", "surrogateescape") + b"]"
+    return bytes(out)
+
+
+# ---------------------------------------------------------------------------------------
+# detokenize's clean_spaces passes (llama.cpp, for most BPE vocabs)
+# ---------------------------------------------------------------------------------------
+
+
+_SPACE_BEFORE_PUNCTUATION = re.compile(rb" ([?!.,])")  # " ?", " !", " .", " ,"
+_LONE_QUOTE = re.compile(rb" ' ")  # " ' " loses both spaces
+_SPACE_BEFORE_CONTRACTION = re.compile(rb" '(?=s|m|re|ve)")  # " 't", " 'd", " 'll" keep theirs
+
+
+def _clean_spaces(text: bytes) -> bytes:
+    """Undo the spaces a word-level tokenizer put before punctuation and contractions.
+
+    llama.cpp's three in-place passes; each is a non-overlapping left-to-right rewrite,
+    which is what these substitutions do.
+    """
+    text = _SPACE_BEFORE_PUNCTUATION.sub(rb"\1", text)
+    text = _LONE_QUOTE.sub(b"'", text)
+    return _SPACE_BEFORE_CONTRACTION.sub(b"'", text)
+
+
+# ---------------------------------------------------------------------------------------
+# Special-token partition (llama.cpp tokenizer_st_partition)
+# ---------------------------------------------------------------------------------------
+
+Fragment = str | int  # raw text still to tokenize, or a token id already decided
+
+
+def _split_on_token(text: str, needle: str, token: int, lstrip: bool, rstrip: bool) -> list[Fragment]:
+    """Split one raw fragment around every occurrence of a special token's text."""
+    out: list[Fragment] = []
+    pos = 0
+    while True:
+        match = text.find(needle, pos)
+        if match < 0:
+            if pos < len(text):
+                out.append(text[pos:])
+            return out
+        left = text[pos:match]
+        if lstrip:
+            left = left.rstrip(_C_SPACES)
+        if left:
+            out.append(left)
+        out.append(token)
+        pos = match + len(needle)
+        if rstrip:
+            while pos < len(text) and text[pos] in _C_SPACES:
+                pos += 1
+
+
+# ---------------------------------------------------------------------------------------
+# The vocabulary
+# ---------------------------------------------------------------------------------------
+
+
+class Vocab:
+    """A GGUF vocabulary: tokenize and detokenize exactly as llama.cpp does."""
+
+    def __init__(self) -> None:  # use Vocab.from_gguf
+        self.kind = "spm"  # "spm" (tokenizer.ggml.model = llama) or "bpe" (gpt2)
+        self._texts: list[str] = []
+        self._types: list[int] = []
+        self._attrs: list[int] = []
+        self._pieces: dict[int, bytes] = {}  # token_to_piece(special=True), filled on demand
+        self._special_ids: list[int] = []  # tokens the partition looks for, longest first
+        self._eog_ids: set[int] = set()
+        self._encode: Callable[[str], list[int]] = lambda text: []
+        self.bos_id: int | None = None
+        self.eos_id: int | None = None
+        self.eot_id: int | None = None
+        self.eom_id: int | None = None
+        self.unk_id: int | None = None
+        self.sep_id: int | None = None
+        self.pad_id: int | None = None
+        self.mask_id: int | None = None
+        self.add_bos = False
+        self.add_eos = False
+        self.add_space_prefix = False
+        self.clean_spaces = False
+
+    # -- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> "Vocab":
+        """Rebuild the tokenizer from a GGUF file's tokenizer.ggml.* metadata.
+
+        The steps follow llama.cpp's llama_vocab::load, in its order: defaults for the
+        vocab kind, special ids, metadata flags, text-based detection of special tokens,
+        the end-of-generation set, then the special-token cache used by tokenize.
+        """
+        vocab = cls()
+        model = _scalar(reader, "tokenizer.ggml.model")
+        if model is None:
+            raise VocabError("GGUF file has no tokenizer.ggml.model (no vocabulary)")
+        pre_name = _scalar(reader, "tokenizer.ggml.pre", "") or ""
+        vocab._texts = _token_list(reader)
+        vocab._types = _per_token(reader, "tokenizer.ggml.token_type", (gguf.GGUFValueType.INT32,),
+                                  vocab.n_tokens, TYPE_NORMAL)
+        vocab._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in vocab._types]
+        defaults, pre = vocab._configure(model, pre_name)
+        ids = vocab._special_ids_from(reader, defaults)
+        vocab._apply_flags(reader)
+        vocab._autodetect(ids)
+        vocab._eog_ids = vocab._end_of_generation_ids(ids)
+        vocab.bos_id, vocab.eos_id, vocab.eot_id, vocab.eom_id = ids["bos"], ids["eos"], ids["eot"], ids["eom"]
+        vocab.unk_id, vocab.sep_id, vocab.pad_id, vocab.mask_id = ids["unk"], ids["sep"], ids["pad"], ids["mask"]
+        vocab._check_add_special()
+        vocab._special_ids = vocab._special_token_cache()
+        vocab._set_strip_attrs(_scalar(reader, "general.name", "") or "", pre_name)
+        vocab._encode = vocab._build_encoder(reader, pre)
+        return vocab
+
+    def _build_encoder(self, reader: gguf.GGUFReader, pre: _PreTokenizer | None) -> Callable[[str], list[int]]:
+        """The library tokenizer for raw-text fragments: sentencepiece (SPM) or tokenizers (BPE)."""
+        if self.kind == "spm":
+            scores = _per_token(reader, "tokenizer.ggml.scores",
+                                (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.INT32), self.n_tokens, 0.0)
+            unk_id = 0 if self.unk_id is None else self.unk_id  # SPM's default unk (0) is always valid
+            return _spm_encoder(self._texts, [float(s) for s in scores], self._attrs, unk_id)
+        merges = _array(reader, "tokenizer.ggml.merges", (gguf.GGUFValueType.STRING,))
+        if merges is None:
+            raise VocabError("GGUF file has no tokenizer.ggml.merges, needed by a gpt2 (BPE) vocabulary")
+        assert pre is not None  # set by _configure for every BPE vocab
+        return _bpe_encoder(self._texts, merges, pre)
+
+    def _special_token_cache(self) -> list[int]:
+        """Control, user-defined and unknown tokens, longest text (in bytes) first."""
+        special = [i for i, a in enumerate(self._attrs) if a & (ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN)]
+        return sorted(special, key=lambda i: -len(self._texts[i].encode("utf-8", "surrogateescape")))
+
+    def _configure(self, model: str, pre_name: str) -> tuple[dict[str, int | None], _PreTokenizer | None]:
+        """Vocab kind and llama.cpp's defaults for it; returns default special ids."""
+        if model == "llama":
+            self.kind = "spm"
+            self.add_space_prefix, self.add_bos, self.add_eos, self.clean_spaces = True, True, False, False
+            return {"bos": 1, "eos": 2, "unk": 0}, None
+        if model == "gpt2":
+            self.kind = "bpe"
+            pre = _PRE_TOKENIZERS.get(pre_name or "default")
+            if pre is None:
+                raise VocabError(f"unsupported pre-tokenizer type tokenizer.ggml.pre = {pre_name!r}")
+            self.add_space_prefix, self.add_bos, self.clean_spaces = False, pre.add_bos, pre.clean_spaces
+            return {"bos": None if pre.no_bos else 11, "eos": 11}, pre
+        raise VocabError(f"unsupported tokenizer type tokenizer.ggml.model = {model!r} "
+                         "(llamapy supports 'llama' (SPM) and 'gpt2' (BPE))")
+
+    def _special_ids_from(self, reader: gguf.GGUFReader, defaults: dict[str, int | None]
+                          ) -> dict[str, int | None]:
+        """Special ids: defaults dropped when out of range, then valid metadata values."""
+        n = len(self._texts)
+        ids: dict[str, int | None] = {name: None for name, _ in _SPECIAL_ID_KEYS}
+        for name, value in defaults.items():
+            ids[name] = value if value is not None and 0 <= value < n else None
+        for name, key in _SPECIAL_ID_KEYS:
+            value = _scalar(reader, key)
+            if isinstance(value, (int, float)) and 0 <= int(value) < n:
+                ids[name] = int(value)
+        return ids
+
+    def _apply_flags(self, reader: gguf.GGUFReader) -> None:
+        """Metadata overrides of the space-prefix and BOS/EOS defaults."""
+        self.add_space_prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", self.add_space_prefix))
+        self.add_bos = bool(_scalar(reader, "tokenizer.ggml.add_bos_token", self.add_bos))
+        self.add_eos = bool(_scalar(reader, "tokenizer.ggml.add_eos_token", self.add_eos))
+
+    def _check_add_special(self) -> None:
+        if self.add_bos and self.bos_id is None:
+            raise VocabError("tokenizer.ggml.add_bos_token is true, but tokenizer.ggml.bos_token_id is not set")
+        if self.add_eos and self.eos_id is None:
+            raise VocabError("tokenizer.ggml.add_eos_token is true, but tokenizer.ggml.eos_token_id is not set")
+
+    def _autodetect(self, ids: dict[str, int | None]) -> None:
+        """Find EOT/EOM/FIM tokens by text when the metadata does not name them."""
+        index = {text: i for i, text in enumerate(self._texts)}
+        for name, candidates in _AUTODETECT_TEXTS.items():
+            if ids[name] is not None:
+                continue
+            for text in candidates:
+                if text in index:
+                    ids[name] = index[text]
+                    self._attrs[ids[name]] |= ATTR_CONTROL
+                    break
+
+    def _end_of_generation_ids(self, ids: dict[str, int | None]) -> set[int]:
+        """Tokens that end generation, with llama.cpp's per-model workarounds."""
+        eog = {ids[name] for name in ("fim_pad", "fim_rep", "fim_sep") if ids[name] is not None}
+        for i, text in enumerate(self._texts):
+            if text in _EOG_TEXTS:
+                eog.add(i)
+                self._attrs[i] |= ATTR_CONTROL
+            elif text in _ALWAYS_RENDERED:
+                self._attrs[i] = ATTR_USER_DEFINED
+        eog |= {ids[name] for name in ("eos", "eot", "eom") if ids[name] is not None}
+        by_text = {self._texts[i]: i for i in eog}
+        # o200k_harmony / solar-open: "<|end|>" is not an end of generation there.
+        has_call = "<|call|>" in by_text or "<|calls|>" in by_text
+        if "<|end|>" in by_text and has_call and ("<|return|>" in by_text or "<|flush|>" in by_text):
+            eog.discard(by_text["<|end|>"])
+            self._attrs[by_text["<|end|>"]] = ATTR_USER_DEFINED
+        # gemma4 / paddleocr: "</s>" is not an end of generation there.
+        if "<|tool_response>" in by_text and "</s>" in by_text:
+            eog.discard(by_text["</s>"])
+            self._attrs[by_text["</s>"]] = ATTR_NORMAL
+        return eog
+
+    def _set_strip_attrs(self, model_name: str, pre_name: str) -> None:
+        """Per-model LSTRIP/RSTRIP attributes llama.cpp hard-codes (they affect partition)."""
+        index = {text: i for i, text in enumerate(self._texts)}
+        name = model_name.lower()
+        if any(p in pre_name for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) and "<mask>" in index:
+            self._attrs[index["<mask>"]] |= ATTR_LSTRIP
+        elif "phi-3" in name or "phi3" in name:
+            for i in self._special_ids:
+                self._attrs[i] |= ATTR_RSTRIP
+            for text, on in (("</s>", True), ("<unk>", False), ("<s>", False), ("<|endoftext|>", False)):
+                if text in index:
+                    i = index[text]
+                    self._attrs[i] = (self._attrs[i] | ATTR_RSTRIP) if on else (self._attrs[i] & ~ATTR_RSTRIP)
+        elif "modern-bert" in name and "[MASK]" in index:
+            self._attrs[index["[MASK]"]] |= ATTR_LSTRIP
+
+    def _piece(self, token: int) -> bytes:
+        """A token's bytes when special tokens are rendered (llama.cpp's piece cache)."""
+        text, attr = self._texts[token], self._attrs[token]
+        if attr & (_ATTR_SPECIAL | ATTR_USER_DEFINED):
+            return text.encode("utf-8", "surrogateescape")
+        if attr & ATTR_NORMAL:
+            if self.kind == "spm":
+                return text.replace(_SPM_SPACE, " ").encode("utf-8", "surrogateescape")
+            return _decode_byte_level(text)
+        if attr & ATTR_BYTE:
+            return bytes([int(text[3:5], 16)])
+        return b""
+
+    # -- public API ------------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._texts)
+
+    def token_text(self, token: int) -> str:
+        """The raw vocabulary string of a token."""
+        return self._texts[self._check(token)]
+
+    def token_type(self, token: int) -> int:
+        """The GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""
+        return self._types[self._check(token)]
+
+    def is_eog(self, token: int) -> bool:
+        """True for tokens that end generation (EOS, EOT, <|im_end|>, ...)."""
+        return token in self._eog_ids
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`, as llama.cpp's llama_tokenize.
+
+        add_special adds BOS/EOS when the vocab asks for them; parse_special lets control
+        tokens written literally in the text become single tokens (user-defined tokens
+        always do).
+        """
+        out: list[int] = []
+        if add_special and self.add_bos:
+            out.append(self.bos_id)
+        prev_special = True  # SPM: a space prefix goes at the start and after special tokens
+        for fragment in self._partition(text, parse_special):
+            if isinstance(fragment, int):
+                out.append(fragment)
+                prev_special = True
+                continue
+            if self.kind == "spm" and self.add_space_prefix and prev_special:
+                fragment = " " + fragment
+            out.extend(self._encode(fragment))
+            prev_special = False
+        if add_special and self.add_eos:
+            out.append(self.eos_id)
+        return out
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes (possibly part of a UTF-8 character); control and unknown tokens
+        are empty unless `special`."""
+        if not special and self._attrs[self._check(token)] & _ATTR_SPECIAL:
+            return b""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self._piece(token)
+        return piece
+
+    def detokenize(self, tokens: list[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        """Text of a token list, as llama.cpp's llama_detokenize.
+
+        remove_special drops a leading BOS / trailing EOS the vocab adds; unparse_special
+        renders control tokens. Invalid UTF-8 becomes U+FFFD.
+        """
+        tokens = list(tokens)
+        remove_space = self.add_space_prefix
+        if remove_special and self.add_bos and tokens and tokens[0] == self.bos_id:
+            remove_space = False
+            tokens = tokens[1:]
+        if remove_special and self.add_eos and tokens and tokens[-1] == self.eos_id:
+            tokens = tokens[:-1]
+        pieces = [self.token_to_piece(t, unparse_special) for t in tokens]
+        if remove_space and pieces and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        text = b"".join(pieces)
+        if self.clean_spaces:
+            text = _clean_spaces(text)
+        return text.decode("utf-8", "replace")
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _check(self, token: int) -> int:
+        if not 0 <= token < len(self._texts):
+            raise InputError(f"token id {token} is outside the vocabulary (0..{len(self._texts) - 1})")
+        return token
+
+    def _partition(self, text: str, parse_special: bool) -> list[Fragment]:
+        """Split special tokens out of the text, longest first (llama.cpp's order)."""
+        fragments: list[Fragment] = [text] if text else []
+        for token in self._special_ids:
+            attr = self._attrs[token]
+            if not parse_special and attr & _ATTR_SPECIAL:
+                continue
+            needle = self._texts[token]
+            if not any(isinstance(f, str) and needle in f for f in fragments):
+                continue
+            split: list[Fragment] = []
+            for fragment in fragments:
+                if isinstance(fragment, str) and needle in fragment:
+                    split += _split_on_token(fragment, needle, token,
+                                             bool(attr & ATTR_LSTRIP), bool(attr & ATTR_RSTRIP))
+                else:
+                    split.append(fragment)
+            fragments = split
+        return fragments
