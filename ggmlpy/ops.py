@@ -23,7 +23,7 @@ def _check(cond: bool, msg: str) -> None:
 
 def can_repeat(b: Tensor, a: Tensor) -> bool:
     """True when `b` can be tiled to `a`'s shape (ggml_can_repeat)."""
-    return all(b.ne[i] > 0 and a.ne[i] % b.ne[i] == 0 for i in range(MAX_DIMS))
+    return all(a.ne[i] % b.ne[i] == 0 if b.ne[i] else a.ne[i] == 0 for i in range(MAX_DIMS))
 
 
 def _node(ctx: Context, op: Op, type: GGMLType, ne, src, params=()) -> Tensor:

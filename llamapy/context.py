@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+import ggmlpy as gg
 from ggmlpy import CpuBackend, GGMLType, GraphAllocator
 
 from .batch import Batch, split_equal, split_simple
@@ -50,6 +51,7 @@ class Context:
         self._logits = np.empty((0, hp.n_vocab), dtype=np.float32)
         self._output_row = np.empty(0, dtype=np.int64)  # batch index -> logits row, -1 if none
         self.n_eval_tokens = 0
+        self._shift_graph = None  # (graph, positions input, allocator), built on the first K shift
 
     @property
     def n_vocab(self) -> int:
@@ -62,6 +64,8 @@ class Context:
     def decode(self, batch: Batch) -> None:
         """Compute a batch; afterwards `get_logits()` holds the outputs it asked for."""
         self._validate(batch)
+        if self.kv.has_shift:
+            self._apply_k_shift()
         ubatches = split_simple(batch, self.n_ubatch) if self.kv.unified else split_equal(batch, self.n_ubatch)
         self._output_row = np.where(batch.output, np.cumsum(batch.output) - 1, -1)
         n_outputs = int(batch.output.sum())
@@ -79,6 +83,42 @@ class Context:
                 dest = self._output_row[ub.idx[ub.output]]
                 self._logits[dest] = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
         self.n_eval_tokens += len(batch)
+
+    def _apply_k_shift(self) -> None:
+        """Re-rope every cached K by its cell's pending shift (llama.cpp's K-shift).
+
+        RoPE composes: rope(pos + delta) = rope(delta) . rope(pos), so rotating the stored
+        keys by delta gives the keys of the moved positions. Cells without a shift rotate
+        by 0, which leaves them unchanged. The rope kernel is F32, so each layer's K goes
+        through an F32 copy (as llama.cpp does for quantized caches).
+        """
+        kv, hp = self.kv, self.model.hparams
+        if self._shift_graph is None:
+            n_cells, hk = kv.kv_size * kv.n_stream, hp.n_embd_head_k
+            c = gg.Context()
+            graph = gg.Graph()
+            inp_shift = c.new_tensor_1d(GGMLType.I32, n_cells, "inp_k_shift").set_input()
+            scratch = None  # one F32 copy of a layer's K, reused by every layer in turn
+            for il, cache_k in enumerate(kv.k):
+                k = gg.view_3d(c, cache_k, hk, hp.n_head_kv, n_cells,
+                               gg.row_size(cache_k.type, hk), gg.row_size(cache_k.type, hp.n_embd_k_gqa))
+                k32 = k
+                if cache_k.type != GGMLType.F32:
+                    if scratch is None:
+                        scratch = c.new_tensor_3d(GGMLType.F32, hk, hp.n_head_kv, n_cells, "k_shift_f32")
+                    k32 = gg.cpy(c, k, scratch)
+                freq_base = hp.rope_freq_base_swa if hp.is_swa(il) else hp.rope_freq_base
+                roped = gg.rope_ext(c, k32, inp_shift, None, hp.n_rot, hp.rope_type, hp.n_ctx_train,
+                                    freq_base, hp.rope_freq_scale)
+                graph.visit(gg.cpy(c, roped, k))
+            allocator = GraphAllocator()
+            allocator.alloc_graph(graph)
+            self._shift_graph = (graph, inp_shift, allocator)
+        graph, inp_shift = self._shift_graph[:2]
+        inp_shift.array().reshape(-1)[:] = kv.shift.reshape(-1)
+        self.backend.compute(graph)
+        kv.shift.fill(0)
+        kv.has_shift = False
 
     def _validate(self, batch: Batch) -> None:
         n = len(batch)

@@ -5,6 +5,7 @@ import time
 from collections import defaultdict
 
 import numba
+from threadpoolctl import threadpool_limits
 
 from ...alloc import GraphAllocator
 from ...graph import Graph
@@ -25,11 +26,13 @@ class CpuBackend:
     name = "CPU"
 
     def __init__(self, n_threads: int | None = None) -> None:
-        self.n_threads = n_threads or numba.config.NUMBA_NUM_THREADS
         self.profile: dict[str, float] | None = None
+        self.set_n_threads(n_threads or numba.config.NUMBA_NUM_THREADS)
 
     def set_n_threads(self, n_threads: int) -> None:
+        """Threads for numba kernels and for BLAS (whose own default would oversubscribe)."""
         self.n_threads = max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS))
+        threadpool_limits(limits=self.n_threads, user_api="blas")
 
     def supports_op(self, op: Op) -> bool:
         from .compute import PREPARE

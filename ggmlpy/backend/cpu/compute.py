@@ -150,10 +150,10 @@ def _soft_max(node: Tensor) -> Prepared:
 
 @prepares(Op.FLASH_ATTN_EXT)
 def _flash_attn_ext(node: Tensor) -> Prepared:
-    """ggml picks the one-chunk kernel (f16 Q and accumulator over an F16 cache) for
-    small ubatches and a tiled float32 kernel otherwise; the tiled numerics are those of
-    scores through a float32 GEMM, a softmax summed in double, and a float32 GEMM with V,
-    which is what the large-ubatch path below computes (with BLAS)."""
+    """Scores through a float32 GEMM, a softmax summed in double, a float32 GEMM with V:
+    the numerics of ggml's tiled CPU kernel. (ggml's one-chunk kernel, which it picks for
+    ubatches under 64 rows, accumulates in f16, so there n_ubatch changes results; here
+    it never does.)"""
     q, k, v = node.src[:3]
     _require_f32(node, q)
     scale, max_bias, softcap = node.op_params
@@ -162,14 +162,7 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
     has_mask = len(node.src) > 3
     mv = node.src[3].array() if has_mask else _EMPTY_F32
     mask_type = node.src[3].type if has_mask else GGMLType.F32
-    n_q = q.ne[1]
-    if v_type == GGMLType.F16 and n_q < K.FA_TILED_MIN_ROWS:
-        def run_one_chunk() -> None:
-            K.flash_attn_ext_f32(qv, convert.to_f32(kv, k_type), convert.to_f32(vv, v_type),
-                                 convert.to_f32(mv, mask_type), dv, scale, max_bias, softcap, has_mask, True)
-        return run_one_chunk
-
-    n3, n_head, _, dk = qv.shape
+    n3, n_head, n_q, dk = qv.shape
     n_head_kv, n_kv = kv.shape[1], kv.shape[2]
     group = n_head // n_head_kv
     q5 = qv.reshape(n3, n_head_kv, group, n_q, dk)
@@ -178,7 +171,7 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
     out5 = dv.reshape(n3, n_q, n_head_kv, group, dv.shape[3]).transpose(0, 2, 3, 1, 4)
     sm_scale = 1.0 if softcap else scale
 
-    def run_tiled() -> None:
+    def run() -> None:
         k32 = convert.to_f32(kv, k_type)[:, :, None]
         v32 = convert.to_f32(vv, v_type)[:, :, None]
         np.matmul(q5, k32.swapaxes(-1, -2), out=scores)
@@ -186,7 +179,7 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
             np.multiply(np.tanh(scores * np.float32(scale)), np.float32(softcap), out=scores)
         K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask)
         np.matmul(scores, v32, out=out5)
-    return run_tiled
+    return run
 
 
 def _rope_args(node: Tensor):

@@ -1,0 +1,103 @@
+"""Perplexity the way llama.cpp's llama-perplexity computes it.
+
+The text is tokenized once (BOS first), cut into non-overlapping chunks of n_ctx
+tokens; each chunk starts from an empty KV cache with its first token replaced by BOS,
+and only its second half is scored (positions n_ctx/2 .. n_ctx-2 predicting the next
+token). When n_batch holds several chunks they are decoded together, one KV stream
+each. The ± is the standard error of the mean NLL propagated to PPL.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .batch import Batch
+from .context import Context
+from .errors import InputError
+from .model import Model
+
+
+@dataclass
+class PerplexityResult:
+    n_chunks: int = 0
+    count: int = 0          # scored tokens
+    nll: float = 0.0        # sums over scored tokens
+    nll2: float = 0.0
+    running: list[float] = field(default_factory=list)  # PPL after each chunk
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.count)
+
+    @property
+    def ppl_error(self) -> float:
+        """Standard error of the mean NLL, times PPL (NaN when undefined)."""
+        mean = self.nll / self.count
+        var = self.nll2 / self.count - mean * mean
+        if var <= 0 or self.count < 2:
+            return float("nan")
+        return math.sqrt(var / (self.count - 1)) * self.ppl
+
+
+def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[target] per row: float32 exp, double sums (llama.cpp's log_softmax)."""
+    mx = logits.max(axis=1, keepdims=True)
+    sum_exp = np.exp(logits - mx).sum(axis=1, dtype=np.float64)
+    picked = logits[np.arange(len(targets)), targets].astype(np.float64) - mx[:, 0].astype(np.float64)
+    return np.log(sum_exp) - picked
+
+
+def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512,
+               n_chunks: int = -1, n_threads: int | None = None,
+               on_chunk: Callable[[int, int, float], None] | None = None, **context_args) -> PerplexityResult:
+    """Score `tokens` (already tokenized with BOS); `on_chunk(i, n_chunk, running_ppl)` reports progress."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    if n_ctx < 4:
+        raise InputError(f"context size {n_ctx} is too small for perplexity")
+    if len(tokens) < 2 * n_ctx:
+        raise InputError(f"you need at least {2 * n_ctx} tokens to evaluate perplexity with a context of {n_ctx}; "
+                         f"the text tokenizes to only {len(tokens)} tokens")
+    if not (n_batch < n_ctx or n_batch % n_ctx == 0):
+        raise InputError(f"n_batch ({n_batch}) must be smaller than n_ctx ({n_ctx}) or a multiple of it")
+    n_chunk_max = len(tokens) // n_ctx
+    n_chunk = n_chunk_max if n_chunks < 0 else min(n_chunks, n_chunk_max)
+    n_seq = max(1, n_batch // n_ctx)
+    n_seq = min(n_seq, n_chunk)
+    n_batch = min(n_batch, n_ctx * n_seq)
+    ctx = Context(model, n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch), n_seq_max=n_seq,
+                  n_threads=n_threads, kv_unified=False, **context_args)
+    bos = model.vocab.bos_id if model.vocab.add_bos else None
+    first = n_ctx // 2
+    n_scored = n_ctx - first - 1
+    num_batches = -(-n_ctx // n_batch)
+    result = PerplexityResult()
+
+    for i in range(0, n_chunk, n_seq):
+        n_seq_batch = min(n_seq, n_chunk - i)
+        chunk = tokens[i * n_ctx:(i + n_seq_batch) * n_ctx].reshape(n_seq_batch, n_ctx)
+        ctx.memory_clear()
+        logits = []
+        for j in range(num_batches):
+            lo, hi = j * n_batch, min(n_ctx, (j + 1) * n_batch)
+            part = chunk[:, lo:hi].copy()
+            if j == 0 and bos is not None:
+                part[:, 0] = bos
+            pos = np.tile(np.arange(lo, hi, dtype=np.int32), n_seq_batch)
+            seq = np.repeat(np.arange(n_seq_batch, dtype=np.int32), hi - lo)
+            ctx.decode(Batch(part.reshape(-1), pos, seq, pos >= first))
+            if (pos >= first).any():
+                logits.append(ctx.get_logits().reshape(n_seq_batch, -1, model.hparams.n_vocab).copy())
+        all_logits = np.concatenate(logits, axis=1)  # [n_seq_batch, n_ctx - first, n_vocab]
+        for s in range(n_seq_batch):
+            nll = token_nll(all_logits[s, :n_scored], chunk[s, first + 1:])
+            result.nll += float(nll.sum())
+            result.nll2 += float((nll * nll).sum())
+            result.count += n_scored
+            result.n_chunks += 1
+            result.running.append(result.ppl)
+            if on_chunk:
+                on_chunk(result.n_chunks, n_chunk, result.ppl)
+    return result

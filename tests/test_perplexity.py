@@ -1,0 +1,100 @@
+"""Perplexity against llama.cpp's own numbers (shared/golden), through the library and the CLI."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+import llamapy
+from llamapy.perplexity import perplexity
+
+from conftest import shared_path
+from golden import running_ppl
+
+REL = 1e-4  # acceptance: running and final values within 1e-4 relative of llama.cpp's
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    return llamapy.load_model(stories_path)
+
+
+@pytest.fixture(scope="module")
+def wiki_tokens(stories, wiki_path):
+    return stories.vocab.tokenize(wiki_path.read_text(encoding="utf-8"), add_special=True)
+
+
+@pytest.fixture(scope="module")
+def golden_c128():
+    return running_ppl(shared_path("golden", "ppl_stories260K_wiki_c128.txt"))
+
+
+def test_tokenized_chunk_count(wiki_tokens):
+    assert len(wiki_tokens) // 128 == 6322
+
+
+def test_first_chunks_match_llama_cpp(stories, wiki_tokens, golden_c128):
+    result = perplexity(stories, wiki_tokens, n_ctx=128, n_chunks=40)
+    for i, ppl in enumerate(result.running, start=1):
+        assert ppl == pytest.approx(golden_c128[i], rel=REL), f"chunk {i}"
+
+
+@pytest.mark.parametrize("n_batch,n_ubatch", [(2048, 32), (32, 32), (128, 128), (64, 16)])
+def test_batch_sizes_do_not_change_results(stories, wiki_tokens, n_batch, n_ubatch):
+    """n_batch and n_ubatch trade speed for memory only.
+
+    BLAS may round a product differently for a different number of rows (1 ulp); the F16
+    KV cache can turn that into one f16 ulp of a K or V value, so single early chunks move
+    by up to ~2e-5 while the estimate over many chunks stays within 1e-5.
+    """
+    ref = perplexity(stories, wiki_tokens, n_ctx=128, n_chunks=48)
+    other = perplexity(stories, wiki_tokens, n_ctx=128, n_batch=n_batch, n_ubatch=n_ubatch, n_chunks=48)
+    assert other.ppl == pytest.approx(ref.ppl, rel=1e-5)
+    assert other.running == pytest.approx(ref.running, rel=5e-5)
+
+
+def test_too_short_text_is_an_input_error(stories):
+    tokens = stories.vocab.tokenize("Once upon a time there was a tiny text.", add_special=True)
+    with pytest.raises(llamapy.LlamapyError, match="at least 256 tokens"):
+        perplexity(stories, tokens, n_ctx=128)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apps.perplexity", *args], capture_output=True, text=True,
+                          timeout=1800)
+
+
+def final_estimate(stderr: str) -> tuple[float, float]:
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", stderr)
+    assert m, stderr
+    return float(m.group(1)), float(m.group(2))
+
+
+@pytest.mark.slow
+def test_cli_full_wikitext_matches_llama_cpp(stories_path, wiki_path, golden_c128):
+    """Acceptance: all 6322 chunks at -c 128, final PPL 111.6975 +/- 0.67053 as llama.cpp prints."""
+    proc = run_cli("-m", str(stories_path), "-f", str(wiki_path), "-c", "128")
+    assert proc.returncode == 0, proc.stderr
+    ours = {int(i): float(v) for i, v in re.findall(r"\[(\d+)\]([0-9.]+)", proc.stdout)}
+    assert len(ours) == 6322
+    for chunk in (1, 10, 100, 1000, 6322):
+        assert ours[chunk] == pytest.approx(golden_c128[chunk], rel=REL), f"chunk {chunk}"
+    ppl, err = final_estimate(proc.stderr)
+    assert ppl == pytest.approx(111.6975, rel=REL)
+    assert err == pytest.approx(0.67053, rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["-ub", "32"], ["-b", "32", "-ub", "32"]])
+def test_cli_full_wikitext_ubatch_invariance(stories_path, wiki_path, extra):
+    """Acceptance: -ub 32 (and -b 32 -ub 32) give the same final PPL to 1e-5 relative."""
+    proc = run_cli("-m", str(stories_path), "-f", str(wiki_path), "-c", "128", *extra)
+    assert proc.returncode == 0, proc.stderr
+    ppl, _ = final_estimate(proc.stderr)
+    assert ppl == pytest.approx(111.6975, rel=1e-4)
+    base = perplexity(llamapy.load_model(stories_path),
+                      llamapy.load_model(stories_path).vocab.tokenize(wiki_path.read_text(encoding="utf-8")),
+                      n_ctx=128)
+    assert ppl == pytest.approx(round(base.ppl, 4), rel=1e-5)
