@@ -139,6 +139,7 @@ class KVCache:
                 a = t.array()[0]
                 a[s_dst, cells] = a[s_src, cells]
         self.pos[s_dst, cells] = self.pos[s_src, cells]
+        self.shift[s_dst, cells] = self.shift[s_src, cells]  # the copied K awaits the same re-rope
         self.seqs[s_dst, cells] = np.uint64(1 << dst)
 
     def seq_keep(self, seq: int) -> None:
