@@ -67,13 +67,13 @@ class Context:
         if self.kv.has_shift:
             self._apply_k_shift()
         ubatches = split_simple(batch, self.n_ubatch) if self.kv.unified else split_equal(batch, self.n_ubatch)
+        slots = self._find_slots(ubatches)
         self._output_row = np.where(batch.output, np.cumsum(batch.output) - 1, -1)
         n_outputs = int(batch.output.sum())
         if self._logits.shape[0] < n_outputs:
             self._logits = np.empty((n_outputs, self.n_vocab), dtype=np.float32)
         self._n_outputs = n_outputs
-        for ub in ubatches:
-            rows = self.kv.find_slot(ub)
+        for ub, rows in zip(ubatches, slots):
             self.kv.apply(ub, rows)
             shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, self.kv.n_kv(ub), ub.n_outputs)
             builder = self._graph(shape)
@@ -83,6 +83,20 @@ class Context:
                 dest = self._output_row[ub.idx[ub.output]]
                 self._logits[dest] = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
         self.n_eval_tokens += len(batch)
+
+    def _find_slots(self, ubatches) -> list[np.ndarray]:
+        """Cells for every ubatch, found before anything is computed (llama.cpp's prepare):
+        if the batch does not fit, KVCacheFullError leaves the cache as it was."""
+        kv = self.kv
+        saved = kv.pos.copy(), kv.seqs.copy()
+        try:
+            slots = []
+            for ub in ubatches:
+                slots.append(kv.find_slot(ub))
+                kv.apply(ub, slots[-1])
+            return slots
+        finally:
+            kv.pos[...], kv.seqs[...] = saved
 
     def _apply_k_shift(self) -> None:
         """Re-rope every cached K by its cell's pending shift (llama.cpp's K-shift).

@@ -154,3 +154,39 @@ def test_split_equal_more_sequences_than_n_ubatch():
     b = Batch(np.arange(5), np.zeros(5), np.arange(5))
     ubs = split_equal(b, 2)
     assert [(ub.stream0, ub.n_seqs, ub.n_seq_tokens) for ub in ubs] == [(0, 2, 1), (2, 2, 1), (4, 1, 1)]
+
+
+# ---- what Context.decode accepts ------------------------------------------------------------------
+def test_decode_rejects_bad_batches(stories_path):
+    import llamapy
+
+    model = llamapy.load_model(stories_path)
+    ctx = llamapy.Context(model, n_ctx=32, n_batch=8, n_seq_max=2)
+    assert ctx.n_batch == 8
+    bad = {
+        "empty": Batch(np.zeros(0, dtype=np.int32)),
+        "exceeds n_batch": Batch(np.ones(9, dtype=np.int32)),
+        "token ids": Batch([1, model.hparams.n_vocab]),
+        "token ids ": Batch([-1, 2]),
+        "sequence ids": Batch([1, 2], seq_id=[0, 2]),
+        "sequence ids ": Batch([1, 2], seq_id=[-1, 0]),
+    }
+    for what, batch in bad.items():
+        with pytest.raises(InputError, match=what.strip()):
+            ctx.decode(batch)
+    assert ctx.memory_seq_pos_max(0) == -1  # nothing was placed
+    with pytest.raises(InputError, match="n_seq_max"):
+        llamapy.Context(model, n_ctx=32, n_seq_max=65)
+    with pytest.raises(InputError, match="multiple of n_seq_max"):
+        llamapy.Context(model, n_ctx=30, n_seq_max=4, kv_unified=False)
+
+
+def test_decode_continues_positions(stories_path):
+    """pos=None continues every sequence after its last cell."""
+    import llamapy
+
+    model = llamapy.load_model(stories_path)
+    ctx = llamapy.Context(model, n_ctx=32, n_seq_max=2)
+    ctx.decode(Batch.from_tokens([1, 2, 3]))
+    ctx.decode(Batch([4, 5, 6, 7], seq_id=[0, 1, 0, 1]))
+    assert ctx.memory_seq_pos_max(0) == 4 and ctx.memory_seq_pos_max(1) == 1
