@@ -82,7 +82,7 @@ class GraphAllocator:
         """Compute offsets for every tensor that needs memory; returns the peak in bytes."""
         owned = {}  # id -> tensor, tensors this allocator places
         for t in graph.leafs + graph.nodes:
-            if t.buffer is None and t.view_src is None and t.op not in ():
+            if t.buffer is None and t.view_src is None:
                 owned[id(t)] = t
         children: dict[int, int] = {}
         views: dict[int, int] = {}
@@ -147,7 +147,7 @@ class GraphAllocator:
             release(t)
 
     def alloc_graph(self, graph: Graph) -> None:
-        """Plan (once per graph), make the arena large enough, and bind every tensor."""
+        """Plan, make the arena large enough, and bind every tensor (callers cache the result per graph)."""
         peak = self.plan(graph)
         if self.arena is None or self.arena.nbytes < peak:
             self.arena = np.empty(max(peak, ALIGNMENT) + ALIGNMENT, dtype=np.uint8)

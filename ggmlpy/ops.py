@@ -164,6 +164,7 @@ def set_rows(ctx: Context, a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     a: [ne0, rows, ne2, ne3]; b: [ne0, n, ne2, ne3]; c: [n, ne2, ne3].
     """
     _check(a.ne[0] == b.ne[0], f"SET_ROWS: row lengths differ ({a.ne[0]} vs {b.ne[0]})")
+    _check(a.ne[2:] == b.ne[2:], f"SET_ROWS: rows {b.ne} and destination {a.ne} differ in dims 2/3")
     _check(c.type in (GGMLType.I64, GGMLType.I32), "SET_ROWS: indices must be I64 or I32")
     _check(c.ne[0] == b.ne[1] and b.ne[2] % c.ne[1] == 0 and b.ne[3] % c.ne[2] == 0,
            f"SET_ROWS: indices {c.ne} do not match rows {b.ne}")

@@ -356,17 +356,16 @@ def _softmax(v):
 def random_graph(seed: int):
     """A random DAG of N x N tensors mixing in-place, copying and view ops, with some outputs flagged.
 
-    Returns (graph, inputs to set after allocation, {tensor: float64 reference}, flagged outputs, final).
+    Returns (graph, [(input, values to set after allocation)], {id(tensor): float64 reference},
+    flagged outputs, final node, its reference).
     """
     rng = np.random.default_rng(seed)
     ctx = gg.Context()
     ref: dict[int, np.ndarray] = {}
     pool: list[gg.Tensor] = []
-    tensors: dict[int, gg.Tensor] = {}
 
     def add(t, value):
         ref[id(t)] = value
-        tensors[id(t)] = t
         pool.append(t)
         return t
 

@@ -12,7 +12,8 @@ as views of a tensor with data (see `make`):
   pad     a `view_4d` with padded rows, a gap between dim-2 slices and a 1-element offset
 
 Tolerances (float32 eps = 1.19e-7), checked as |got - ref| <= RTOL * scale element-wise:
-  RTOL = 1e-6 (about 8 ulp) everywhere; `scale` is |ref| unless a test says otherwise, where
+  add/sub/mul/div must be correctly rounded: |err| <= eps/2 * |ref| (one IEEE float32 op).
+  Everything else: RTOL = 1e-6 (about 8 ulp); `scale` is |ref| unless a test says otherwise, where
   the float32 computation has an unavoidable absolute error term:
     gelu          max(|ref|, |x|)          (1 + tanh(u) cancels for x << 0)
     scale+bias    |x*s| + |b|              (x*s + b cancels)
@@ -520,6 +521,15 @@ def test_set_rows(rng, dst_type, idx_type, case, src_layout, dst_layout):
         ref[i3, i2, idx[0, i3 % c_shape[1], i2 % c_shape[2], i]] = src_stored[i3, i2, i]
     np.testing.assert_array_equal(got, ref)
     np.testing.assert_array_equal(dst.array(), ref)  # the destination itself was written
+
+
+def test_set_rows_rejects_rows_that_do_not_match_destination_dims_2_3():
+    """ggml asserts a.ne2 == b.ne2 and a.ne3 == b.ne3 (no silent partial write)."""
+    ctx = gg.Context()
+    a = ctx.from_numpy(np.zeros((2, 10, 24), np.float32))
+    b = ctx.from_numpy(np.ones((1, 4, 24), np.float32))
+    with pytest.raises(ValueError):
+        gg.set_rows(ctx, a, b, ctx.from_numpy(np.arange(4, dtype=np.int64), T.I64))
 
 
 def test_set_rows_leaves_padding_alone(rng):

@@ -54,6 +54,30 @@ def norm_f32(x, dst, eps):
             dst[i3, i2, i1, i0] *= sc
 
 
+# ggml_v_expf's constants (ggml-cpu/vec.h): round-to-integer shifter, log2(e), ln2 split
+# in two, and the degree-5 polynomial of 2^f.
+_EXP_SHIFT = F32(float.fromhex("0x1.8p23"))
+_EXP_LOG2E = F32(float.fromhex("0x1.715476p+0"))
+_EXP_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
+_EXP_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
+_EXP_C = tuple(F32(float.fromhex(h)) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3",
+                                               "0x1.fffdb6p-2", "0x1.ffffecp-1"))
+
+
+@njit(cache=True, inline="always")
+def exp_f32(x):
+    """expf as ggml vectorises it (range reduction + polynomial, no libm call), so loops over
+    it vectorise; inputs below -87 (including -inf) give 0, as softmax needs."""
+    z = x * _EXP_LOG2E + _EXP_SHIFT
+    n = z - _EXP_SHIFT
+    b = x - n * _EXP_LN2_HI - n * _EXP_LN2_LO
+    k = np.int32((np.float32(z).view(np.int32) << 23) + 0x3F800000).view(np.float32)
+    u = b * b
+    c0, c1, c2, c3, c4 = _EXP_C
+    j = ((c0 * b + c1) * u + (c2 * b + c3)) * u + c4 * b
+    return F32(0.0) if x < F32(-87.0) else j * k + k
+
+
 @njit(cache=True)
 def alibi_slope(max_bias, h, n_head):
     if max_bias <= 0.0:
@@ -85,12 +109,11 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
                 v += slope * F32(mr[i0])
             dr[i0] = v
             mx = max(mx, v)
+        for i0 in range(n0):
+            dr[i0] = exp_f32(dr[i0] - mx)
         s = 0.0
         for i0 in range(n0):
-            v = dr[i0]
-            e = F32(0.0) if v == -np.inf else np.exp(v - mx)
-            dr[i0] = e
-            s += np.float64(e)
+            s += np.float64(dr[i0])
         inv = F32(1.0 / s)
         for i0 in range(n0):
             dr[i0] *= inv
