@@ -63,7 +63,7 @@ class Context:
     # ---- decoding ------------------------------------------------------------------------
     def decode(self, batch: Batch) -> None:
         """Compute a batch; afterwards `get_logits()` holds the outputs it asked for."""
-        self._validate(batch)
+        batch = self._validate(batch)
         if self.kv.has_shift:
             self._apply_k_shift()
         ubatches = split_simple(batch, self.n_ubatch) if self.kv.unified else split_equal(batch, self.n_ubatch)
@@ -134,7 +134,8 @@ class Context:
         kv.shift.fill(0)
         kv.has_shift = False
 
-    def _validate(self, batch: Batch) -> None:
+    def _validate(self, batch: Batch) -> Batch:
+        """Check the batch; a batch without positions gets a copy that continues each sequence."""
         n = len(batch)
         if n == 0:
             raise InputError("decode: empty batch")
@@ -145,10 +146,11 @@ class Context:
         if batch.seq_id.min() < 0 or batch.seq_id.max() >= self.n_seq_max:
             raise InputError(f"decode: sequence ids must be in [0, {self.n_seq_max})")
         if batch.pos is None:
-            batch.pos = np.empty(n, dtype=np.int32)
+            batch = Batch(batch.tokens, np.empty(n, dtype=np.int32), batch.seq_id, batch.output)
             for s in np.unique(batch.seq_id):
                 sel = np.flatnonzero(batch.seq_id == s)
                 batch.pos[sel] = self.kv.seq_pos_max(int(s)) + 1 + np.arange(len(sel))
+        return batch
 
     def _graph(self, shape: GraphShape) -> GraphBuilder:
         if shape in self._graphs:
@@ -189,6 +191,10 @@ class Context:
 
     def memory_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self.kv.seq_cp(src, dst, p0, p1)
+
+    def memory_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift seq's positions in [p0, p1) by delta; K is re-roped before the next decode."""
+        self.kv.seq_add(seq, p0, p1, delta)
 
     def memory_seq_keep(self, seq: int) -> None:
         self.kv.seq_keep(seq)
