@@ -86,16 +86,19 @@ def gelu(ctx: Context, a: Tensor) -> Tensor:
     return _unary(ctx, Op.GELU, a)
 
 
+def _glu(ctx: Context, op: Op, a: Tensor, b: Tensor) -> Tensor:
+    _check(a.ne == b.ne, f"{op.name}: shapes differ {a.ne} vs {b.ne}")
+    return _node(ctx, op, GGMLType.F32, a.ne, (a, b))
+
+
 def swiglu_split(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     """silu(a) * b, fused (ggml_swiglu_split)."""
-    _check(a.ne == b.ne, f"SWIGLU: shapes differ {a.ne} vs {b.ne}")
-    return _node(ctx, Op.SWIGLU, GGMLType.F32, a.ne, (a, b))
+    return _glu(ctx, Op.SWIGLU, a, b)
 
 
 def geglu_split(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     """gelu(a) * b, fused (ggml_geglu_split)."""
-    _check(a.ne == b.ne, f"GEGLU: shapes differ {a.ne} vs {b.ne}")
-    return _node(ctx, Op.GEGLU, GGMLType.F32, a.ne, (a, b))
+    return _glu(ctx, Op.GEGLU, a, b)
 
 
 # ---- normalization -------------------------------------------------------------------

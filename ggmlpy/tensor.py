@@ -140,7 +140,16 @@ class Tensor:
         return size
 
     def is_contiguous(self) -> bool:
-        return self.nb == contiguous_strides(self.type, self.ne) or self.nelements() <= 1 and self.nb[0] == traits(self.type).type_size
+        """Rows packed one after another (ggml_is_contiguous: strides of size-1 dims don't matter)."""
+        tr = traits(self.type)
+        if self.ne[0] != tr.blck_size and self.nb[0] != tr.type_size:
+            return False
+        expected = row_size(self.type, self.ne[0])
+        for i in range(1, MAX_DIMS):
+            if self.ne[i] != 1 and self.nb[i] != expected:
+                return False
+            expected *= self.ne[i]
+        return True
 
     def is_transposed(self) -> bool:
         return self.nb[0] > self.nb[1]

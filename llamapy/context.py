@@ -50,7 +50,7 @@ class Context:
         self._graphs: OrderedDict[GraphShape, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()
         self._logits = np.empty((0, hp.n_vocab), dtype=np.float32)
         self._output_row = np.empty(0, dtype=np.int64)  # batch index -> logits row, -1 if none
-        self.n_eval_tokens = 0
+        self._n_outputs = 0
         self._shift_graph = None  # (graph, positions input, allocator), built on the first K shift
 
     @property
@@ -82,7 +82,6 @@ class Context:
             if ub.n_outputs:
                 dest = self._output_row[ub.idx[ub.output]]
                 self._logits[dest] = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
-        self.n_eval_tokens += len(batch)
 
     def _find_slots(self, ubatches) -> list[np.ndarray]:
         """Cells for every ubatch, found before anything is computed (llama.cpp's prepare):

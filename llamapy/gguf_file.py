@@ -31,7 +31,6 @@ class GGUFFile:
             self.reader = gguf.GGUFReader(self.path, "r")
         except Exception as e:  # the gguf package raises many types on damaged files
             raise ModelLoadError(f"{self.path} is damaged or truncated ({type(e).__name__}: {e})") from None
-        self.metadata: dict[str, Any] = {k: f.contents() for k, f in self.reader.fields.items()}
         self.tensors: dict[str, Tensor] = {}
         file_size = self.path.stat().st_size
         for rt in self.reader.tensors:
@@ -46,13 +45,18 @@ class GGUFFile:
             tensor.bind(self.reader.data, int(rt.data_offset))
             self.tensors[rt.name] = tensor
 
+    def has(self, key: str) -> bool:
+        return key in self.reader.fields
+
     def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
+        """A metadata value, decoded on demand (token lists are large: only the vocab reads them)."""
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
 
     def require(self, key: str) -> Any:
-        if key not in self.metadata:
+        if not self.has(key):
             raise UnsupportedModelError(f"{self.path}: required metadata key {key!r} is missing")
-        return self.metadata[key]
+        return self.get(key)
 
     def tensor(self, name: str) -> Tensor:
         try:

@@ -31,7 +31,6 @@ class HParams:
     swa_layers: list[bool] = field(default_factory=list)
     n_swa: int = 0
     rope_freq_base_swa: float = 10000.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -52,7 +51,7 @@ def read_common(f: GGUFFile, arch: str, n_vocab: int, rope_type: int) -> HParams
 
     n_embd = int(f.require(key("embedding_length")))
     n_head = int(f.require(key("attention.head_count")))
-    if n_head <= 0 or (n_embd % n_head and key("attention.key_length") not in f.metadata):
+    if n_head <= 0 or (n_embd % n_head and not f.has(key("attention.key_length"))):
         raise UnsupportedModelError(f"{f.path}: n_embd {n_embd} is not divisible by n_head {n_head}")
     n_head_kv = int(f.get(key("attention.head_count_kv"), n_head))
     head_k = int(f.get(key("attention.key_length"), n_embd // n_head))

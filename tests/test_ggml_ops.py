@@ -96,7 +96,7 @@ def make(ctx: gg.Context, x: np.ndarray, layout: str = "contig", type: T = T.F32
         buf[:, :n2, :, 1:n0 + 1] = stored
         base = ctx.from_numpy(buf, type)
         t = gg.view_4d(ctx, base, n0, n1, n2, n3, base.nb[1], base.nb[2], base.nb[3], offset=base.nb[0])
-        degenerate = False
+        degenerate = n1 * n2 * n3 == 1  # one row is contiguous whatever the row strides (ggml_is_contiguous)
     else:
         raise ValueError(layout)
     assert t.ne == (n0, n1, n2, n3)

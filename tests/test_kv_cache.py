@@ -18,7 +18,7 @@ import pytest
 
 import llamapy
 from ggmlpy import GGMLType
-from llamapy.batch import Batch, UBatch, split_simple
+from llamapy.batch import Batch, UBatch
 from llamapy.errors import LlamapyError
 from llamapy.hparams import HParams
 from llamapy.kv_cache import N_KV_PAD, KVCache, KVCacheFullError

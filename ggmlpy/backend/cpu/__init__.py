@@ -10,6 +10,7 @@ from threadpoolctl import threadpool_limits
 from ...alloc import GraphAllocator
 from ...graph import Graph
 from ...tensor import VIEW_OPS, Op
+from . import matmul  # noqa: F401  (registers MUL_MAT)
 from .compute import prepare
 
 

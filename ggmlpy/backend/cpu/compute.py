@@ -256,8 +256,3 @@ def _copy(node: Tensor) -> Prepared:
             convert.store(dv, convert.to_f32(values, src_type), dst_type)
     return run
 
-
-@prepares(Op.MUL_MAT)
-def _mul_mat(node: Tensor) -> Prepared:
-    from .matmul import prepare_mul_mat
-    return prepare_mul_mat(node)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from ... import convert
-from ...tensor import Tensor
+from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
-from .compute import Prepared
+from .compute import Prepared, prepares
 
 
 def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
@@ -23,11 +23,11 @@ def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
     return b.reshape(ne03, n13 // ne03, ne02, n12 // ne02, n11, n10)
 
 
+@prepares(Op.MUL_MAT)
 def prepare_mul_mat(node: Tensor) -> Prepared:
     a, b = node.src
     if traits(a.type).is_quantized:
-        from .quantized import prepare_mul_mat_quantized  # noqa: F401  (later types)
-        return prepare_mul_mat_quantized(node)
+        raise NotImplementedError(f"MUL_MAT with {a.type.name} first operand")
     if b.type != GGMLType.F32:
         raise NotImplementedError(f"MUL_MAT with {b.type.name} second operand")
     av, bv, dv = a.array(), b.array(), node.array()
