@@ -1,8 +1,14 @@
 """The CPU backend: computes graphs with numpy/BLAS and numba kernels."""
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
+
+# numba's OpenMP workers otherwise spin after each parallel kernel and starve the BLAS
+# threads that run next (measured: 2 threads slower than 1). Must precede the first
+# parallel kernel, when numba loads libgomp.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numba
 from threadpoolctl import threadpool_limits
