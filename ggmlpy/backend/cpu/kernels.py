@@ -90,33 +90,51 @@ def alibi_slope(max_bias, h, n_head):
     return m1 ** F32(2 * (h - n_head_log2) + 1)
 
 
+LANES = 8  # independent accumulators: a reduction split in lanes is not one serial chain
+ROWS_PER_TASK = 16  # rows per parallel task, so scratch is allocated once per task
+
+
 @njit(parallel=True, cache=True)
 def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
-    """dst = softmax(x * scale + slope * mask) per row; masked -inf entries cost no exp."""
+    """dst = softmax(x * scale + slope * mask) per row, the sum in double (as ggml)."""
     n3, n2, n1, n0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
     sc = F32(scale)
-    for r in prange(n3 * n2 * n1):
-        i3, i2, i1 = _row_index(r, n2, n1)
-        xr = x[i3, i2, i1]
-        dr = dst[i3, i2, i1]
-        mr = mask[i3 % m3, i2 % m2, i1]
-        slope = alibi_slope(max_bias, i2, n2)
-        mx = F32(-np.inf)
-        for i0 in range(n0):
-            v = xr[i0] * sc
-            if has_mask:
-                v += slope * F32(mr[i0])
-            dr[i0] = v
-            mx = max(mx, v)
-        for i0 in range(n0):
-            dr[i0] = exp_f32(dr[i0] - mx)
-        s = 0.0
-        for i0 in range(n0):
-            s += np.float64(dr[i0])
-        inv = F32(1.0 / s)
-        for i0 in range(n0):
-            dr[i0] *= inv
+    n_rows = n3 * n2 * n1
+    n_full = n0 - n0 % LANES
+    for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        lane_max = np.empty(LANES, dtype=np.float32)
+        lane_sum = np.empty(LANES, dtype=np.float64)
+        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
+            i3, i2, i1 = _row_index(r, n2, n1)
+            xr = x[i3, i2, i1]
+            dr = dst[i3, i2, i1]
+            mr = mask[i3 % m3, i2 % m2, i1]
+            slope = alibi_slope(max_bias, i2, n2)
+            for i0 in range(n0):
+                v = xr[i0] * sc
+                if has_mask:
+                    v += slope * F32(mr[i0])
+                dr[i0] = v
+            lane_max[:] = -np.inf
+            for i0 in range(0, n_full, LANES):
+                for j in range(LANES):
+                    lane_max[j] = max(lane_max[j], dr[i0 + j])
+            m = lane_max.max()
+            for i0 in range(n_full, n0):
+                m = max(m, dr[i0])
+            for i0 in range(n0):
+                dr[i0] = exp_f32(dr[i0] - m)
+            lane_sum[:] = 0.0
+            for i0 in range(0, n_full, LANES):
+                for j in range(LANES):
+                    lane_sum[j] += np.float64(dr[i0 + j])
+            s = lane_sum.sum()
+            for i0 in range(n_full, n0):
+                s += np.float64(dr[i0])
+            inv = F32(1.0 / s)
+            for i0 in range(n0):
+                dr[i0] *= inv
 
 
 @njit(cache=True)
