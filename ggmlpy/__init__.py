@@ -2,14 +2,30 @@
 and a CPU backend of numba kernels and BLAS."""
 from .alloc import GraphAllocator
 from .backend.cpu import CpuBackend
+from .backward import NotDifferentiableError, build_backward_expand
 from .context import Context
 from .graph import Graph, build_forward_expand, new_graph
-from .ops import *  # noqa: F401,F403  (the op functions are the public API, as in ggml.h)
+from .ops import *
+from .ops_train import *
 from .tensor import Flag, Op, Tensor
 from .types import GGMLType, row_size, traits
 
-__all__ = ["Context", "CpuBackend", "Flag", "GGMLType", "Graph", "GraphAllocator", "Op", "Tensor",
-           "build_forward_expand", "new_graph", "row_size", "traits"]
+__all__ = [
+    "Context",
+    "CpuBackend",
+    "Flag",
+    "GGMLType",
+    "Graph",
+    "GraphAllocator",
+    "NotDifferentiableError",
+    "Op",
+    "Tensor",
+    "build_backward_expand",
+    "build_forward_expand",
+    "new_graph",
+    "row_size",
+    "traits",
+]
 
 
 def compute(graph: Graph, backend: CpuBackend | None = None, allocator: GraphAllocator | None = None) -> Graph:

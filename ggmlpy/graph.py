@@ -16,6 +16,16 @@ class Graph:
         self.leafs: list[Tensor] = []
         self._seen: set[int] = set()
         self.plan = None  # a backend's compiled execution plan, set on first compute
+        self.grads: dict[int, Tensor] = {}      # param id -> its gradient (build_backward_expand)
+        self.grad_accs: dict[int, Tensor] = {}  # param id -> its gradient accumulator
+
+    def get_grad(self, tensor: Tensor) -> Tensor | None:
+        return self.grads.get(id(tensor))
+
+    def reset(self) -> None:
+        """Zero the gradient accumulators: the start of a new accumulation (ggml_graph_reset)."""
+        for acc in self.grad_accs.values():
+            acc.array()[...] = 0
 
     def __len__(self) -> int:
         return len(self.nodes)

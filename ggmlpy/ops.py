@@ -101,6 +101,72 @@ def geglu_split(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     return _glu(ctx, Op.GEGLU, a, b)
 
 
+def add_inplace(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """a += b, written into a's memory; returns a view of a (ggml_add_inplace)."""
+    _check(can_repeat(b, a), f"ADD: {b.ne} cannot be broadcast to {a.ne}")
+    out = view_tensor(ctx, a)
+    out.op, out.src = Op.ADD, (a, b)
+    return out
+
+
+# ---- reductions and tiling -------------------------------------------------------------
+def sum(ctx: Context, a: Tensor) -> Tensor:
+    """The sum of all elements, as a 1-element tensor."""
+    return _node(ctx, Op.SUM, GGMLType.F32, (1, 1, 1, 1), (a,))
+
+
+def sum_rows(ctx: Context, a: Tensor) -> Tensor:
+    """Each row summed: shape [1, ne1, ne2, ne3]."""
+    return _node(ctx, Op.SUM_ROWS, GGMLType.F32, (1,) + a.ne[1:], (a,))
+
+
+def mean(ctx: Context, a: Tensor) -> Tensor:
+    """Each row's mean: shape [1, ne1, ne2, ne3]."""
+    return _node(ctx, Op.MEAN, GGMLType.F32, (1,) + a.ne[1:], (a,))
+
+
+def repeat(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """a tiled to b's shape (b's data is not used)."""
+    _check(can_repeat(a, b), f"REPEAT: {a.ne} cannot be tiled to {b.ne}")
+    return _node(ctx, Op.REPEAT, GGMLType.F32, b.ne, (a,))
+
+
+def repeat_back(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """The tiles of a summed into b's shape: the adjoint of repeat."""
+    _check(can_repeat(b, a), f"REPEAT_BACK: {a.ne} is not a tiling of {b.ne}")
+    return _node(ctx, Op.REPEAT_BACK, GGMLType.F32, b.ne, (a,))
+
+
+def acc(ctx: Context, a: Tensor, b: Tensor, nb1: int, nb2: int, nb3: int, offset: int) -> Tensor:
+    """A copy of contiguous a with b added into the window (b.ne, strides nb1..3, byte offset) of it."""
+    _check(a.is_contiguous() and a.type == GGMLType.F32, "ACC: the destination must be contiguous F32")
+    window = Tensor(a.type, b.ne, (a.nb[0], nb1, nb2, nb3))
+    _check(offset + window.nbytes() <= a.nbytes(), f"ACC: window {b.ne} at {offset} exceeds {a.ne}")
+    return _node(ctx, Op.ACC, GGMLType.F32, a.ne, (a, b), (nb1, nb2, nb3, offset))
+
+
+def out_prod(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """result[i1, i0] = sum_j a[j, i0] * b[j, i1]: shape [a.ne0, b.ne0, b.ne2, b.ne3].
+
+    a broadcasts over dims 2 and 3 as in mul_mat.
+    """
+    _check(a.ne[1] == b.ne[1], f"OUT_PROD: column counts differ ({a.ne[1]} vs {b.ne[1]})")
+    _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, f"OUT_PROD: {a.ne} cannot broadcast over {b.ne}")
+    return _node(ctx, Op.OUT_PROD, GGMLType.F32, (a.ne[0], b.ne[0], b.ne[2], b.ne[3]), (a, b))
+
+
+def argmax(ctx: Context, a: Tensor) -> Tensor:
+    """Index of each row's largest value (first on ties): I32 [ne1] of a matrix."""
+    _check(a.ne[2] == 1 and a.ne[3] == 1, f"ARGMAX: needs a matrix, got {a.ne}")
+    return _node(ctx, Op.ARGMAX, GGMLType.I32, (a.ne[1], 1, 1, 1), (a,))
+
+
+def count_equal(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
+    """How many elements of two I32 tensors are equal: a 1-element I64 tensor."""
+    _check(a.ne == b.ne and a.type == b.type == GGMLType.I32, f"COUNT_EQUAL: {a.ne} {a.type.name} vs {b.ne} {b.type.name}")
+    return _node(ctx, Op.COUNT_EQUAL, GGMLType.I64, (1, 1, 1, 1), (a, b))
+
+
 # ---- normalization -------------------------------------------------------------------
 def rms_norm(ctx: Context, a: Tensor, eps: float) -> Tensor:
     """Each row divided by its root mean square (plus eps)."""

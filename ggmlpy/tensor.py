@@ -64,6 +64,10 @@ class Op(IntEnum):
     CROSS_ENTROPY_LOSS_BACK = auto()
     OPT_STEP_ADAMW = auto()
     OPT_STEP_SGD = auto()
+    ACC = auto()
+    ARGMAX = auto()
+    COUNT_EQUAL = auto()
+    GELU_BACK = auto()
 
 
 # Ops whose result shares its source's memory: nothing to compute, nothing to allocate.

@@ -33,3 +33,11 @@ def tiny_random_path() -> Path:
 @pytest.fixture(scope="session")
 def wiki_path() -> Path:
     return shared_path("data", "wiki.test.raw")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say how many gradient-check cases ran (issue: the count is printed by the test run)."""
+    stats = terminalreporter.stats
+    count = {k: sum("test_grad_check[" in r.nodeid for r in stats.get(k, [])) for k in ("passed", "failed")}
+    if count["passed"] or count["failed"]:
+        terminalreporter.write_line(f"gradient checks: {count['passed']} op/shape cases passed, {count['failed']} failed")

@@ -16,9 +16,8 @@ from threadpoolctl import threadpool_limits
 from ...alloc import GraphAllocator
 from ...graph import Graph
 from ...tensor import VIEW_OPS, Op
-from . import matmul  # noqa: F401  (registers MUL_MAT)
+from . import compute_train, matmul  # noqa: F401  (register their ops)
 from .compute import prepare
-
 
 # Below this many result elements a kernel runs on one thread: waking more costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 16

@@ -1,0 +1,184 @@
+"""Preparers for reductions, tiling and the training ops (losses, `*_back`, optimizer steps)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...tensor import Op, Tensor
+from . import train_kernels as TK
+from .compute import Prepared, _require_f32, prepares
+from .matmul import _split_batch
+
+
+def _flat(t: Tensor) -> np.ndarray:
+    """The tensor's elements as a 1-d view (never a copy: kernels write through it)."""
+    if not t.is_contiguous():
+        raise NotImplementedError(f"tensor {t.name!r} must be contiguous here")
+    return np.reshape(t.array(), -1, copy=False)
+
+
+def _tiles(x: np.ndarray, small: tuple[int, ...]) -> np.ndarray:
+    """x of shape k*n per dim seen as (k3, n3, k2, n2, k1, n1, k0, n0) for tiles of shape n."""
+    shape = []
+    for big, n in zip(x.shape, small):
+        shape += [big // n, n]
+    return x.reshape(shape)
+
+
+_TILE_AXES = (0, 2, 4, 6)
+
+
+@prepares(Op.SUM)
+def _sum(node: Tensor) -> Prepared:
+    (a,) = node.src
+    _require_f32(node, a)
+    av, dv = a.array(), node.array()
+    return lambda: dv.fill(np.sum(av, dtype=np.float64))
+
+
+@prepares(Op.SUM_ROWS, Op.MEAN)
+def _sum_rows(node: Tensor) -> Prepared:
+    (a,) = node.src
+    _require_f32(node, a)
+    av, dv = a.array(), node.array()
+    div = av.shape[3] if node.op == Op.MEAN else 1
+
+    def run() -> None:
+        dv[..., 0] = np.sum(av, axis=3, dtype=np.float64) / div
+    return run
+
+
+@prepares(Op.REPEAT)
+def _repeat(node: Tensor) -> Prepared:
+    (a,) = node.src
+    _require_f32(node, a)
+    av, dv = a.array(), node.array()
+    tiled = _tiles(dv, av.shape)
+    a8 = av.reshape(tuple(x for n in av.shape for x in (1, n)))
+    return lambda: np.copyto(tiled, a8)
+
+
+@prepares(Op.REPEAT_BACK)
+def _repeat_back(node: Tensor) -> Prepared:
+    (a,) = node.src
+    _require_f32(node, a)
+    av, dv = a.array(), node.array()
+    small = dv.shape
+
+    def run() -> None:
+        np.sum(_tiles(av, small), axis=_TILE_AXES, dtype=np.float32, out=dv)
+    return run
+
+
+@prepares(Op.ACC)
+def _acc(node: Tensor) -> Prepared:
+    a, b = node.src
+    _require_f32(node, a, b)
+    nb1, nb2, nb3, offset = node.op_params
+    av, bv, dv = a.array(), b.array(), node.array()
+    window = np.ndarray(bv.shape, dtype=np.float32, buffer=node.buffer, offset=node.offset + offset,
+                        strides=(nb3, nb2, nb1, node.nb[0]))
+
+    def run() -> None:
+        np.copyto(dv, av)
+        np.add(window, bv, out=window)
+    return run
+
+
+@prepares(Op.OUT_PROD)
+def _out_prod(node: Tensor) -> Prepared:
+    a, b = node.src
+    _require_f32(node, a, b)
+    av, bv, dv = a.array(), b.array(), node.array()
+    ne03, ne02 = av.shape[0], av.shape[1]
+    a6 = av.reshape(ne03, 1, ne02, 1, av.shape[2], av.shape[3])
+    b6t = _split_batch(bv, ne02, ne03).swapaxes(-1, -2)
+    d6 = _split_batch(dv, ne02, ne03)
+    return lambda: np.matmul(b6t, a6, out=d6)
+
+
+@prepares(Op.ARGMAX)
+def _argmax(node: Tensor) -> Prepared:
+    (a,) = node.src
+    _require_f32(node, a)
+    av, dv = a.array()[0, 0], node.array()[0, 0, 0]
+    return lambda: np.copyto(dv, np.argmax(av, axis=1), casting="unsafe")
+
+
+@prepares(Op.COUNT_EQUAL)
+def _count_equal(node: Tensor) -> Prepared:
+    a, b = node.src
+    av, bv, dv = a.array(), b.array(), node.array()
+    return lambda: dv.fill(np.count_nonzero(av == bv))
+
+
+@prepares(Op.CROSS_ENTROPY_LOSS)
+def _cross_entropy_loss(node: Tensor) -> Prepared:
+    logits, labels = node.src
+    _require_f32(node, logits, labels)
+    lv, yv, dv = logits.array(), labels.array(), node.array()
+    rows = np.empty(logits.nrows(), dtype=np.float64)
+
+    def run() -> None:
+        TK.cross_entropy_rows(lv, yv, rows)
+        dv.fill(np.sum(rows) / rows.shape[0])
+    return run
+
+
+@prepares(Op.CROSS_ENTROPY_LOSS_BACK)
+def _cross_entropy_loss_back(node: Tensor) -> Prepared:
+    grad, logits, labels = node.src
+    _require_f32(node, grad, logits, labels)
+    gv, lv, yv, dv = grad.array().reshape(-1), logits.array(), labels.array(), node.array()
+    return lambda: TK.cross_entropy_back_f32(np.float64(gv[0]), lv, yv, dv)
+
+
+@prepares(Op.RMS_NORM_BACK)
+def _rms_norm_back(node: Tensor) -> Prepared:
+    g, x = node.src
+    _require_f32(node, g, x)
+    gv, xv, dv, eps = g.array(), x.array(), node.array(), float(node.op_params[0])
+    return lambda: TK.rms_norm_back_f32(gv, xv, dv, eps)
+
+
+@prepares(Op.SOFT_MAX_BACK)
+def _soft_max_back(node: Tensor) -> Prepared:
+    g, y = node.src
+    _require_f32(node, g, y)
+    gv, yv, dv, scale = g.array(), y.array(), node.array(), float(node.op_params[0])
+    return lambda: TK.soft_max_back_f32(gv, yv, dv, scale)
+
+
+_ACTIVATION_BACK = {Op.SILU_BACK: TK.silu_back_f32, Op.GELU_BACK: TK.gelu_back_f32}
+
+
+@prepares(Op.SILU_BACK, Op.GELU_BACK)
+def _activation_back(node: Tensor) -> Prepared:
+    g, x = node.src
+    _require_f32(node, g, x)
+    kernel = _ACTIVATION_BACK[node.op]
+    gv, xv, dv = g.array(), x.array(), node.array()
+    return lambda: kernel(gv, xv, dv)
+
+
+@prepares(Op.GET_ROWS_BACK)
+def _get_rows_back(node: Tensor) -> Prepared:
+    g, rows = node.src
+    _require_f32(node, g)
+    gv, iv, dv = g.array(), rows.array()[0], node.array()
+    return lambda: TK.get_rows_back_f32(gv, iv, dv)
+
+
+@prepares(Op.OPT_STEP_ADAMW)
+def _opt_step_adamw(node: Tensor) -> Prepared:
+    w, g, m, v, params = node.src
+    _require_f32(node, w, g, m, v)
+    wv, gv, mv, vv, pv = _flat(w), _flat(g), _flat(m), _flat(v), _flat(params)
+    return lambda: TK.adamw_step_f32(wv, gv, mv, vv, pv)
+
+
+@prepares(Op.OPT_STEP_SGD)
+def _opt_step_sgd(node: Tensor) -> Prepared:
+    w, g, params = node.src
+    _require_f32(node, w, g)
+    wv, gv, pv = _flat(w), _flat(g), _flat(params)
+    return lambda: TK.sgd_step_f32(wv, gv, pv)

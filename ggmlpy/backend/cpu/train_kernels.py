@@ -1,0 +1,153 @@
+"""numba kernels of the training ops: losses, `*_back` ops, optimizer steps.
+
+Same conventions as kernels.py: arrays are (ne3, ne2, ne1, ne0) views with any strides,
+rows are independent and run in parallel, row sums are kept in float64 as ggml does.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .kernels import GELU_COEF_A, SQRT_2_OVER_PI, _row_index
+
+F32 = np.float32
+
+
+@njit(parallel=True, cache=True)
+def rms_norm_back_f32(g, x, dst, eps):
+    """dx = (g - y * mean(g * y)) / rms with y = x / rms, rms = sqrt(mean(x^2) + eps)."""
+    n3, n2, n1, n0 = x.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        sxx = 0.0
+        sxg = 0.0
+        for i0 in range(n0):
+            v = np.float64(x[i3, i2, i1, i0])
+            sxx += v * v
+            sxg += v * np.float64(g[i3, i2, i1, i0])
+        mean_xx = sxx / n0 + eps
+        inv_rms = 1.0 / np.sqrt(mean_xx)
+        # d/dx_i of x_j/rms: delta_ij/rms - x_i x_j / (n rms^3)
+        c = F32(-sxg / (n0 * mean_xx) * inv_rms)
+        s = F32(inv_rms)
+        for i0 in range(n0):
+            dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * s + x[i3, i2, i1, i0] * c
+
+
+@njit(parallel=True, cache=True)
+def soft_max_back_f32(g, y, dst, scale):
+    """dx = scale * y * (g - dot(g, y)) per row."""
+    n3, n2, n1, n0 = y.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        dot = 0.0
+        for i0 in range(n0):
+            dot += np.float64(g[i3, i2, i1, i0]) * np.float64(y[i3, i2, i1, i0])
+        d = F32(dot)
+        sc = F32(scale)
+        for i0 in range(n0):
+            dst[i3, i2, i1, i0] = sc * y[i3, i2, i1, i0] * (g[i3, i2, i1, i0] - d)
+
+
+@njit(parallel=True, cache=True)
+def silu_back_f32(g, x, dst):
+    """g * silu'(x), silu'(x) = s (1 + x (1 - s)) with s = sigmoid(x)."""
+    n3, n2, n1, n0 = x.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        for i0 in range(n0):
+            v = x[i3, i2, i1, i0]
+            s = F32(1.0) / (F32(1.0) + np.exp(-v))
+            dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * s * (F32(1.0) + v * (F32(1.0) - s))
+
+
+@njit(parallel=True, cache=True)
+def gelu_back_f32(g, x, dst):
+    """g * d/dx [0.5 x (1 + tanh(c (x + a x^3)))]."""
+    n3, n2, n1, n0 = x.shape
+    c = F32(SQRT_2_OVER_PI)
+    a = F32(GELU_COEF_A)
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        for i0 in range(n0):
+            v = x[i3, i2, i1, i0]
+            t = np.tanh(c * v * (F32(1.0) + a * v * v))
+            dt = c * (F32(1.0) + F32(3.0) * a * v * v) * (F32(1.0) - t * t)
+            dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * F32(0.5) * (F32(1.0) + t + v * dt)
+
+
+@njit(parallel=True, cache=True)
+def cross_entropy_rows(logits, labels, out):
+    """out[r] = -sum(labels * log_softmax(logits)) of row r, in double."""
+    n3, n2, n1, n0 = logits.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        row = logits[i3, i2, i1]
+        mx = row[0]
+        for i0 in range(1, n0):
+            mx = max(mx, row[i0])
+        s = 0.0
+        for i0 in range(n0):
+            s += np.exp(np.float64(row[i0] - mx))
+        log_sum = np.log(s) + mx
+        acc = 0.0
+        for i0 in range(n0):
+            acc += np.float64(labels[i3, i2, i1, i0]) * (np.float64(row[i0]) - log_sum)
+        out[r] = -acc
+
+
+@njit(parallel=True, cache=True)
+def cross_entropy_back_f32(d, logits, labels, dst):
+    """dst = (softmax(logits) - labels) * d / rows."""
+    n3, n2, n1, n0 = logits.shape
+    n_rows = n3 * n2 * n1
+    for r in prange(n_rows):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        row = logits[i3, i2, i1]
+        mx = row[0]
+        for i0 in range(1, n0):
+            mx = max(mx, row[i0])
+        s = 0.0
+        for i0 in range(n0):
+            s += np.exp(np.float64(row[i0] - mx))
+        sc = d / n_rows
+        for i0 in range(n0):
+            p = np.exp(np.float64(row[i0] - mx)) / s
+            dst[i3, i2, i1, i0] = F32((p - np.float64(labels[i3, i2, i1, i0])) * sc)
+
+
+@njit(cache=True)
+def get_rows_back_f32(g, idx, dst):
+    """dst[i12, i11, idx[i12, i11, i10]] += g[i12, i11, i10]; serial, as rows may repeat."""
+    dst[:] = 0
+    n12, n11, n10 = idx.shape
+    n0 = dst.shape[3]
+    for i12 in range(n12):
+        for i11 in range(n11):
+            for i10 in range(n10):
+                row = idx[i12, i11, i10]
+                for i0 in range(n0):
+                    dst[i12, i11, row, i0] += g[i12, i11, i10, i0]
+
+
+@njit(parallel=True, cache=True)
+def adamw_step_f32(w, g, m, v, p):
+    """ggml's opt_step_adamw on flat arrays; p = alpha, beta1, beta2, eps, wd, beta1h, beta2h."""
+    alpha, beta1, beta2, eps, wd, beta1h, beta2h = p[0], p[1], p[2], p[3], p[4], p[5], p[6]
+    keep = F32(1.0) - alpha * wd
+    for i in prange(w.shape[0]):
+        gi = g[i]
+        m[i] = m[i] * beta1 + gi * (F32(1.0) - beta1)
+        v[i] = v[i] * beta2 + gi * gi * (F32(1.0) - beta2)
+        mh = m[i] * beta1h
+        vh = np.sqrt(v[i] * beta2h) + eps
+        w[i] = w[i] * keep - alpha * mh / vh
+
+
+@njit(parallel=True, cache=True)
+def sgd_step_f32(w, g, p):
+    """ggml's opt_step_sgd on flat arrays; p = alpha, wd."""
+    alpha, wd = p[0], p[1]
+    keep = F32(1.0) - alpha * wd
+    for i in prange(w.shape[0]):
+        w[i] = w[i] * keep - alpha * g[i]

@@ -1,0 +1,87 @@
+"""Training ops: losses, the dedicated `*_back` ops of the backward pass, optimizer steps.
+
+As in ggml, an op whose gradient has no cheap expression in other ops gets a `*_back`
+op with a kernel of its own; `backward.py` is the only place that builds them.
+"""
+from __future__ import annotations
+
+from .context import Context
+from .ops import _check, _node, view_tensor
+from .tensor import Op, Tensor
+from .types import GGMLType
+
+
+# ---- losses -------------------------------------------------------------------------------
+def cross_entropy_loss(ctx: Context, logits: Tensor, labels: Tensor) -> Tensor:
+    """-sum(labels * log_softmax(logits)) over each row, averaged over rows: a 1-element tensor."""
+    _check(logits.ne == labels.ne, f"CROSS_ENTROPY_LOSS: logits {logits.ne} and labels {labels.ne} differ")
+    return _node(ctx, Op.CROSS_ENTROPY_LOSS, GGMLType.F32, (1, 1, 1, 1), (logits, labels))
+
+
+def cross_entropy_loss_back(ctx: Context, grad: Tensor, logits: Tensor, labels: Tensor) -> Tensor:
+    """d loss / d logits = (softmax(logits) - labels) * grad / rows."""
+    _check(grad.nelements() == 1, "CROSS_ENTROPY_LOSS_BACK: the loss gradient must be a scalar")
+    return _node(ctx, Op.CROSS_ENTROPY_LOSS_BACK, GGMLType.F32, logits.ne, (grad, logits, labels))
+
+
+# ---- backward ops ---------------------------------------------------------------------------
+def rms_norm_back(ctx: Context, grad: Tensor, x: Tensor, eps: float) -> Tensor:
+    """Gradient of rms_norm(x) given the output gradient."""
+    _check(grad.ne == x.ne, f"RMS_NORM_BACK: {grad.ne} vs {x.ne}")
+    return _node(ctx, Op.RMS_NORM_BACK, GGMLType.F32, x.ne, (grad, x), (float(eps),))
+
+
+def soft_max_ext_back(ctx: Context, grad: Tensor, y: Tensor, scale: float, max_bias: float = 0.0) -> Tensor:
+    """Gradient of soft_max_ext given its output y: scale * y * (grad - dot(grad, y)) per row."""
+    _check(grad.ne == y.ne, f"SOFT_MAX_BACK: {grad.ne} vs {y.ne}")
+    return _node(ctx, Op.SOFT_MAX_BACK, GGMLType.F32, y.ne, (grad, y), (float(scale), float(max_bias)))
+
+
+def rope_back(ctx: Context, grad: Tensor, rope: Tensor) -> Tensor:
+    """Gradient of a rope node: the inverse rotation, same positions and parameters."""
+    _check(rope.op == Op.ROPE and grad.ne == rope.ne, "ROPE_BACK: needs a ROPE node and its gradient")
+    return _node(ctx, Op.ROPE_BACK, GGMLType.F32, grad.ne, (grad,) + rope.src[1:], rope.op_params)
+
+
+def silu_back(ctx: Context, grad: Tensor, x: Tensor) -> Tensor:
+    """grad * silu'(x)."""
+    _check(grad.ne == x.ne, f"SILU_BACK: {grad.ne} vs {x.ne}")
+    return _node(ctx, Op.SILU_BACK, GGMLType.F32, x.ne, (grad, x))
+
+
+def gelu_back(ctx: Context, grad: Tensor, x: Tensor) -> Tensor:
+    """grad * gelu'(x) (tanh approximation, as the forward)."""
+    _check(grad.ne == x.ne, f"GELU_BACK: {grad.ne} vs {x.ne}")
+    return _node(ctx, Op.GELU_BACK, GGMLType.F32, x.ne, (grad, x))
+
+
+def get_rows_back(ctx: Context, grad: Tensor, rows: Tensor, like: Tensor) -> Tensor:
+    """The picked rows' gradients added back into a zero tensor shaped like the table."""
+    _check(grad.ne[0] == like.ne[0], f"GET_ROWS_BACK: rows of {grad.ne} do not fit {like.ne}")
+    return _node(ctx, Op.GET_ROWS_BACK, GGMLType.F32, like.ne, (grad, rows))
+
+
+# ---- optimizer steps ---------------------------------------------------------------------------
+ADAMW_PARAMS = 7  # alpha, beta1, beta2, eps, wd, beta1h, beta2h
+SGD_PARAMS = 2    # alpha, wd
+
+
+def opt_step_adamw(ctx: Context, w: Tensor, grad: Tensor, m: Tensor, v: Tensor, params: Tensor) -> Tensor:
+    """One AdamW update of w in place (decoupled weight decay; beta1h/beta2h carry the bias correction).
+
+    `params` is a host-filled F32 tensor, so schedules change values without rebuilding graphs.
+    """
+    _check(w.ne == grad.ne == m.ne == v.ne, "OPT_STEP_ADAMW: w, grad, m, v must have one shape")
+    _check(params.nelements() == ADAMW_PARAMS and params.type == GGMLType.F32, "OPT_STEP_ADAMW: 7 F32 params")
+    out = view_tensor(ctx, w)
+    out.op, out.src = Op.OPT_STEP_ADAMW, (w, grad, m, v, params)
+    return out
+
+
+def opt_step_sgd(ctx: Context, w: Tensor, grad: Tensor, params: Tensor) -> Tensor:
+    """One SGD update of w in place: w = w * (1 - alpha*wd) - alpha * grad. No optimizer state."""
+    _check(w.ne == grad.ne, "OPT_STEP_SGD: w and grad must have one shape")
+    _check(params.nelements() == SGD_PARAMS and params.type == GGMLType.F32, "OPT_STEP_SGD: 2 F32 params")
+    out = view_tensor(ctx, w)
+    out.op, out.src = Op.OPT_STEP_SGD, (w, grad, params)
+    return out
