@@ -1,12 +1,13 @@
 """ggmlpy: a Python twin of ggml: typed strided tensors, lazy graphs, planned memory,
 and a CPU backend of numba kernels and BLAS."""
+from . import opt
 from .alloc import GraphAllocator
 from .backend.cpu import CpuBackend
 from .backward import NotDifferentiableError, build_backward_expand
 from .context import Context
 from .graph import Graph, build_forward_expand, new_graph
-from .ops import *
-from .ops_train import *
+from .ops import *  # noqa: F403  (the op functions are the public API, as in ggml.h)
+from .ops_train import *  # noqa: F403
 from .tensor import Flag, Op, Tensor
 from .types import GGMLType, row_size, traits
 

@@ -19,6 +19,13 @@ class Graph:
         self.grads: dict[int, Tensor] = {}      # param id -> its gradient (build_backward_expand)
         self.grad_accs: dict[int, Tensor] = {}  # param id -> its gradient accumulator
 
+    def copy(self) -> "Graph":
+        """A graph with the same nodes, to extend without changing this one (ggml_graph_dup)."""
+        g = Graph()
+        g.nodes, g.leafs, g._seen = list(self.nodes), list(self.leafs), set(self._seen)
+        g.grads, g.grad_accs = dict(self.grads), dict(self.grad_accs)
+        return g
+
     def get_grad(self, tensor: Tensor) -> Tensor | None:
         return self.grads.get(id(tensor))
 
