@@ -248,6 +248,14 @@ def _acc(ctx, node, g, wants):
     return [g, db]
 
 
+@rule(Op.CONCAT)
+def _concat(ctx, node, g, wants):
+    a, b = node.src
+    dim = node.op_params[0]
+    return [O.view(ctx, g, a.ne, g.nb[1:], 0) if wants[0] else None,
+            O.view(ctx, g, b.ne, g.nb[1:], a.ne[dim] * g.nb[dim]) if wants[1] else None]
+
+
 # ---- rules: normalization, activations, attention pieces --------------------------------------
 @rule(Op.RMS_NORM)
 def _rms_norm(ctx, node, g, wants):

@@ -155,6 +155,16 @@ def out_prod(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     return _node(ctx, Op.OUT_PROD, GGMLType.F32, (a.ne[0], b.ne[0], b.ne[2], b.ne[3]), (a, b))
 
 
+def concat(ctx: Context, a: Tensor, b: Tensor, dim: int) -> Tensor:
+    """a and b joined along `dim` (the other dimensions must agree)."""
+    _check(0 <= dim < MAX_DIMS and all(a.ne[i] == b.ne[i] for i in range(MAX_DIMS) if i != dim),
+           f"CONCAT: {a.ne} and {b.ne} cannot be joined along dim {dim}")
+    _check(a.type == b.type, f"CONCAT: types differ ({a.type.name} vs {b.type.name})")
+    ne = list(a.ne)
+    ne[dim] += b.ne[dim]
+    return _node(ctx, Op.CONCAT, a.type, ne, (a, b), (dim,))
+
+
 def argmax(ctx: Context, a: Tensor) -> Tensor:
     """Index of each row's largest value (first on ties): I32 [ne1] of a matrix."""
     _check(a.ne[2] == 1 and a.ne[3] == 1, f"ARGMAX: needs a matrix, got {a.ne}")

@@ -68,6 +68,7 @@ class Op(IntEnum):
     ARGMAX = auto()
     COUNT_EQUAL = auto()
     GELU_BACK = auto()
+    CONCAT = auto()
 
 
 # Ops whose result shares its source's memory: nothing to compute, nothing to allocate.

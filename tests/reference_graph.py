@@ -89,6 +89,8 @@ def _op(node: gg.Tensor, x: list[np.ndarray]) -> np.ndarray:
         return bcast_tile(x[0], shape)
     if op == Op.REPEAT_BACK:
         return _tiles_sum(x[0], shape)
+    if op == Op.CONCAT:
+        return np.concatenate(x, axis=3 - p[0])
     if op == Op.ACC:
         nb1, nb2, nb3, offset = p
         out = np.array(x[0], dtype=np.float64)

@@ -724,3 +724,16 @@ def test_views_of_intermediates(rng):
     assert_close(outs[0].array()[0, 0], ref.reshape(4, 12))
     assert_close(outs[1].array()[0, 0], ref[0, 0].T)
     assert_close(outs[2].array()[0, 0], 2 * ref[0, 0, 0:4:2, 5:8])
+
+
+# ---- concat ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("layouts", [("contig", "contig"), ("perm", "pad"), ("trans", "contig")], ids=lambda l: "-".join(l))
+@pytest.mark.parametrize("dim", [0, 1, 2, 3])
+def test_concat(rng, dim, layouts):
+    a_shape = [2, 3, 4, 5]
+    b_shape = list(a_shape)
+    b_shape[3 - dim] = 2
+    a, b = randn(rng, a_shape), randn(rng, b_shape)
+    ctx = gg.Context()
+    got = run(gg.concat(ctx, make(ctx, a, layouts[0]), make(ctx, b, layouts[1]), dim))
+    assert np.array_equal(got, np.concatenate([a, b], axis=3 - dim))

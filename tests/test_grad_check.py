@@ -146,6 +146,8 @@ CASES = {
     "repeat": (lambda ctx, a: gg.repeat(ctx, a, gg.Tensor(gg.GGMLType.F32, (4, 6, 3, 2))), [rn(4, 2, 3, 1)], None),
     "repeat_back": (lambda ctx, a: gg.repeat_back(ctx, a, gg.Tensor(gg.GGMLType.F32, (4, 1, 3, 1))), [rn(4, 6, 3, 2)], None),
     "acc": (lambda ctx, a, b: gg.acc(ctx, a, b, a.nb[1], a.nb[2], a.nb[3], a.nb[1] + a.nb[0]), [rn(6, 5), rn(3, 2, seed=2)], None),
+    "concat_dim0": (lambda ctx, a, b: gg.concat(ctx, a, b, 0), [rn(3, 4, 2), rn(5, 4, 2, seed=2)], None),
+    "concat_dim2_perm": (lambda ctx, a, b: gg.concat(ctx, a, b, 2), [rn(3, 4, 2), rn(3, 4, 5, seed=2)], ["perm", "contig"]),
     "get_rows": (lambda ctx, a: gg.get_rows(ctx, a, ctx.from_numpy(np.array([3, 0, 3, 1], np.int32), gg.GGMLType.I32)),
                  [rn(5, 4)], None),
     "get_rows_3d": (lambda ctx, a: gg.get_rows(ctx, a, ctx.from_numpy(np.array([[2, 2, 0], [1, 0, 1]], np.int32), gg.GGMLType.I32)),

@@ -69,6 +69,21 @@ def _repeat_back(node: Tensor) -> Prepared:
     return run
 
 
+@prepares(Op.CONCAT)
+def _concat(node: Tensor) -> Prepared:
+    a, b = node.src
+    av, bv, dv = a.array(), b.array(), node.array()
+    axis = 3 - node.op_params[0]
+    split = av.shape[axis]
+    head = dv[(slice(None),) * axis + (slice(0, split),)]
+    tail = dv[(slice(None),) * axis + (slice(split, None),)]
+
+    def run() -> None:
+        np.copyto(head, av)
+        np.copyto(tail, bv)
+    return run
+
+
 @prepares(Op.ACC)
 def _acc(node: Tensor) -> Prepared:
     a, b = node.src
