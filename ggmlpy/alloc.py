@@ -95,13 +95,15 @@ class GraphAllocator:
         fl = FreeList()
         offsets: dict[int, int] = {}
         pinned = Flag.INPUT | Flag.OUTPUT | Flag.PARAM
+        # a pinned view (an output that is a reshape of a node, say) pins the bytes it views
+        pinned_bases = {id(t.view_src) for t in graph.nodes if t.view_src is not None and t.flags & pinned}
 
         def place(t: Tensor) -> None:
             if id(t) in owned and id(t) not in offsets:
                 offsets[id(t)] = fl.alloc(t.nbytes())
 
         def release(t: Tensor) -> None:
-            if id(t) in owned and not (t.flags & pinned) and t.op != Op.NONE:
+            if id(t) in owned and not (t.flags & pinned) and id(t) not in pinned_bases and t.op != Op.NONE:
                 fl.release(offsets[id(t)], t.nbytes())
 
         # inputs first, so that nothing computed can overwrite them; leafs stay put
@@ -110,7 +112,7 @@ class GraphAllocator:
 
         for node in graph.nodes:
             if id(node) in owned and id(node) not in offsets:
-                donor = self._inplace_donor(node, owned, children, views, pinned)
+                donor = self._inplace_donor(node, owned, children, views, pinned, pinned_bases)
                 if donor is not None:
                     offsets[id(node)] = offsets[id(donor)]
                     owned.pop(id(donor))  # the node now owns those bytes
@@ -126,12 +128,12 @@ class GraphAllocator:
         return fl.peak
 
     @staticmethod
-    def _inplace_donor(node, owned, children, views, pinned) -> Tensor | None:
+    def _inplace_donor(node, owned, children, views, pinned, pinned_bases=frozenset()) -> Tensor | None:
         if node.op not in INPLACE_OPS:
             return None
         for s in node.src:
             if (id(s) in owned and s.view_src is None and children.get(id(s)) == 1 and views.get(id(s), 0) == 0
-                    and not (s.flags & pinned) and s.op != Op.NONE and s.type == node.type
+                    and not (s.flags & pinned) and id(s) not in pinned_bases and s.op != Op.NONE and s.type == node.type
                     and s.ne == node.ne and s.nb == node.nb):
                 return s
         return None

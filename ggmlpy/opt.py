@@ -280,6 +280,11 @@ class OptContext:
         self.allocator = GraphAllocator()
         self.allocator.alloc_graph(largest)
 
+    @property
+    def batch_size(self) -> int:
+        """Datapoints per physical batch (what the progress counter counts in)."""
+        return self.inputs.ne[1]
+
     # -- state ------------------------------------------------------------------------------
     def optimizer_state(self) -> list[Tensor]:
         """The tensors the optimizer keeps between steps (AdamW: m and v per param; SGD: none)."""
@@ -413,7 +418,7 @@ def progress_bar(train: bool, opt_ctx: OptContext, dataset: Dataset, result: Res
                 level = eighth
                 break
         cells.append(_BLOCKS[level])
-    batch = opt_ctx.inputs.ne[1]
+    batch = opt_ctx.batch_size
     loss, loss_unc = result.loss()
     acc, acc_unc = result.accuracy()
     elapsed = time.perf_counter() - t_start

@@ -19,6 +19,7 @@ from .errors import InputError
 from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVCache
 from .model import Model
+from .opt import TrainParams
 
 MAX_CACHED_GRAPHS = 8
 
@@ -52,6 +53,7 @@ class Context:
         self._output_row = np.empty(0, dtype=np.int64)  # batch index -> logits row, -1 if none
         self._n_outputs = 0
         self._shift_graph = None  # (graph, positions input, allocator), built on the first K shift
+        self.trainer = None  # set by opt_init
 
     @property
     def n_vocab(self) -> int:
@@ -200,3 +202,68 @@ class Context:
 
     def memory_seq_pos_max(self, seq: int) -> int:
         return self.kv.seq_pos_max(seq)
+
+    # ---- warmup ------------------------------------------------------------------------------
+    def set_warmup(self, enabled: bool) -> None:
+        """With `enabled`, run a warmup decode now (BOS and EOS through every layer, so kernels
+        compile and graphs are planned) and forget it: nothing stays in the KV cache. Refused
+        while tensors are marked trainable, since a warmup must not touch training state."""
+        if not enabled:
+            return
+        if self.trainer is not None and self.trainer.trained:
+            raise InputError("warmup is refused while parameters are marked trainable (after opt_init)")
+        vocab = self.model.vocab
+        tokens = [t for t in (vocab.bos_id, vocab.eos_id) if t is not None and t >= 0] or [0]
+        saved = self.kv.pos.copy(), self.kv.seqs.copy()
+        self.decode(Batch.from_tokens(tokens[: self.n_batch]))
+        self.kv.pos[...], self.kv.seqs[...] = saved
+
+    # ---- training (llama_opt_*) --------------------------------------------------------------------
+    def opt_init(self, params: TrainParams | None = None) -> None:
+        """Mark the tensors the filter selects as trainable and create the optimizer state."""
+        from .train import Trainer
+        self.trainer = Trainer(self, params or TrainParams())
+
+    def opt_epoch(self, dataset, result_train=None, result_eval=None, idata_split: int = -1,
+                  callback_train=None, callback_eval=None) -> None:
+        """One pass: train on windows [0, idata_split), evaluate on the rest (llama_opt_epoch)."""
+        if self.trainer is None:
+            raise InputError("opt_epoch: call opt_init first")
+        self.trainer.epoch_pass(dataset, result_train, result_eval, idata_split, callback_train, callback_eval)
+
+    def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
+                silent: bool = False, stream=None, on_epoch=None) -> list:
+        """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
+        windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
+
+        Returns one `ggmlpy.opt.EpochResult` per epoch. `on_epoch(epoch_result)` runs after each.
+        """
+        import sys
+
+        from ggmlpy.opt import EpochResult, Result, progress_bar
+        if self.trainer is None or params is not None:
+            self.opt_init(params)
+        trainer = self.trainer
+        epochs = epochs or trainer.params.schedule.epochs
+        if not 0.0 <= val_split < 1.0:
+            raise InputError(f"val_split must be in [0, 1), got {val_split}")
+        idata_split = dataset.ndata - int(round(dataset.ndata * val_split)) if val_split else dataset.ndata
+        if idata_split < trainer.windows_per_step:
+            raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
+                             f"one optimizer step after holding out {val_split:.0%} for validation")
+        stream = stream or sys.stderr
+        history = []
+        for epoch in range(epochs):
+            trainer.epoch = epoch
+            train, val = Result(), Result()
+            prefix = {True: f"epoch {epoch}: ", False: " " * len(f"epoch {epoch}: ")}
+
+            def bar(is_train, *args):
+                if not silent:
+                    stream.write(prefix[is_train])
+                    progress_bar(is_train, *args, stream=stream)
+            trainer.epoch_pass(dataset, train, val, idata_split, bar, bar)
+            history.append(EpochResult(epoch, train, val))
+            if on_epoch:
+                on_epoch(history[-1])
+        return history
