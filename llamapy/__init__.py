@@ -3,5 +3,6 @@ from .batch import Batch
 from .context import Context
 from .errors import LlamapyError
 from .model import Model, load_model
+from .save import save_model_to_file
 
-__all__ = ["Batch", "Context", "LlamapyError", "Model", "load_model"]
+__all__ = ["Batch", "Context", "LlamapyError", "Model", "load_model", "save_model_to_file"]

@@ -23,3 +23,7 @@ class VocabError(LlamapyError):
 
 class InputError(LlamapyError):
     """The user's input (text, arguments) does not fit the requested job."""
+
+
+class SaveError(LlamapyError):
+    """A model could not be written (unwritable destination, disk full, unsavable value)."""
