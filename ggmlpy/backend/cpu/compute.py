@@ -207,7 +207,7 @@ def _get_rows(node: Tensor) -> Prepared:
     dv = node.array()
     tr = traits(a.type)
     if tr.is_quantized:
-        raise NotImplementedError(f"GET_ROWS from {a.type.name}")
+        return _get_rows_quantized(a, idx, dv)
     av = a.array()
     if a.type in (GGMLType.F16, GGMLType.BF16):
         # numba has no float16 arrays: gather the picked rows in numpy and convert only those
@@ -215,6 +215,27 @@ def _get_rows(node: Tensor) -> Prepared:
         i11 = np.arange(idx.shape[1])[None, :, None]
         return lambda: np.copyto(dv, convert.to_f32(av[i12, i11, idx], a.type))
     return lambda: K.get_rows(av, idx, dv)
+
+
+def _get_rows_quantized(a: Tensor, idx: np.ndarray, dv: np.ndarray) -> Prepared:
+    """Only the picked rows are dequantized, straight into the result when it is contiguous."""
+    from .qmatmul import QuantMatrix, get_rows_q, row_offsets
+    offs = row_offsets(a)  # (ne03, ne02, ne01)
+    w = QuantMatrix(a.type, a.buffer, offs.reshape(-1), a.ne[0])
+    n3, n2, n1 = offs.shape
+    i12 = np.arange(idx.shape[0])[:, None, None]
+    i11 = np.arange(idx.shape[1])[None, :, None]
+    base = (i12 * n2 + i11) * n1  # flat row index of row 0 of each (i12, i11) matrix
+    d2 = dv.reshape(-1, dv.shape[3]) if dv.flags.c_contiguous else None
+    tmp = np.empty((idx.size, dv.shape[3]), dtype=np.float32) if d2 is None else None
+
+    def run() -> None:
+        rows = (base + idx).reshape(-1)
+        if d2 is not None:
+            get_rows_q(w, rows, d2)
+        else:
+            np.copyto(dv, get_rows_q(w, rows, tmp).reshape(dv.shape))
+    return run
 
 
 @prepares(Op.SET_ROWS)
