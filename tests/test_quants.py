@@ -356,3 +356,36 @@ def test_real_gemma3_blocks(gemma3_path):
             ref64 = x.astype(np.float64) @ ref.astype(np.float64).T
             assert_product_close(out, ref64, np.abs(x) @ np.abs(ref.astype(np.float64)).T, type)
     assert {T.Q4_K, T.Q6_K} <= seen, seen
+
+
+# ---- conversions -------------------------------------------------------------------------------
+@pytest.mark.parametrize("type", [T.Q8_0, T.Q4_0, T.Q5_1], ids=ids)
+def test_set_rows_into_quantized(type):
+    """SET_ROWS into a quantized table (a quantized KV cache) quantizes like ggml's reference."""
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((1, 2, 3, 64)).astype(np.float32)
+    idx = np.array([[[4, 0, 2]]], np.int64)
+    ctx = gg.Context()
+    table = ctx.from_numpy(np.zeros((2, 5, 2 * gg.traits(type).type_size), np.uint8), type)
+    out = gg.set_rows(ctx, table, ctx.from_numpy(rows), ctx.from_numpy(idx, T.I64))
+    gg.compute(gg.new_graph(out))
+    got = table.array()[0]
+    for i2 in range(2):
+        np.testing.assert_array_equal(got[i2, [4, 0, 2]], gguf.quants.quantize(rows[0, i2], G[type.name]))
+        np.testing.assert_array_equal(got[i2, [1, 3]], 0)
+
+
+@pytest.mark.parametrize("type", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=ids)
+def test_cpy_between_f32_and_quantized(type):
+    rng = np.random.default_rng(4)
+    k = 256
+    x = rng.standard_normal((3, 2, k)).astype(np.float32)
+    ctx = gg.Context()
+    src = ctx.from_numpy(x)
+    dst = ctx.new_tensor(type, (k, 2, 3))
+    q = gg.cpy(ctx, src, dst)
+    back = gg.cont(ctx, gg.cpy(ctx, q, ctx.new_tensor(T.F32, (2 * k, 3))))  # reshaped on the way back
+    gg.compute(gg.new_graph(back))
+    ref_q = Q.quantize(x, type)
+    np.testing.assert_array_equal(dst.array()[0], ref_q)
+    np.testing.assert_array_equal(back.array()[0, 0], ref_dequantize(ref_q, type).reshape(3, 2 * k))

@@ -245,6 +245,17 @@ def _set_rows(node: Tensor) -> Prepared:
     dv, sv, iv = node.array(), src_t.array(), idx_t.array()[0]
     n3, n2 = sv.shape[0], sv.shape[1]
     c2, c1 = iv.shape[0], iv.shape[1]
+    if traits(dst_t.type).is_quantized:
+        from ... import quants
+        q_type = dst_t.type
+        if quants.kernels(q_type).quantize is None:
+            raise NotImplementedError(f"SET_ROWS into {q_type.name}")
+
+        def run() -> None:  # rows quantized as ggml's from_float does (the reference quantizer)
+            for i3 in range(n3):
+                for i2 in range(n2):
+                    dv[i3, i2][iv[i3 % c2, i2 % c1]] = quants.quantize(sv[i3, i2], q_type)
+        return run
     if dst_t.type == GGMLType.BF16:
         def run() -> None:
             for i3 in range(n3):
@@ -262,9 +273,8 @@ def _set_rows(node: Tensor) -> Prepared:
 @prepares(Op.CPY, Op.CONT, Op.DUP)
 def _copy(node: Tensor) -> Prepared:
     src = node.src[0]
-    if traits(src.type).is_quantized or traits(node.type).is_quantized:
-        if src.type != node.type:
-            raise NotImplementedError(f"{node.op.name} from {src.type.name} to {node.type.name}")
+    if (traits(src.type).is_quantized or traits(node.type).is_quantized) and src.type != node.type:
+        return _convert_quantized(node, src)
     sv, dv = src.array(), node.array()
     same_shape = src.ne == node.ne
     src_type, dst_type = src.type, node.type
@@ -277,3 +287,24 @@ def _copy(node: Tensor) -> Prepared:
             convert.store(dv, convert.to_f32(values, src_type), dst_type)
     return run
 
+
+
+def _convert_quantized(node: Tensor, src: Tensor) -> Prepared:
+    """CPY/CONT/DUP between a block-quantized type and F32, element order kept (as ggml's
+    dup: rows of the destination are filled in order, whatever the shapes)."""
+    from ... import quants
+    sv, dv = src.array(), node.array()
+    if traits(src.type).is_quantized and node.type == GGMLType.F32:
+        s_type = src.type
+
+        def run() -> None:
+            np.copyto(dv, quants.dequantize(np.ascontiguousarray(sv), s_type).reshape(dv.shape))
+        return run
+    if traits(node.type).is_quantized and src.type == GGMLType.F32 and quants.kernels(node.type).quantize is not None:
+        d_type, ne0 = node.type, node.ne[0]
+
+        def run() -> None:
+            rows = np.ascontiguousarray(sv).reshape(-1, ne0)
+            np.copyto(dv, quants.quantize(rows, d_type).reshape(dv.shape))
+        return run
+    raise NotImplementedError(f"{node.op.name} from {src.type.name} to {node.type.name}")
