@@ -48,9 +48,19 @@ def kernels(type: GGMLType) -> QuantKernels:
         raise NotImplementedError(f"no quantization kernels for {GGMLType(type).name}") from None
 
 
+def flat_buffer(buf: np.ndarray) -> np.ndarray:
+    """buf as a read-only flat uint8 ndarray: the one buffer type the kernels are compiled
+    for (read-only memory maps and writable arenas alike)."""
+    flat = np.asarray(buf).view(np.uint8).reshape(-1)
+    if flat.flags.writeable:
+        flat = flat.view()
+        flat.flags.writeable = False
+    return flat
+
+
 def dequantize_rows_into(type: GGMLType, buf: np.ndarray, offs: np.ndarray, dst: np.ndarray) -> None:
     """dst[r] = the float32 values of the row starting at byte offs[r] of the flat buffer."""
-    kernels(type).dequantize(buf, offs, dst)
+    kernels(type).dequantize(flat_buffer(buf), np.ascontiguousarray(offs, dtype=np.int64), dst)
 
 
 def dequantize(data: np.ndarray, type: GGMLType) -> np.ndarray:

@@ -30,15 +30,6 @@ def tile_rows(k: int, m: int) -> int:
     return max(1, min(m, t))
 
 
-def flat_buffer(buf: np.ndarray) -> np.ndarray:
-    """buf as a read-only flat uint8 ndarray (one numba specialization for every buffer)."""
-    flat = np.asarray(buf).view(np.uint8).reshape(-1)
-    if flat.flags.writeable:
-        flat = flat.view()
-        flat.flags.writeable = False
-    return flat
-
-
 def row_offsets(t: Tensor) -> np.ndarray:
     """Byte offset of each row of t in t.buffer: int64 array of shape (ne3, ne2, ne1)."""
     ne, nb = t.ne, t.nb
@@ -55,7 +46,7 @@ class QuantMatrix:
 
     def __init__(self, type: GGMLType, buf: np.ndarray, offs: np.ndarray, k: int) -> None:
         self.type = GGMLType(type)
-        self.buf = flat_buffer(buf)
+        self.buf = quants.flat_buffer(buf)
         self.offs = np.ascontiguousarray(offs, dtype=np.int64).reshape(-1)
         self.k = int(k)
         self.dequantize = quants.kernels(self.type).dequantize
