@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .tensor import MAX_DIMS, Tensor
-from .types import GGMLType
+from .types import GGMLType, traits
 
 
 class Context:
@@ -46,9 +46,18 @@ class Context:
         return self.new_tensor(type, (ne0, ne1, ne2, ne3), name)
 
     def from_numpy(self, values: np.ndarray, type: GGMLType = GGMLType.F32, name: str = "") -> Tensor:
-        """A tensor holding a copy of `values` (numpy shape is ne reversed)."""
+        """A tensor holding a copy of `values` (numpy shape is ne reversed).
+
+        For a block-quantized `type`, `values` are the packed rows: uint8 of numpy shape
+        (..., row bytes), as gguf.quants.quantize returns them.
+        """
         values = np.asarray(values)
         ne = values.shape[::-1] if values.ndim else (1,)
+        tr = traits(type)
+        if tr.is_quantized:
+            if values.dtype != np.uint8 or values.ndim == 0 or values.shape[-1] % tr.type_size:
+                raise ValueError(f"{tr.name} rows must be uint8 of shape (..., k * {tr.type_size})")
+            ne = (values.shape[-1] // tr.type_size * tr.blck_size,) + ne[1:]
         tensor = Tensor(type, tuple(ne) + (1,) * (MAX_DIMS - len(ne)), name=name)
         tensor.bind(np.zeros(max(tensor.nbytes(), 1), dtype=np.uint8))
         tensor.set(values)

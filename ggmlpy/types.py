@@ -69,6 +69,18 @@ TYPE_TRAITS: dict[GGMLType, TypeTraits] = {
     GGMLType.I16: _plain("i16", np.int16),
     GGMLType.I32: _plain("i32", np.int32),
     GGMLType.I64: _plain("i64", np.int64),
+    # block-quantized types (ggml-common.h): kernels in ggmlpy/quants
+    GGMLType.Q4_0: TypeTraits("q4_0", 32, 18, None),
+    GGMLType.Q4_1: TypeTraits("q4_1", 32, 20, None),
+    GGMLType.Q5_0: TypeTraits("q5_0", 32, 22, None),
+    GGMLType.Q5_1: TypeTraits("q5_1", 32, 24, None),
+    GGMLType.Q8_0: TypeTraits("q8_0", 32, 34, None),
+    GGMLType.Q2_K: TypeTraits("q2_K", 256, 84, None),
+    GGMLType.Q3_K: TypeTraits("q3_K", 256, 110, None),
+    GGMLType.Q4_K: TypeTraits("q4_K", 256, 144, None),
+    GGMLType.Q5_K: TypeTraits("q5_K", 256, 176, None),
+    GGMLType.Q6_K: TypeTraits("q6_K", 256, 210, None),
+    GGMLType.Q8_K: TypeTraits("q8_K", 256, 292, None),
 }
 
 
@@ -90,6 +102,6 @@ def row_size(t: GGMLType, ne0: int) -> int:
 def type_from_name(name: str) -> GGMLType:
     """'f16' / 'F16' / 'q8_0' -> GGMLType, for command-line options."""
     for t, tr in TYPE_TRAITS.items():
-        if tr.name == name.lower():
+        if tr.name.lower() == name.lower():
             return t
     raise ValueError(f"unknown tensor type {name!r}")

@@ -207,7 +207,7 @@ def _get_rows(node: Tensor) -> Prepared:
     dv = node.array()
     tr = traits(a.type)
     if tr.is_quantized:
-        raise NotImplementedError(f"GET_ROWS from {a.type.name}")
+        return _get_rows_quantized(a, idx, dv)
     av = a.array()
     if a.type in (GGMLType.F16, GGMLType.BF16):
         # numba has no float16 arrays: gather the picked rows in numpy and convert only those
@@ -217,6 +217,27 @@ def _get_rows(node: Tensor) -> Prepared:
     return lambda: K.get_rows(av, idx, dv)
 
 
+def _get_rows_quantized(a: Tensor, idx: np.ndarray, dv: np.ndarray) -> Prepared:
+    """Only the picked rows are dequantized, straight into the result when it is contiguous."""
+    from .qmatmul import QuantMatrix, get_rows_q, row_offsets
+    offs = row_offsets(a)  # (ne03, ne02, ne01)
+    w = QuantMatrix(a.type, a.buffer, offs.reshape(-1), a.ne[0])
+    n3, n2, n1 = offs.shape
+    i12 = np.arange(idx.shape[0])[:, None, None]
+    i11 = np.arange(idx.shape[1])[None, :, None]
+    base = (i12 * n2 + i11) * n1  # flat row index of row 0 of each (i12, i11) matrix
+    d2 = dv.reshape(-1, dv.shape[3]) if dv.flags.c_contiguous else None
+    tmp = np.empty((idx.size, dv.shape[3]), dtype=np.float32) if d2 is None else None
+
+    def run() -> None:
+        rows = (base + idx).reshape(-1)
+        if d2 is not None:
+            get_rows_q(w, rows, d2)
+        else:
+            np.copyto(dv, get_rows_q(w, rows, tmp).reshape(dv.shape))
+    return run
+
+
 @prepares(Op.SET_ROWS)
 def _set_rows(node: Tensor) -> Prepared:
     dst_t, src_t, idx_t = node.src
@@ -224,6 +245,17 @@ def _set_rows(node: Tensor) -> Prepared:
     dv, sv, iv = node.array(), src_t.array(), idx_t.array()[0]
     n3, n2 = sv.shape[0], sv.shape[1]
     c2, c1 = iv.shape[0], iv.shape[1]
+    if traits(dst_t.type).is_quantized:
+        from ... import quants
+        q_type = dst_t.type
+        if quants.kernels(q_type).quantize is None:
+            raise NotImplementedError(f"SET_ROWS into {q_type.name}")
+
+        def run() -> None:  # rows quantized as ggml's from_float does (the reference quantizer)
+            for i3 in range(n3):
+                for i2 in range(n2):
+                    dv[i3, i2][iv[i3 % c2, i2 % c1]] = quants.quantize(sv[i3, i2], q_type)
+        return run
     if dst_t.type == GGMLType.BF16:
         def run() -> None:
             for i3 in range(n3):
@@ -241,9 +273,8 @@ def _set_rows(node: Tensor) -> Prepared:
 @prepares(Op.CPY, Op.CONT, Op.DUP)
 def _copy(node: Tensor) -> Prepared:
     src = node.src[0]
-    if traits(src.type).is_quantized or traits(node.type).is_quantized:
-        if src.type != node.type:
-            raise NotImplementedError(f"{node.op.name} from {src.type.name} to {node.type.name}")
+    if (traits(src.type).is_quantized or traits(node.type).is_quantized) and src.type != node.type:
+        return _convert_quantized(node, src)
     sv, dv = src.array(), node.array()
     same_shape = src.ne == node.ne
     src_type, dst_type = src.type, node.type
@@ -256,3 +287,24 @@ def _copy(node: Tensor) -> Prepared:
             convert.store(dv, convert.to_f32(values, src_type), dst_type)
     return run
 
+
+
+def _convert_quantized(node: Tensor, src: Tensor) -> Prepared:
+    """CPY/CONT/DUP between a block-quantized type and F32, element order kept (as ggml's
+    dup: rows of the destination are filled in order, whatever the shapes)."""
+    from ... import quants
+    sv, dv = src.array(), node.array()
+    if traits(src.type).is_quantized and node.type == GGMLType.F32:
+        s_type = src.type
+
+        def run() -> None:
+            np.copyto(dv, quants.dequantize(np.ascontiguousarray(sv), s_type).reshape(dv.shape))
+        return run
+    if traits(node.type).is_quantized and src.type == GGMLType.F32 and quants.kernels(node.type).quantize is not None:
+        d_type, ne0 = node.type, node.ne[0]
+
+        def run() -> None:
+            rows = np.ascontiguousarray(sv).reshape(-1, ne0)
+            np.copyto(dv, quants.quantize(rows, d_type).reshape(dv.shape))
+        return run
+    raise NotImplementedError(f"{node.op.name} from {src.type.name} to {node.type.name}")

@@ -7,6 +7,11 @@ matrices of b, as grouped-query attention needs. Splitting b's dims 2 and 3 into
 
 When `a` is F16/BF16, ggml converts `b` to that type before the dot products; rounding
 `b` the same way here keeps results identical to llama.cpp's.
+
+When `a` is block-quantized, its rows are dequantized a tile at a time and multiplied
+through BLAS (qmatmul.py); ggml instead quantizes `b` to the type's dot-product partner
+(Q8_0 / Q8_K) and uses integer dot products, so results differ from llama.cpp's by that
+rounding of `b` (float32 activations here are used as they are).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from ... import convert
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from .compute import Prepared, prepares
+from .qmatmul import QuantMatrix, mul_mat_q, row_offsets, tile_rows
 
 
 def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
@@ -26,10 +32,10 @@ def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
 @prepares(Op.MUL_MAT)
 def prepare_mul_mat(node: Tensor) -> Prepared:
     a, b = node.src
-    if traits(a.type).is_quantized:
-        raise NotImplementedError(f"MUL_MAT with {a.type.name} first operand")
     if b.type != GGMLType.F32:
         raise NotImplementedError(f"MUL_MAT with {b.type.name} second operand")
+    if traits(a.type).is_quantized:
+        return _prepare_quantized(node, a, b)
     av, bv, dv = a.array(), b.array(), node.array()
     ne03, ne02 = av.shape[0], av.shape[1]
     a_type = a.type
@@ -52,9 +58,35 @@ def prepare_mul_mat(node: Tensor) -> Prepared:
     return lambda: np.matmul(convert.round_to(b6, a_type), convert.to_f32(a6, a_type).swapaxes(-1, -2), out=d6)
 
 
+def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
+    """One (W, x rows, out rows) product per matrix of `a`; b's matrices that share it
+    (broadcasting over dims 2 and 3) are folded into one batch of rows when their layout
+    allows, so each tile of W is dequantized once per graph evaluation."""
+    k, m, ne02, ne03 = a.ne
+    offs = row_offsets(a)
+    b6 = _split_batch(b.array(), ne02, ne03)
+    d6 = _split_batch(node.array(), ne02, ne03)
+    work = []
+    for i3 in range(ne03):
+        for i2 in range(ne02):
+            w = QuantMatrix(a.type, a.buffer, offs[i3, i2], k)
+            bs, ds = b6[i3, :, i2], d6[i3, :, i2]  # (r3, r2, N, K), (r3, r2, N, M)
+            b2, d2 = _fold_rows(bs), _fold_rows(ds)
+            if b2 is not None and d2 is not None:
+                work.append((w, b2, d2))
+            else:
+                work += [(w, bs[j3, j2], ds[j3, j2]) for j3 in range(bs.shape[0]) for j2 in range(bs.shape[1])]
+    scratch = np.empty((tile_rows(k, m), k), dtype=np.float32)
+
+    def run() -> None:
+        for w, x, out in work:
+            mul_mat_q(w, x, out, scratch)
+    return run
+
+
 def _fold_rows(x: np.ndarray) -> np.ndarray | None:
     """x as a 2-D (rows, ne0) view when its rows are evenly spaced, else None."""
     try:
-        return np.reshape(x, (-1, x.shape[3]), copy=False)
+        return np.reshape(x, (-1, x.shape[-1]), copy=False)
     except ValueError:
         return None

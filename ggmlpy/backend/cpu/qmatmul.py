@@ -1,0 +1,115 @@
+"""Products with a block-quantized matrix, computed from the packed blocks.
+
+A quantized matrix W (M rows of K elements, as ggml stores weights) is never expanded
+whole: a tile of rows is dequantized into a small float32 scratch (about TILE_BYTES)
+by the type's numba kernel, in parallel over the tile's rows, and multiplied with BLAS
+against all columns of the other operand, so the dequantization cost is shared by the
+whole batch and memory stays bounded.
+
+  mul_mat_q:  out (N, M) = X (N, K) @ W^T      ggml_mul_mat(W, x)
+  mul_mat_qt: out (N, K) = G (N, M) @ W        the transposed product (ggml_out_prod(W, g)),
+                                               e.g. the gradient of mul_mat w.r.t. x
+
+Rows are addressed by byte offsets into one flat uint8 buffer, so strided and
+broadcast layouts, memory-mapped files and arenas are all handled the same way.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import quants
+from ...tensor import Tensor
+from ...types import GGMLType
+
+TILE_BYTES = 1 << 20
+
+
+def tile_rows(k: int, m: int) -> int:
+    """Rows per tile: about TILE_BYTES of float32 scratch, at least 16, at most m."""
+    t = max(16, (TILE_BYTES // (4 * max(k, 1))) // 16 * 16)
+    return max(1, min(m, t))
+
+
+def row_offsets(t: Tensor) -> np.ndarray:
+    """Byte offset of each row of t in t.buffer: int64 array of shape (ne3, ne2, ne1)."""
+    ne, nb = t.ne, t.nb
+    i3 = np.arange(ne[3], dtype=np.int64)[:, None, None] * nb[3]
+    i2 = np.arange(ne[2], dtype=np.int64)[None, :, None] * nb[2]
+    i1 = np.arange(ne[1], dtype=np.int64)[None, None, :] * nb[1]
+    return t.offset + i3 + i2 + i1
+
+
+class QuantMatrix:
+    """Rows of a quantized matrix: `type`, K elements per row, row r at buf[offs[r]]."""
+
+    __slots__ = ("type", "buf", "offs", "k", "dequantize")
+
+    def __init__(self, type: GGMLType, buf: np.ndarray, offs: np.ndarray, k: int) -> None:
+        self.type = GGMLType(type)
+        self.buf = quants.flat_buffer(buf)
+        self.offs = np.ascontiguousarray(offs, dtype=np.int64).reshape(-1)
+        self.k = int(k)
+        self.dequantize = quants.kernels(self.type).dequantize
+
+    @classmethod
+    def from_bytes(cls, type: GGMLType, rows: np.ndarray, k: int) -> "QuantMatrix":
+        """From a C-contiguous (M, row bytes) uint8 array."""
+        rows = np.ascontiguousarray(rows, dtype=np.uint8)
+        return cls(type, rows.reshape(-1), np.arange(rows.shape[0], dtype=np.int64) * rows.shape[1], k)
+
+    @property
+    def m(self) -> int:
+        return self.offs.shape[0]
+
+    def dequantize_rows(self, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+        """Rows r0..r1 as float32, written into (and returned as) out[:r1 - r0]."""
+        dst = out[: r1 - r0]
+        self.dequantize(self.buf, self.offs[r0:r1], dst)
+        return dst
+
+
+def _scratch(w: QuantMatrix) -> tuple[int, np.ndarray]:
+    t = tile_rows(w.k, w.m)
+    return t, np.empty((t, w.k), dtype=np.float32)
+
+
+def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """out[n, m] = sum_k x[n, k] * W[m, k]  (x: (N, K) float32, out: (N, M) float32 view)."""
+    if scratch is None:
+        t, scratch = _scratch(w)
+    else:
+        t = scratch.shape[0]
+    for r0 in range(0, w.m, t):
+        r1 = min(w.m, r0 + t)
+        tile = w.dequantize_rows(r0, r1, scratch)
+        np.matmul(x, tile.T, out=out[:, r0:r1])
+    return out
+
+
+def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """out[n, k] = sum_m g[n, m] * W[m, k]  (g: (N, M) float32, out: (N, K) float32)."""
+    if scratch is None:
+        t, scratch = _scratch(w)
+    else:
+        t = scratch.shape[0]
+    partial = None
+    for r0 in range(0, w.m, t):
+        r1 = min(w.m, r0 + t)
+        tile = w.dequantize_rows(r0, r1, scratch)
+        if r0 == 0:
+            np.matmul(g[:, r0:r1], tile, out=out)
+            continue
+        if partial is None:
+            partial = np.empty_like(out)
+        np.matmul(g[:, r0:r1], tile, out=partial)
+        np.add(out, partial, out=out)
+    if w.m == 0:
+        out[...] = 0
+    return out
+
+
+def get_rows_q(w: QuantMatrix, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[i] = row idx[i] of W as float32 (out: C-contiguous (len(idx), K))."""
+    offs = w.offs[np.asarray(idx, dtype=np.int64).reshape(-1)]
+    w.dequantize(w.buf, offs, out)
+    return out

