@@ -232,11 +232,12 @@ class Context:
         self.trainer.epoch_pass(dataset, result_train, result_eval, idata_split, callback_train, callback_eval)
 
     def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
-                silent: bool = False, stream=None, on_epoch=None) -> list:
+                silent: bool = False, stream=None, on_epoch=None, seed: int | None = None) -> list:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
         Returns one `ggmlpy.opt.EpochResult` per epoch. `on_epoch(epoch_result)` runs after each.
+        With `seed`, the training windows are shuffled at the start of every epoch.
         """
         import sys
 
@@ -252,16 +253,21 @@ class Context:
             raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
                              f"one optimizer step after holding out {val_split:.0%} for validation")
         stream = stream or sys.stderr
+        tty = hasattr(stream, "isatty") and stream.isatty()
+        rng = np.random.default_rng(seed) if seed is not None else None
         history = []
         for epoch in range(epochs):
             trainer.epoch = epoch
+            if rng is not None:
+                dataset.shuffle(rng, idata_split)
             train, val = Result(), Result()
             prefix = {True: f"epoch {epoch}: ", False: " " * len(f"epoch {epoch}: ")}
 
-            def bar(is_train, *args):
-                if not silent:
-                    stream.write(prefix[is_train])
-                    progress_bar(is_train, *args, stream=stream)
+            def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
+                if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
+                    return
+                stream.write(prefix[is_train])
+                progress_bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start, stream=stream)
             trainer.epoch_pass(dataset, train, val, idata_split, bar, bar)
             history.append(EpochResult(epoch, train, val))
             if on_epoch:

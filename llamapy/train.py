@@ -170,6 +170,7 @@ class Trainer:
         self.step_graph = gg.new_graph(*steps)
         self.iter = 1  # optimizer steps taken + 1 (AdamW bias correction)
         self.epoch = 0
+        self._last_good: dict[str, np.ndarray] | None = None
         self._graphs: dict[tuple[int, bool], UbatchGraph] = {}
         hp = model.hparams
         self._kv_shape = (hp.n_layer, self.n_ctx, hp.n_head_kv, hp.n_embd_head_k)
@@ -268,6 +269,19 @@ class Trainer:
         return losses
 
     # -- optimizer -------------------------------------------------------------------------------
+    def _keep_last_good(self) -> None:
+        """Copy the weights before a step: if the next loss is not finite, they are the last good ones."""
+        if self._last_good is None:
+            self._last_good = {name: np.array(t.array()) for name, t in self.trained.items()}
+        else:
+            for name, t in self.trained.items():
+                np.copyto(self._last_good[name], t.array())
+
+    def _restore_last_good(self) -> None:
+        if self._last_good is not None:
+            for name, t in self.trained.items():
+                np.copyto(t.array(), self._last_good[name])
+
     def zero_grads(self) -> None:
         for acc in self.grad_accs.values():
             acc.array()[...] = 0
@@ -317,9 +331,11 @@ class Trainer:
                 step_losses += losses
                 if len(step_losses) == self.opt_period:
                     if not all(math.isfinite(x) for x in step_losses):
+                        self._restore_last_good()
                         raise TrainingDivergedError(
                             f"training: the loss became {sum(step_losses)} at optimizer step {self.iter}; "
-                            "the weights are those of the last good step")
+                            "the weights are back to the last ones that gave a finite loss")
+                    self._keep_last_good()
                     self.step(get_opt_pars())
                     step_losses = []
 

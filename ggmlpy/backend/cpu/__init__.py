@@ -11,6 +11,7 @@ from collections import defaultdict
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numba
+import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ...alloc import GraphAllocator
@@ -51,9 +52,13 @@ class CpuBackend:
         if graph.plan is None:
             graph.plan = [(node.op.name, prepare(node), node.nelements() >= PARALLEL_MIN_ELEMENTS)
                           for node in graph.nodes if node.op not in VIEW_OPS and node.op != Op.NONE]
+        with np.errstate(all="ignore"):  # inf/nan are results here (as in ggml), not warnings
+            self._run_plan(graph.plan)
+
+    def _run_plan(self, plan) -> None:
         threads = 0
         profile = self.profile
-        for name, run, parallel in graph.plan:
+        for name, run, parallel in plan:
             want = self.n_threads if parallel else 1
             if want != threads:
                 numba.set_num_threads(want)

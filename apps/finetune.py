@@ -1,0 +1,174 @@
+"""llamapy-finetune: train a GGUF model on a text and save the result as a GGUF.
+
+llama.cpp's finetune flags and defaults (-lr 1e-5, -val-split 0.05, 2 epochs, AdamW,
+finetuned-model.gguf), plus -lr-half/-lr-halvings and --plot. Windows of -c tokens
+with stride -c/2; -b tokens (whole windows) per optimizer step, computed -ub at a time.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import numpy as np
+import typer
+
+from llamapy.context import Context
+from llamapy.dataset import token_windows
+from llamapy.errors import InputError
+from llamapy.model import load_model
+from llamapy.opt import SGD, AdamW, LRSchedule, TrainParams
+from llamapy.save import save_model_to_file
+from llamapy.train import TrainingDivergedError
+
+from .common import default_threads, guarded, log, read_text
+
+cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+DEFAULT_CTX = 256
+
+
+@cli.command()
+def run(
+    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file")],
+    file: Annotated[Path, typer.Option("-f", "--file", help="text to train on")],
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="tokens per training window")] = DEFAULT_CTX,
+    batch_size: Annotated[Optional[int], typer.Option("-b", "--batch-size", help="tokens per optimizer step (whole windows; default -c)")] = None,
+    ubatch_size: Annotated[int, typer.Option("-ub", "--ubatch-size", help="tokens computed at once")] = 512,
+    lr: Annotated[float, typer.Option("-lr", "--learning-rate", help="learning rate")] = 1e-5,
+    lr_min: Annotated[float, typer.Option("-lr-min", help="decay the learning rate to this value")] = 0.0,
+    decay_epochs: Annotated[float, typer.Option("-decay-epochs", help="epochs over which -lr-min is reached")] = -1.0,
+    lr_half: Annotated[Optional[float], typer.Option("-lr-half", help="halve the learning rate every HALFLIFE epochs (1 if bare)")] = None,
+    lr_halvings: Annotated[Optional[int], typer.Option("-lr-halvings", help="halve at most N times")] = None,
+    wd: Annotated[float, typer.Option("-wd", "--weight-decay", help="decoupled weight decay")] = 0.0,
+    optimizer: Annotated[str, typer.Option("-opt", "--optimizer", help="adamw or sgd")] = "adamw",
+    val_split: Annotated[float, typer.Option("-val-split", "--val-split", help="fraction of windows held out")] = 0.05,
+    epochs: Annotated[int, typer.Option("--epochs", "-epochs", help="passes over the training windows")] = 2,
+    output: Annotated[Path, typer.Option("-o", "--output", help="where to write the trained model")] = Path("finetuned-model.gguf"),
+    seed: Annotated[int, typer.Option("--seed", "-s", help="seed for shuffling the training windows each epoch")] = 0,
+    threads: Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="write the loss curves to this PNG")] = None,
+) -> None:
+    """Finetune MODEL on the text in FILE; writes the trained model to -o."""
+    opt_name = optimizer.lower()
+    if opt_name not in ("adamw", "sgd"):
+        raise InputError(f"unknown optimizer {optimizer!r}: use adamw or sgd")
+    if not 0.0 <= val_split < 1.0:
+        raise InputError(f"-val-split must be in [0, 1), got {val_split}")
+    for path in [output] + ([plot] if plot else []):
+        _check_writable(path)
+    try:
+        schedule = LRSchedule(lr0=lr, lr_min=lr_min, decay_epochs=decay_epochs, half_life=lr_half,
+                              halvings=lr_halvings, epochs=epochs)
+        params = TrainParams(optimizer=AdamW(wd=wd) if opt_name == "adamw" else SGD(wd=wd), schedule=schedule)
+    except ValueError as e:
+        raise InputError(_first_error(e)) from None
+
+    t_load = time.perf_counter()
+    m = load_model(model)
+    log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
+    tokens = m.vocab.tokenize(read_text(file), add_special=True)
+    dataset = token_windows(tokens, ctx_size)
+    n_batch = batch_size or ctx_size
+    n_val = int(round(dataset.ndata * val_split))
+    log(f"dataset: {len(tokens)} tokens, {dataset.ndata} windows of {ctx_size} (stride {max(ctx_size // 2, 1)}), "
+        f"{dataset.ndata - n_val} for training, {n_val} for validation")
+    log(f"training: {opt_name}, lr {lr:g}, {n_batch} tokens per step, ubatch {min(ubatch_size, ctx_size)}, "
+        f"{epochs} epochs")
+    ctx = Context(m, n_ctx=ctx_size, n_batch=n_batch, n_ubatch=ubatch_size, n_threads=threads or default_threads())
+    ctx.opt_init(params)
+    start = time.perf_counter()
+    try:
+        history = ctx.opt_fit(dataset, epochs=epochs, val_split=val_split, seed=seed)
+    except TrainingDivergedError as e:
+        save_model_to_file(m, output)
+        log(f"saved the last good weights to {output}")
+        raise InputError(str(e)) from None
+    elapsed = time.perf_counter() - start
+    n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
+    log(f"finetune: {n_trained} training tokens in {elapsed:.1f} s = {n_trained / elapsed:.0f} tokens/s")
+    save_model_to_file(m, output)
+    log(f"finetune: saved the trained model to {output}")
+    if plot:
+        _plot(history, ctx.trainer.opt_period, plot)
+        log(f"finetune: wrote the loss curves to {plot}")
+
+
+def _check_writable(path: Path) -> None:
+    parent = path.resolve().parent
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a directory")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise InputError(f"cannot write {path}: directory {parent} does not exist or is not writable")
+
+
+def _first_error(e: ValueError) -> str:
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return f"{'.'.join(str(x) for x in first.get('loc', ()))}: {first['msg']}".lstrip(": ")
+    return str(e)
+
+
+def _plot(history, opt_period: int, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("--plot needs matplotlib: pip install 'llamapy[plot]'") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps, train_loss, val_x, val_loss = [], [], [], []
+    done = 0
+    for h in history:
+        losses = np.asarray(h.train.losses, dtype=np.float64) * opt_period
+        per_step = losses[: len(losses) // opt_period * opt_period].reshape(-1, opt_period).mean(axis=1)
+        steps += list(range(done + 1, done + 1 + len(per_step)))
+        train_loss += list(per_step)
+        done += len(per_step)
+        if h.val.losses:
+            val_x.append(done)
+            val_loss.append(h.val.loss()[0])
+    ax.plot(steps, train_loss, lw=0.8, label="train (per step)")
+    if val_loss:
+        ax.plot(val_x, val_loss, "o-", label="validation (per epoch)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    plt.close(fig)
+
+
+def _bare_lr_half(argv: list[str]) -> list[str]:
+    """`-lr-half` may come without a value (halve every epoch): give it one for the parser."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == "-lr-half":
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or not _is_number(nxt):
+                out.append("1")
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    sys.argv[1:] = _bare_lr_half(sys.argv[1:])
+    guarded(cli)()
+
+
+if __name__ == "__main__":
+    main()
