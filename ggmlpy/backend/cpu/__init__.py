@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numba
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from ...alloc import GraphAllocator
 from ...graph import Graph
@@ -20,8 +20,27 @@ from ...tensor import VIEW_OPS, Op
 from . import compute_train, matmul  # noqa: F401  (register their ops)
 from .compute import prepare
 
-# Below this many result elements a kernel runs on one thread: waking more costs more.
+# Below this much work an op runs on one thread: waking more costs more. Work is result
+# elements, times the reduced dimension for products. BLAS follows the same rule: its
+# second thread slows small products down, and badly so when another process is busy.
 PARALLEL_MIN_ELEMENTS = 1 << 16
+PARALLEL_MIN_MACS = 1 << 22
+_PRODUCTS = (Op.MUL_MAT, Op.OUT_PROD)
+
+
+def _parallel(node) -> bool:
+    if node.op in _PRODUCTS:
+        return node.nelements() * node.src[0].ne[0 if node.op == Op.MUL_MAT else 1] >= PARALLEL_MIN_MACS
+    return node.nelements() >= PARALLEL_MIN_ELEMENTS
+
+
+_BLAS = ThreadpoolController().select(user_api="blas").lib_controllers
+
+
+def _set_blas_threads(n: int) -> None:
+    """openblas_set_num_threads and the like: about a microsecond, so it can follow each op."""
+    for lib in _BLAS:
+        lib.set_num_threads(n)
 
 
 class CpuBackend:
@@ -39,7 +58,7 @@ class CpuBackend:
     def set_n_threads(self, n_threads: int) -> None:
         """Threads for numba kernels and for BLAS (whose own default would oversubscribe)."""
         self.n_threads = max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS))
-        threadpool_limits(limits=self.n_threads, user_api="blas")
+        _set_blas_threads(self.n_threads)
 
     def supports_op(self, op: Op) -> bool:
         from .compute import PREPARE
@@ -50,10 +69,11 @@ class CpuBackend:
 
     def compute(self, graph: Graph) -> None:
         if graph.plan is None:
-            graph.plan = [(node.op.name, prepare(node), node.nelements() >= PARALLEL_MIN_ELEMENTS)
+            graph.plan = [(node.op.name, prepare(node), _parallel(node))
                           for node in graph.nodes if node.op not in VIEW_OPS and node.op != Op.NONE]
         with np.errstate(all="ignore"):  # inf/nan are results here (as in ggml), not warnings
             self._run_plan(graph.plan)
+        _set_blas_threads(self.n_threads)
 
     def _run_plan(self, plan) -> None:
         threads = 0
@@ -62,6 +82,7 @@ class CpuBackend:
             want = self.n_threads if parallel else 1
             if want != threads:
                 numba.set_num_threads(want)
+                _set_blas_threads(want)
                 threads = want
             if profile is None:
                 run()
