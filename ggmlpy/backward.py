@@ -17,7 +17,7 @@ from . import ops_train as OT
 from .context import Context
 from .graph import Graph
 from .tensor import Flag, Op, Tensor
-from .types import GGMLType
+from .types import GGMLType, traits
 
 Contribs = list[Tensor | None]
 Rule = Callable[[Context, Tensor, Tensor, tuple[bool, ...]], Contribs]
@@ -313,7 +313,11 @@ def _mul_mat(ctx, node, g, wants):
     """node = b a^T per matrix: da = g^T b (summed over broadcast copies), db = g a."""
     a, b = node.src
     da = _sum_groups(ctx, O.out_prod(ctx, b, g), a) if wants[0] else None
-    db = O.mul_mat(ctx, O.transpose(ctx, a), g) if wants[1] else None
+    db = None
+    if wants[1]:
+        # a quantized (frozen) a is read from its packed rows, never transposed or expanded
+        db = O.out_prod(ctx, a, O.transpose(ctx, g)) if traits(a.type).is_quantized else \
+            O.mul_mat(ctx, O.transpose(ctx, a), g)
     return [da, db]
 
 

@@ -7,6 +7,7 @@ their base tensor's memory, so offsets and strides are checked too.
 """
 from __future__ import annotations
 
+import gguf
 import numpy as np
 from test_ggml_ops import (
     _gelu_ref,
@@ -22,6 +23,10 @@ from ggmlpy import Op
 
 
 def leaf_value(t: gg.Tensor) -> np.ndarray:
+    if gg.traits(t.type).is_quantized:  # gguf's own numpy dequantizer, independent of ggmlpy's
+        rows = np.ascontiguousarray(t.array()).reshape(-1, gg.row_size(t.type, t.ne[0]))
+        values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(int(t.type)))
+        return values.astype(np.float64).reshape(t.ne[::-1])
     if t.type == gg.GGMLType.BF16:
         return (t.array().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return np.array(t.array(), dtype=np.float64 if t.type in (gg.GGMLType.F32, gg.GGMLType.F16) else t.array().dtype)

@@ -250,3 +250,29 @@ def test_not_differentiable_inputs_say_so(what):
     loss = gg.sum(ctx, out).set_loss()
     with pytest.raises(gg.NotDifferentiableError, match="not differentiable with respect to"):
         gg.build_backward_expand(ctx, gg.new_graph(loss))
+
+
+# ---- LoRA through a frozen quantized base (the types of the gemma3 Q4_K_M file) ----------------
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q6_K", "Q8_0"])
+def test_lora_gradients_through_quantized_base(qtype):
+    """Two quantized layers with a LoRA delta on the first: out = W2 (W1 x + s B (A x)).
+
+    The gradients of A and B reach them through W2's quantized product (OUT_PROD from
+    packed rows); finite differences evaluate the same graph in float64 on gguf's own
+    dequantization of the same bytes."""
+    from ggmlpy.quants import quantize
+    t = gg.GGMLType[qtype]
+    rng = np.random.default_rng(4)
+    k, r = 256, 4
+
+    def build(ctx, x, a, b):
+        w1 = ctx.from_numpy(quantize(rng.standard_normal((k, k)).astype(np.float32) / 16, t), t)
+        w2 = ctx.from_numpy(quantize(rng.standard_normal((8, k)).astype(np.float32) / 16, t), t)
+        h = gg.add(ctx, gg.mul_mat(ctx, w1, x), gg.scale(ctx, gg.mul_mat(ctx, b, gg.mul_mat(ctx, a, x)), 0.5))
+        return gg.mul_mat(ctx, w2, gg.silu(ctx, h))
+
+    x = rn(k, 3, seed=6)
+    a = rn(k, r, seed=7, scale=1 / 16)
+    b = rn(r, k, seed=8, scale=1 / 4)
+    errors = grad_check(build, [x, a, b])
+    assert all(e <= TOL for e in errors.values()), errors

@@ -4,9 +4,11 @@ from __future__ import annotations
 import numpy as np
 
 from ...tensor import Op, Tensor
+from ...types import traits
 from . import train_kernels as TK
 from .compute import Prepared, _require_f32, prepares
 from .matmul import _split_batch
+from .qmatmul import QuantMatrix, mul_mat_qt, row_offsets, tile_rows
 
 
 def _flat(t: Tensor) -> np.ndarray:
@@ -102,6 +104,8 @@ def _acc(node: Tensor) -> Prepared:
 @prepares(Op.OUT_PROD)
 def _out_prod(node: Tensor) -> Prepared:
     a, b = node.src
+    if traits(a.type).is_quantized:
+        return _out_prod_quantized(node, a, b)
     _require_f32(node, a, b)
     av, bv, dv = a.array(), b.array(), node.array()
     ne03, ne02 = av.shape[0], av.shape[1]
@@ -109,6 +113,24 @@ def _out_prod(node: Tensor) -> Prepared:
     b6t = _split_batch(bv, ne02, ne03).swapaxes(-1, -2)
     d6 = _split_batch(dv, ne02, ne03)
     return lambda: np.matmul(b6t, a6, out=d6)
+
+
+def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
+    """result[n, k] = sum_m W[m, k] * b[m, n] with W the quantized a: the gradient of a
+    product with a frozen quantized weight, from W's packed rows a tile at a time."""
+    _require_f32(node, b)
+    if a.ne[2] != 1 or a.ne[3] != 1:
+        raise NotImplementedError("OUT_PROD with a batched quantized first operand")
+    k = a.ne[0]
+    w = QuantMatrix(a.type, a.buffer, row_offsets(a)[0, 0], k)
+    bv, dv = b.array(), node.array()
+    scratch = np.empty((tile_rows(k, w.m), k), dtype=np.float32)
+    pairs = [(bv[i3, i2].T, dv[i3, i2]) for i3 in range(bv.shape[0]) for i2 in range(bv.shape[1])]
+
+    def run() -> None:
+        for g, out in pairs:
+            mul_mat_qt(w, g, out, scratch)
+    return run
 
 
 @prepares(Op.ARGMAX)
