@@ -45,3 +45,44 @@ def default_threads() -> int:
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+PAIR_SEP = "\x1f"
+
+
+def join_pairs(argv: list[str], flag: str) -> list[str]:
+    """`FLAG A B` -> `FLAG A<sep>B`, for llama.cpp options that take two values
+    (`--lora-scaled FILE SCALE`); split them back with `split_pair`."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == flag and i + 2 < len(argv) + 0 and not argv[i + 2].startswith("--"):
+            out += [flag, argv[i + 1] + PAIR_SEP + argv[i + 2]]
+            i += 3
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def split_pair(value: str, flag: str) -> tuple[str, str]:
+    if PAIR_SEP not in value:
+        raise InputError(f"{flag} needs two values, e.g. {flag} adapter.gguf 0.5")
+    a, b = value.split(PAIR_SEP, 1)
+    return a, b
+
+
+def load_adapters(model, paths=(), scaled=()) -> list:
+    """(LoraAdapter, scale) pairs from `--lora FILE` and `--lora-scaled FILE SCALE` options,
+    each announced on stderr."""
+    from llamapy.lora import LoraAdapter
+    pairs = [(str(p), "1") for p in paths or []] + [split_pair(item, "--lora-scaled") for item in scaled or []]
+    out = []
+    for path, scale in pairs:
+        try:
+            value = float(scale)
+        except ValueError:
+            raise InputError(f"--lora-scaled {path}: scale {scale!r} is not a number") from None
+        adapter = LoraAdapter.load(path, model)
+        log(f"lora: {path} (rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices) x {value:g}")
+        out.append((adapter, value))
+    return out

@@ -19,7 +19,8 @@ from llamapy.context import Context
 from llamapy.dataset import token_windows
 from llamapy.errors import InputError
 from llamapy.model import load_model
-from llamapy.opt import SGD, AdamW, LRSchedule, TrainParams
+from llamapy.lora import DEFAULT_MODULES, LoraAdapter
+from llamapy.opt import SGD, AdamW, LRSchedule, TrainParams, param_filter_all, param_filter_lora
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 
@@ -50,6 +51,10 @@ def run(
     seed: Annotated[int, typer.Option("--seed", "-s", help="seed for shuffling the training windows each epoch")] = 0,
     threads: Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write the loss curves to this PNG")] = None,
+    lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", help="train a LoRA adapter of this rank instead of the weights")] = None,
+    lora_alpha: Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha (default: the rank, i.e. scale 1)")] = None,
+    lora_modules: Annotated[str, typer.Option("--lora-modules", help="comma-separated matrices to adapt")] = ",".join(DEFAULT_MODULES),
+    lora_out: Annotated[Path, typer.Option("--lora-out", help="where to write the adapter")] = Path("lora-adapter.gguf"),
 ) -> None:
     """Finetune MODEL on the text in FILE; writes the trained model to -o."""
     opt_name = optimizer.lower()
@@ -57,18 +62,25 @@ def run(
         raise InputError(f"unknown optimizer {optimizer!r}: use adamw or sgd")
     if not 0.0 <= val_split < 1.0:
         raise InputError(f"-val-split must be in [0, 1), got {val_split}")
-    for path in [output] + ([plot] if plot else []):
+    t_load = time.perf_counter()
+    m = load_model(model)
+    log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
+    modules = [x.strip() for x in lora_modules.split(",") if x.strip()]
+    if lora_rank is None and _has_quantized(m, modules):
+        lora_rank = DEFAULT_QUANTIZED_RANK
+        log(f"finetune: the model's weights are quantized: training a LoRA adapter of rank {lora_rank}")
+    for path in ([lora_out] if lora_rank else [output]) + ([plot] if plot else []):
         _check_writable(path)
     try:
         schedule = LRSchedule(lr0=lr, lr_min=lr_min, decay_epochs=decay_epochs, half_life=lr_half,
                               halvings=lr_halvings, epochs=epochs)
-        params = TrainParams(optimizer=AdamW(wd=wd) if opt_name == "adamw" else SGD(wd=wd), schedule=schedule)
+        params = TrainParams(optimizer=AdamW(wd=wd) if opt_name == "adamw" else SGD(wd=wd), schedule=schedule,
+                             param_filter=param_filter_lora if lora_rank else param_filter_all)
     except ValueError as e:
         raise InputError(_first_error(e)) from None
-
-    t_load = time.perf_counter()
-    m = load_model(model)
-    log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
+    adapter = LoraAdapter.new(m, lora_rank, lora_alpha, modules, seed) if lora_rank else None
+    if adapter:
+        log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices ({', '.join(modules)})")
     tokens = m.vocab.tokenize(read_text(file), add_special=True)
     dataset = token_windows(tokens, ctx_size)
     n_batch = batch_size or ctx_size
@@ -78,22 +90,39 @@ def run(
     log(f"training: {opt_name}, lr {lr:g}, {n_batch} tokens per step, ubatch {min(ubatch_size, ctx_size)}, "
         f"{epochs} epochs")
     ctx = Context(m, n_ctx=ctx_size, n_batch=n_batch, n_ubatch=ubatch_size, n_threads=threads or default_threads())
+    if adapter:
+        ctx.attach_lora(adapter)
     ctx.opt_init(params)
     start = time.perf_counter()
     try:
         history = ctx.opt_fit(dataset, epochs=epochs, val_split=val_split, seed=seed)
     except TrainingDivergedError as e:
-        save_model_to_file(m, output)
-        log(f"saved the last good weights to {output}")
+        where = adapter.save(lora_out) if adapter else save_model_to_file(m, output)
+        log(f"saved the last good weights to {where}")
         raise InputError(str(e)) from None
     elapsed = time.perf_counter() - start
     n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
     log(f"finetune: {n_trained} training tokens in {elapsed:.1f} s = {n_trained / elapsed:.0f} tokens/s")
-    save_model_to_file(m, output)
-    log(f"finetune: saved the trained model to {output}")
+    if adapter:
+        adapter.save(lora_out)
+        log(f"finetune: saved the LoRA adapter to {lora_out}")
+        log(f"try it: llamapy-perplexity -m {model} --lora {lora_out} -f {file} -c {ctx_size}")
+    else:
+        save_model_to_file(m, output)
+        log(f"finetune: saved the trained model to {output}")
     if plot:
         _plot(history, ctx.trainer.opt_period, plot)
         log(f"finetune: wrote the loss curves to {plot}")
+
+
+DEFAULT_QUANTIZED_RANK = 8
+
+
+def _has_quantized(model, modules: list[str]) -> bool:
+    """True when a matrix LoRA would adapt is block-quantized (and so cannot train directly)."""
+    from ggmlpy import traits
+    return any(traits(t.type).is_quantized for name, t in model.tensors.items()
+               if name.startswith("blk.") and name.split(".")[2] in modules)
 
 
 def _check_writable(path: Path) -> None:

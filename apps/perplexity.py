@@ -11,7 +11,7 @@ import typer
 from llamapy.model import load_model
 from llamapy.perplexity import perplexity
 
-from .common import default_threads, guarded, log, read_text
+from .common import default_threads, guarded, join_pairs, load_adapters, log, read_text
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -26,11 +26,14 @@ def run(
     chunks: Annotated[int, typer.Option("--chunks", help="score only the first N chunks (-1: all)")] = -1,
     threads: Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads")] = None,
     flash_attn: Annotated[str, typer.Option("-fa", "--flash-attn", help="on|off|auto")] = "auto",
+    lora: Annotated[Optional[list[Path]], typer.Option("--lora", help="LoRA adapter (repeatable)")] = None,
+    lora_scaled: Annotated[Optional[list[str]], typer.Option("--lora-scaled", help="FILE SCALE: LoRA adapter and its scale (repeatable)")] = None,
 ) -> None:
     """Perplexity of MODEL on the text in FILE."""
     t_load = time.perf_counter()
     m = load_model(model)
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
+    adapters = load_adapters(m, lora, lora_scaled)
     text = read_text(file)
     t0 = time.perf_counter()
     tokens = m.vocab.tokenize(text, add_special=True)
@@ -51,7 +54,7 @@ def run(
         sys.stdout.flush()
 
     result = perplexity(m, tokens, ctx_size, batch_size, ubatch_size, chunks, threads or default_threads(),
-                        on_chunk=on_chunk, flash_attn=flash_attn != "off")
+                        on_chunk=on_chunk, flash_attn=flash_attn != "off", adapters=adapters)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -60,7 +63,9 @@ def run(
     log(f"perplexity: {n_tok} tokens in {elapsed:.2f} s = {n_tok / elapsed:.1f} tokens/s")
 
 
-main = guarded(cli)
+def main() -> None:
+    sys.argv[1:] = join_pairs(sys.argv[1:], "--lora-scaled")
+    guarded(cli)()
 
 if __name__ == "__main__":
     main()

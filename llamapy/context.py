@@ -54,6 +54,7 @@ class Context:
         self._n_outputs = 0
         self._shift_graph = None  # (graph, positions input, allocator), built on the first K shift
         self.trainer = None  # set by opt_init
+        self.adapters: list[tuple[object, float]] = []  # (LoraAdapter, scale), applied in every graph
 
     @property
     def n_vocab(self) -> int:
@@ -157,7 +158,7 @@ class Context:
         if shape in self._graphs:
             self._graphs.move_to_end(shape)
             return self._graphs[shape][0]
-        builder = GraphBuilder(self.model, self.kv, shape, self.flash_attn)
+        builder = GraphBuilder(self.model, self.kv, shape, self.flash_attn, self.adapters)
         builder.logits = self.model.arch.build(builder, self.model)
         allocator = GraphAllocator()
         allocator.alloc_graph(builder.graph)
@@ -202,6 +203,17 @@ class Context:
 
     def memory_seq_pos_max(self, seq: int) -> int:
         return self.kv.seq_pos_max(seq)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def attach_lora(self, adapter, scale: float = 1.0) -> None:
+        """Apply `adapter` (a llamapy.lora.LoraAdapter) with `scale` in every graph from now on."""
+        self.adapters = [(a, s) for a, s in self.adapters if a is not adapter] + [(adapter, float(scale))]
+        self._graphs.clear()
+
+    def detach_lora(self, adapter=None) -> None:
+        """Stop applying `adapter` (all adapters when None)."""
+        self.adapters = [] if adapter is None else [(a, s) for a, s in self.adapters if a is not adapter]
+        self._graphs.clear()
 
     # ---- warmup ------------------------------------------------------------------------------
     def set_warmup(self, enabled: bool) -> None:

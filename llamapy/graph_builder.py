@@ -29,8 +29,9 @@ class GraphShape:
 
 
 class GraphBuilder:
-    def __init__(self, model, kv: KVCache, shape: GraphShape, flash_attn: bool = True) -> None:
+    def __init__(self, model, kv: KVCache, shape: GraphShape, flash_attn: bool = True, adapters=()) -> None:
         self.model = model
+        self.adapters = tuple(adapters)  # (LoraAdapter, scale) pairs applied by mm()
         self.flash_attn = flash_attn
         self.hp = model.hparams
         self.kv = kv
@@ -67,6 +68,17 @@ class GraphBuilder:
             self.inp_out_ids.array().reshape(-1)[:] = np.flatnonzero(ub.output)
 
     # ---- common blocks ------------------------------------------------------------------
+    def mm(self, name: str, cur: Tensor) -> Tensor:
+        """W x for the model tensor `name`, plus each attached LoRA's scaled B (A x)."""
+        c = self.ctx
+        res = gg.mul_mat(c, self.model.weight(name), cur)
+        for adapter, scale in self.adapters:
+            if name in adapter.tensors:
+                a, b = adapter.tensors[name]
+                delta = gg.mul_mat(c, b, gg.mul_mat(c, a, cur))
+                res = gg.add(c, res, gg.scale(c, delta, scale * adapter.scale_for(name)))
+        return res
+
     def norm_rms(self, x: Tensor, weight: Tensor | None) -> Tensor:
         cur = gg.rms_norm(self.ctx, x, self.hp.norm_rms_eps)
         return gg.mul(self.ctx, cur, weight) if weight is not None else cur

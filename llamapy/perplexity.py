@@ -52,8 +52,10 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512,
                n_chunks: int = -1, n_threads: int | None = None,
-               on_chunk: Callable[[int, int, float], None] | None = None, **context_args) -> PerplexityResult:
-    """Score `tokens` (already tokenized with BOS); `on_chunk(i, n_chunk, running_ppl)` reports progress."""
+               on_chunk: Callable[[int, int, float], None] | None = None, adapters=(),
+               **context_args) -> PerplexityResult:
+    """Score `tokens` (already tokenized with BOS); `on_chunk(i, n_chunk, running_ppl)` reports progress.
+    `adapters`: (LoraAdapter, scale) pairs applied to the model."""
     tokens = np.asarray(tokens, dtype=np.int32)
     if n_ctx < 4:
         raise InputError(f"context size {n_ctx} is too small for perplexity")
@@ -69,6 +71,8 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
     n_batch = min(n_batch, n_ctx * n_seq)
     ctx = Context(model, n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch), n_seq_max=n_seq,
                   n_threads=n_threads, kv_unified=False, **context_args)
+    for adapter, scale in adapters:
+        ctx.attach_lora(adapter, scale)
     bos = model.vocab.bos_id if model.vocab.add_bos else None
     first = n_ctx // 2
     n_scored = n_ctx - first - 1

@@ -146,7 +146,13 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
         raise SaveError(f"cannot save model to {dest}: it is a directory")
     writer = _ModelWriter(None, str(model.file.get("general.architecture", "")))
     _fill_writer(writer, model, metadata)
+    return write_atomically(writer, dest, "model")
 
+
+def write_atomically(writer: GGUFWriter, dest: Path, what: str) -> Path:
+    """Write a filled GGUFWriter to a temp file next to `dest`, fsync, rename over `dest`."""
+    if dest.is_dir():
+        raise SaveError(f"cannot save {what} to {dest}: it is a directory")
     tmp: Path | None = None
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
@@ -165,7 +171,7 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
         tmp = None
     except (OSError, ValueError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise SaveError(f"cannot save model to {dest}: {reason}") from None
+        raise SaveError(f"cannot save {what} to {dest}: {reason}") from None
     finally:
         writer.close()
         if tmp is not None:

@@ -40,8 +40,9 @@ class TrainGraphBuilder(GraphBuilder):
     """A ubatch graph for training: attention over the window's earlier K/V (graph inputs
     with gradients) and this ubatch's own, with no KV cache; logits for every token."""
 
-    def __init__(self, model, n_prev: int, n_tokens: int) -> None:
+    def __init__(self, model, n_prev: int, n_tokens: int, adapters=()) -> None:
         self.model, self.hp = model, model.hparams
+        self.adapters = tuple(adapters)
         self.flash_attn = False
         self.kv = None
         self.shape = GraphShape(n_tokens, n_tokens, 1, 0, n_prev + n_tokens, n_tokens)
@@ -104,8 +105,8 @@ class UbatchGraph:
     """
 
     def __init__(self, model, n_prev: int, n_tokens: int, inject: bool, loss_scale: float,
-                 grad_accs: dict[int, Tensor]) -> None:
-        b = self.builder = TrainGraphBuilder(model, n_prev, n_tokens)
+                 grad_accs: dict[int, Tensor], adapters=()) -> None:
+        b = self.builder = TrainGraphBuilder(model, n_prev, n_tokens, adapters)
         c = b.ctx
         logits = model.arch.build(b, model)
         n_vocab = model.hparams.n_vocab
@@ -177,8 +178,12 @@ class Trainer:
         self._vv_shape = (hp.n_layer, self.n_ctx, hp.n_head_kv, hp.n_embd_head_v)
 
     def _select_params(self, param_filter) -> dict[str, Tensor]:
+        """The model's tensors and those of attached LoRA adapters that the filter picks."""
+        candidates = dict(self.model.tensors)
+        for adapter, _ in self.lctx.adapters:
+            candidates.update(adapter.named_tensors())
         chosen = {}
-        for name, t in self.model.tensors.items():
+        for name, t in candidates.items():
             if not param_filter(name, t):
                 continue
             if t.type != GGMLType.F32:
@@ -205,7 +210,7 @@ class Trainer:
         key = (n_prev, inject)
         if key not in self._graphs:
             self._graphs[key] = UbatchGraph(self.model, n_prev, self.n_ubatch, inject, 1.0 / self.opt_period,
-                                            self.grad_accs)
+                                            self.grad_accs, self.lctx.adapters)
         return self._graphs[key]
 
     def _run(self, g: UbatchGraph, graph: gg.Graph, tokens: np.ndarray, labels: np.ndarray, u: int,
