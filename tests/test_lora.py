@@ -1,0 +1,144 @@
+"""LoRA adapters: llama.cpp's file format, application in the graph, training through the
+parameter filter, --lora / --lora-scaled at inference, and export-lora merging."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+import llamapy
+from ggmlpy import GGMLType
+from llamapy.dataset import token_windows
+from llamapy.errors import ModelLoadError
+from llamapy.lora import DEFAULT_MODULES, LoraAdapter, merge_adapters
+from llamapy.opt import LRSchedule, TrainParams, param_filter_lora
+
+from conftest import REPO_ROOT
+
+
+def logits_of(model, tokens, adapters=()):
+    ctx = llamapy.Context(model, n_ctx=64, n_threads=1)
+    for adapter, scale in adapters:
+        ctx.attach_lora(adapter, scale)
+    ctx.decode(llamapy.Batch.from_tokens(tokens, all_outputs=True))
+    return ctx.get_logits().copy()
+
+
+@pytest.fixture(scope="module")
+def model(stories_path):
+    return llamapy.load_model(stories_path)
+
+
+@pytest.fixture(scope="module")
+def tokens(model, wiki_path):
+    return model.vocab.tokenize(wiki_path.read_text()[:6000])
+
+
+def test_new_adapter_shapes_and_identity(model, tokens):
+    ad = LoraAdapter.new(model, rank=4, seed=3)
+    assert len(ad.tensors) == 5 * len(DEFAULT_MODULES)
+    a, b = ad.tensors["blk.1.ffn_down.weight"]
+    w = model.tensors["blk.1.ffn_down.weight"]
+    assert a.ne[:2] == (w.ne[0], 4) and b.ne[:2] == (4, w.ne[1])  # llama.cpp's lora_a / lora_b shapes
+    assert np.abs(a.numpy()).max() <= 1 / np.sqrt(w.ne[0]) and not b.numpy().any()
+    np.testing.assert_array_equal(logits_of(model, tokens[:32], [(ad, 1.0)]), logits_of(model, tokens[:32]))
+
+
+def test_adapter_file_round_trip_and_format(model, tmp_path):
+    ad = LoraAdapter.new(model, rank=2, alpha=8.0, modules=["attn_q", "ffn_up"], seed=1)
+    rng = np.random.default_rng(0)
+    for _, b in ad.tensors.values():
+        b.array()[...] = rng.standard_normal(b.array().shape)
+    path = ad.save(tmp_path / "ad.gguf")
+    r = gguf.GGUFReader(path)
+    field = lambda k: r.fields[k].contents()  # noqa: E731
+    assert field("general.type") == "adapter" and field("adapter.type") == "lora"
+    assert field("adapter.lora.alpha") == 8.0 and field("general.architecture") == "llama"
+    names = {t.name for t in r.tensors}
+    assert "blk.0.attn_q.weight.lora_a" in names and "blk.4.ffn_up.weight.lora_b" in names and len(names) == 20
+    back = LoraAdapter.load(path, model)
+    assert back.alpha == 8.0 and back.rank == 2
+    for name, (a, b) in ad.tensors.items():
+        np.testing.assert_array_equal(back.tensors[name][0].numpy(), a.numpy())
+        np.testing.assert_array_equal(back.tensors[name][1].numpy(), b.numpy())
+
+
+def test_scale_zero_is_the_base_and_merge_equals_applying(model, tokens, stories_path):
+    ad = LoraAdapter.new(model, rank=3, seed=2)
+    rng = np.random.default_rng(1)
+    for _, b in ad.tensors.values():
+        b.array()[...] = rng.standard_normal(b.array().shape) * 0.05
+    base = logits_of(model, tokens[:32])
+    np.testing.assert_array_equal(logits_of(model, tokens[:32], [(ad, 0.0)]), base)
+    applied = logits_of(model, tokens[:32], [(ad, 0.7)])
+    assert np.abs(applied - base).max() > 1e-2
+    fresh = llamapy.load_model(stories_path)
+    merge_adapters(fresh, [(ad, 0.7)], None)
+    np.testing.assert_allclose(logits_of(fresh, tokens[:32]), applied, atol=2e-4 * np.abs(applied).max())
+
+
+def test_lora_training_trains_only_the_adapter(model, tokens):
+    ds = token_windows(tokens, 64)
+    ad = LoraAdapter.new(model, rank=4, seed=0)
+    before = {n: t.numpy().copy() for n, t in model.tensors.items()}
+    ctx = llamapy.Context(model, n_ctx=64, n_batch=64, n_ubatch=32, n_threads=1)
+    ctx.attach_lora(ad)
+    ctx.opt_init(TrainParams(param_filter=param_filter_lora, schedule=LRSchedule(lr0=1e-3)))
+    assert set(ctx.trainer.trained) == set(ad.named_tensors())
+    history = ctx.opt_fit(ds, epochs=2, val_split=0.1, silent=True)
+    assert history[1].val.loss()[0] < history[0].val.loss()[0]
+    for n, t in model.tensors.items():
+        np.testing.assert_array_equal(t.numpy(), before[n], err_msg=n)
+    assert any(b.numpy().any() for _, b in ad.tensors.values())
+
+
+def run_app(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def final_ppl(stderr: str) -> float:
+    line = next(x for x in stderr.splitlines() if x.startswith("Final estimate"))
+    return float(line.split("=")[1].split("+/-")[0])
+
+
+def test_cli_lora_finetune_perplexity_and_export(stories_path, wiki_path, tmp_path):
+    text = tmp_path / "slice.txt"
+    text.write_text(wiki_path.read_text()[:12000])
+    adapter, merged = tmp_path / "ad.gguf", tmp_path / "merged.gguf"
+    r = run_app("apps.finetune", "-m", str(stories_path), "-f", str(text), "-c", "64", "--epochs", "2", "-lr", "1e-3",
+                "--lora-rank", "4", "--lora-out", str(adapter), "-t", "1")
+    assert r.returncode == 0, r.stderr
+    assert f"try it: llamapy-perplexity -m {stories_path} --lora {adapter}" in r.stderr
+    ppl = lambda *extra: final_ppl(run_app("apps.perplexity", "-m", *extra, "-f", str(text), "-c", "64", "-t", "1").stderr)  # noqa: E731
+    base = ppl(str(stories_path))
+    with_lora = ppl(str(stories_path), "--lora", str(adapter))
+    assert with_lora < 0.5 * base
+    assert ppl(str(stories_path), "--lora-scaled", str(adapter), "0") == base
+    r = run_app("apps.export_lora", "-m", str(stories_path), "--lora", str(adapter), "-o", str(merged))
+    assert r.returncode == 0, r.stderr
+    assert ppl(str(merged)) == pytest.approx(with_lora, rel=1e-3)
+    bad = run_app("apps.perplexity", "-m", str(stories_path), "--lora", str(stories_path), "-f", str(text), "-c", "64")
+    assert bad.returncode != 0 and "not a LoRA adapter" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_merge_to_q8_0(model, tokens, stories_path):
+    ad = LoraAdapter.new(model, rank=2, modules=["ffn_up"], seed=5)
+    fresh = llamapy.load_model(stories_path)
+    names = merge_adapters(fresh, [(ad, 1.0)], GGMLType.Q8_0)
+    assert names and all(fresh.tensors[n].type == GGMLType.Q8_0 for n in names)
+    # B is zero: only Q8_0 rounding (about 0.4% of each weight) separates the two models
+    np.testing.assert_allclose(logits_of(fresh, tokens[:16]), logits_of(model, tokens[:16]), atol=0.3)
+
+
+def test_loading_an_adapter_for_other_shapes_fails_clearly(model, tmp_path):
+    ad = LoraAdapter.new(model, rank=2, modules=["attn_q"], seed=0)
+    a, b = ad.tensors["blk.0.attn_q.weight"]
+    ad.tensors["blk.0.attn_k.weight"] = (a, b)  # attn_k is 64 -> 32: b's 64 outputs do not fit
+    path = ad.save(tmp_path / "bad.gguf")
+    with pytest.raises(ModelLoadError, match="do not fit"):
+        LoraAdapter.load(path, model)
