@@ -263,6 +263,47 @@ class Context:
     def memory_seq_pos_max(self, seq: int) -> int:
         return self.kv.seq_pos_max(seq)
 
+    # ---- state (llama_state_*) ------------------------------------------------------------------
+    def state_get_data(self) -> bytes:
+        """The whole context: every KV cell and row, and the last decode's logits."""
+        from . import state
+        return state.get_data(self)
+
+    def state_set_data(self, data: bytes) -> None:
+        from . import state
+        state.set_data(self, data)
+
+    def state_save_file(self, path, tokens=()) -> int:
+        from . import state
+        return state.save_file(path, state.get_data(self), tokens)
+
+    def state_load_file(self, path) -> list[int]:
+        """Load a whole-context state; returns the tokens saved with it."""
+        from . import state
+        data, tokens = state.load_file(path)
+        state.set_data(self, data)
+        return tokens
+
+    def state_seq_get_data(self, seq: int) -> bytes:
+        """One sequence's KV cells (positions and K/V rows of every layer)."""
+        from . import state
+        return state.seq_get_data(self, seq)
+
+    def state_seq_set_data(self, seq: int, data: bytes) -> int:
+        """Restore a sequence state into `seq` (replacing what it held); returns bytes read."""
+        from . import state
+        return state.seq_set_data(self, seq, data)
+
+    def state_seq_save_file(self, path, seq: int, tokens=()) -> int:
+        from . import state
+        return state.save_file(path, state.seq_get_data(self, seq), tokens)
+
+    def state_seq_load_file(self, path, seq: int) -> list[int]:
+        from . import state
+        data, tokens = state.load_file(path)
+        state.seq_set_data(self, seq, data)
+        return tokens
+
     # ---- warmup ------------------------------------------------------------------------------
     def set_warmup(self, enabled: bool) -> None:
         """With `enabled`, run a warmup decode now (BOS and EOS through every layer, so kernels
