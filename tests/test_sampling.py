@@ -429,3 +429,30 @@ def test_state_errors(model, tiny_random_path):
     other = Context(load_model(tiny_random_path), n_ctx=256, n_threads=1)
     with pytest.raises(InputError, match="different model"):
         ctx.state_seq_set_data(0, other.state_seq_get_data(0))
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------
+def run_cli(*args: str):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "apps.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("bs", [[], ["-bs"]])
+def test_cli_greedy_golden(stories_path, bs):
+    golden = shared_path("golden", "greedy_stories260K.txt").read_text(encoding="utf-8").rstrip("\n")
+    proc = run_cli("-m", str(stories_path), "-p", "Once upon a time", "-n", "64", "--temp", "0", "-s", "1", "-t", "1", *bs)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip("\n") == golden
+    for what in ("prompt eval time", "eval time", "total time", "tokens per second"):
+        assert what in proc.stderr
+
+
+def test_cli_sampling_seeded_and_lora_refused(stories_path):
+    args = ("-m", str(stories_path), "-p", "Once upon a time", "-n", "24", "-s", "5", "--repeat-penalty", "1.1", "-t", "1")
+    cpu, gpu = run_cli(*args), run_cli(*args, "-bs")
+    assert cpu.returncode == gpu.returncode == 0
+    assert cpu.stdout == gpu.stdout and len(cpu.stdout) > len(" Once upon a time")
+    proc = run_cli("-m", str(stories_path), "-p", "x", "--lora", "adapter.gguf")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "error: --lora: LoRA adapters are not supported yet" in proc.stderr
