@@ -8,6 +8,7 @@ from .context import Context
 from .graph import Graph, build_forward_expand, new_graph
 from .ops import *  # noqa: F403  (the op functions are the public API, as in ggml.h)
 from .ops_train import *  # noqa: F403
+from .ops_sampling import *  # noqa: F403
 from .tensor import Flag, Op, Tensor
 from .types import GGMLType, row_size, traits
 

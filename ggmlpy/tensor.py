@@ -69,6 +69,12 @@ class Op(IntEnum):
     COUNT_EQUAL = auto()
     GELU_BACK = auto()
     CONCAT = auto()
+    TOP_K = auto()
+    CUMSUM = auto()
+    TOP_P_CUT = auto()
+    MIN_P_CUT = auto()
+    PENALTIES = auto()
+    SAMPLE_DIST = auto()
 
 
 # Ops whose result shares its source's memory: nothing to compute, nothing to allocate.

@@ -52,6 +52,9 @@ class Context:
         self._logits = np.empty((0, hp.n_vocab), dtype=np.float32)
         self._output_row = np.empty(0, dtype=np.int64)  # batch index -> logits row, -1 if none
         self._n_outputs = 0
+        self._samplers: dict[int, object] = {}  # seq id -> sampler chain run in the graph
+        self._sampled: dict[int, object] = {}   # batch index -> SampledRow of the last decode
+        self._n_batch_last = 0
         self._shift_graph = None  # (graph, positions input, allocator), built on the first K shift
         self.trainer = None  # set by opt_init
         self.adapters: list[tuple[object, float]] = []  # (LoraAdapter, scale), applied in every graph
@@ -76,15 +79,62 @@ class Context:
         if self._logits.shape[0] < n_outputs:
             self._logits = np.empty((n_outputs, self.n_vocab), dtype=np.float32)
         self._n_outputs = n_outputs
+        self._sampled = {}
+        self._n_batch_last = len(batch)
         for ub, rows in zip(ubatches, slots):
             self.kv.apply(ub, rows)
-            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, self.kv.n_kv(ub), ub.n_outputs)
-            builder = self._graph(shape)
+            chains = self._row_chains(ub)
+            sigs = tuple(None if c is None else c.backend_signature() for c in chains)
+            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, self.kv.n_kv(ub), ub.n_outputs,
+                               sigs if any(chains) else ())
+            builder = self._graph(shape, chains)
             builder.set_inputs(ub, rows)
+            for row, chain in zip(builder.sampler_rows, chains):
+                if row is not None:
+                    row.fill_inputs(chain)
             self.backend.compute(builder.graph)
-            if ub.n_outputs:
-                dest = self._output_row[ub.idx[ub.output]]
-                self._logits[dest] = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
+            if not ub.n_outputs:
+                continue
+            batch_idx = ub.idx[ub.output]
+            dest = self._output_row[batch_idx]
+            plain = np.array([r is None for r in builder.sampler_rows], dtype=bool)
+            if plain.any():
+                logits = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
+                self._logits[dest[plain]] = logits[plain]
+            for j, (row, chain) in enumerate(zip(builder.sampler_rows, chains)):
+                if row is not None:
+                    self._sampled[int(batch_idx[j])] = row.read(chain)
+
+    def _row_chains(self, ub) -> list:
+        """The chain to run in the graph for each output row of a ubatch (None: logits leave)."""
+        if not self._samplers or not ub.n_outputs:
+            return [None] * ub.n_outputs
+        chains = [self._samplers.get(int(s)) for s in ub.seq_id[ub.output]]
+        return [c if c is not None and c.backend_prefix() > 0 else None for c in chains]
+
+    # ---- backend sampling (llama_set_sampler) ------------------------------------------------
+    def set_sampler(self, seq_id: int, chain) -> None:
+        """Run `chain`'s leading samplers that have a backend form inside the graph for the
+        outputs of sequence seq_id (None detaches). Those outputs then leave the graph as a
+        token (or a short candidate list), and `chain.sample(ctx, i)` picks them up."""
+        if not 0 <= seq_id < self.n_seq_max:
+            raise InputError(f"set_sampler: sequence id must be in [0, {self.n_seq_max})")
+        if chain is None:
+            self._samplers.pop(seq_id, None)
+        else:
+            self._samplers[seq_id] = chain
+
+    def get_sampled_ith(self, i: int):
+        """What the graph sampled for batch token i of the last decode (None if it did not)."""
+        if not self._sampled:
+            return None
+        return self._sampled.get(i % self._n_batch_last if i < 0 else i)
+
+    def get_sampled_token_ith(self, i: int) -> int:
+        got = self.get_sampled_ith(i)
+        if got is None or got.token is None:
+            raise InputError(f"token {i} of the last batch has no token sampled in the graph")
+        return got.token
 
     def _find_slots(self, ubatches) -> list[np.ndarray]:
         """Cells for every ubatch, found before anything is computed (llama.cpp's prepare):
@@ -154,12 +204,15 @@ class Context:
                 batch.pos[sel] = self.kv.seq_pos_max(int(s)) + 1 + np.arange(len(sel))
         return batch
 
-    def _graph(self, shape: GraphShape) -> GraphBuilder:
+    def _graph(self, shape: GraphShape, chains: list | None = None) -> GraphBuilder:
         if shape in self._graphs:
             self._graphs.move_to_end(shape)
             return self._graphs[shape][0]
         builder = GraphBuilder(self.model, self.kv, shape, self.flash_attn, self.adapters)
         builder.logits = self.model.arch.build(builder, self.model)
+        if chains and any(chains):
+            from .sampling.backend import build_rows
+            builder.sampler_rows = build_rows(builder, chains)
         allocator = GraphAllocator()
         allocator.alloc_graph(builder.graph)
         self._graphs[shape] = (builder, allocator)
@@ -175,11 +228,18 @@ class Context:
     # ---- outputs ---------------------------------------------------------------------------
     def get_logits(self) -> np.ndarray:
         """Logits of the last decode's output tokens, in batch order: [n_outputs, n_vocab]."""
+        if self._sampled:
+            raise InputError("get_logits: some outputs of the last batch were sampled in the graph and their "
+                             "logits never left it (use get_logits_ith for the others)")
         return self._logits[: self._n_outputs]
 
     def get_logits_ith(self, i: int) -> np.ndarray:
         """Logits of batch token i (negative i counts from the end)."""
         row = self._output_row[i]
+        if self.get_sampled_ith(i) is not None:
+            raise InputError(f"token {i} of the last batch was sampled in the graph (a sampler chain is set for its "
+                             "sequence): its logits did not leave the graph; use the chain's sample() or "
+                             "get_sampled_token_ith")
         if row < 0:
             raise InputError(f"token {i} of the last batch did not request logits")
         return self._logits[row]
@@ -215,6 +275,47 @@ class Context:
         self.adapters = [] if adapter is None else [(a, s) for a, s in self.adapters if a is not adapter]
         self._graphs.clear()
 
+    # ---- state (llama_state_*) ------------------------------------------------------------------
+    def state_get_data(self) -> bytes:
+        """The whole context: every KV cell and row, and the last decode's logits."""
+        from . import state
+        return state.get_data(self)
+
+    def state_set_data(self, data: bytes) -> None:
+        from . import state
+        state.set_data(self, data)
+
+    def state_save_file(self, path, tokens=()) -> int:
+        from . import state
+        return state.save_file(path, state.get_data(self), tokens)
+
+    def state_load_file(self, path) -> list[int]:
+        """Load a whole-context state; returns the tokens saved with it."""
+        from . import state
+        data, tokens = state.load_file(path)
+        state.set_data(self, data)
+        return tokens
+
+    def state_seq_get_data(self, seq: int) -> bytes:
+        """One sequence's KV cells (positions and K/V rows of every layer)."""
+        from . import state
+        return state.seq_get_data(self, seq)
+
+    def state_seq_set_data(self, seq: int, data: bytes) -> int:
+        """Restore a sequence state into `seq` (replacing what it held); returns bytes read."""
+        from . import state
+        return state.seq_set_data(self, seq, data)
+
+    def state_seq_save_file(self, path, seq: int, tokens=()) -> int:
+        from . import state
+        return state.save_file(path, state.seq_get_data(self, seq), tokens)
+
+    def state_seq_load_file(self, path, seq: int) -> list[int]:
+        from . import state
+        data, tokens = state.load_file(path)
+        state.seq_set_data(self, seq, data)
+        return tokens
+
     # ---- warmup ------------------------------------------------------------------------------
     def set_warmup(self, enabled: bool) -> None:
         """With `enabled`, run a warmup decode now (BOS and EOS through every layer, so kernels
@@ -227,8 +328,12 @@ class Context:
         vocab = self.model.vocab
         tokens = [t for t in (vocab.bos_id, vocab.eos_id) if t is not None and t >= 0] or [0]
         saved = self.kv.pos.copy(), self.kv.seqs.copy()
-        self.decode(Batch.from_tokens(tokens[: self.n_batch]))
-        self.kv.pos[...], self.kv.seqs[...] = saved
+        samplers, self._samplers = self._samplers, {}  # a warmup must not draw from a sampler's RNG
+        try:
+            self.decode(Batch.from_tokens(tokens[: self.n_batch]))
+        finally:
+            self._samplers = samplers
+            self.kv.pos[...], self.kv.seqs[...] = saved
 
     # ---- training (llama_opt_*) --------------------------------------------------------------------
     def opt_init(self, params: TrainParams | None = None) -> None:

@@ -26,6 +26,7 @@ class GraphShape:
     stream0: int
     n_kv: int
     n_outputs: int
+    samplers: tuple = ()  # per output row: the backend signature of its sampler chain, or None
 
 
 class GraphBuilder:
@@ -44,6 +45,7 @@ class GraphBuilder:
         self.inp_k_rows = c.new_tensor_1d(GGMLType.I64, shape.n_tokens, "inp_k_rows").set_input()
         self.inp_masks: dict[int, Tensor] = {}  # sliding window (0 = none) -> mask
         self.inp_out_ids = None
+        self.sampler_rows: list = [None] * shape.n_outputs  # backend samplers per output row
         if shape.n_outputs < shape.n_tokens:
             self.inp_out_ids = c.new_tensor_1d(GGMLType.I32, shape.n_outputs, "inp_out_ids").set_input()
 

@@ -17,7 +17,7 @@ from threadpoolctl import ThreadpoolController
 from ...alloc import GraphAllocator
 from ...graph import Graph
 from ...tensor import VIEW_OPS, Op
-from . import compute_train, matmul  # noqa: F401  (register their ops)
+from . import compute_sampling, compute_train, matmul  # noqa: F401  (register their ops)
 from .compute import prepare
 
 # Below this much work an op runs on one thread: waking more costs more. Work is result

@@ -1,0 +1,104 @@
+"""Row kernels for sampling, shared by the graph ops (ops_sampling) and llamapy's CPU samplers.
+
+One implementation for both paths is what makes a sampler chain in the graph pick the
+same tokens as the chain on the CPU: every sum runs in double in row order, every exp is
+the same float32 exp, so a removed token (-inf, probability 0) changes no sum.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+F32 = np.float32
+
+
+def sort_desc(row: np.ndarray) -> np.ndarray:
+    """Positions of a row's values, largest first; ties keep the lower position first."""
+    return np.argsort(-row, kind="stable")
+
+
+@njit(cache=True)
+def row_max(x):
+    m = F32(-np.inf)
+    for i in range(x.shape[0]):
+        if x[i] > m:
+            m = x[i]
+    return m
+
+
+@njit(cache=True)
+def softmax(x, out):
+    """out = softmax(x): float32 exp of x - max, normalized by their double sum."""
+    m = row_max(x)
+    s = 0.0
+    for i in range(x.shape[0]):
+        e = np.exp(x[i] - m)
+        out[i] = e
+        s += np.float64(e)
+    for i in range(x.shape[0]):
+        out[i] = F32(out[i] / s)
+
+
+@njit(cache=True)
+def cumsum(x, out):
+    s = 0.0
+    for i in range(x.shape[0]):
+        s += np.float64(x[i])
+        out[i] = F32(s)
+
+
+@njit(cache=True)
+def top_p_keep(x_sorted, p, min_keep):
+    """How many leading tokens of a row sorted largest first top-p keeps (llama.cpp's rule:
+    up to and including the first where the running probability reaches p, at least min_keep)."""
+    n = x_sorted.shape[0]
+    probs = np.empty(n, dtype=np.float32)
+    softmax(x_sorted, probs)
+    cum = 0.0
+    for i in range(n):
+        cum += np.float64(probs[i])
+        if F32(cum) >= F32(p) and i + 1 >= min_keep:
+            return i + 1
+    return n
+
+
+@njit(cache=True)
+def min_p_threshold(x, p):
+    """Logits below this have probability below p times the largest."""
+    return row_max(x) + F32(math.log(F32(p)))
+
+
+@njit(cache=True)
+def dist_select(x, rnd):
+    """llama.cpp's dist sampler: probabilities exp(x - max) summed in double; the first
+    position where the running sum reaches rnd * total (never a zero-probability one)."""
+    n = x.shape[0]
+    m = row_max(x)
+    total = 0.0
+    for i in range(n):
+        total += np.float64(np.exp(x[i] - m))
+    target = total * rnd
+    run = 0.0
+    last = -1
+    for i in range(n):
+        e = np.float64(np.exp(x[i] - m))
+        if e == 0.0:
+            continue
+        last = i
+        run += e
+        if run >= target:
+            return i
+    return last
+
+
+def apply_penalties(x: np.ndarray, counts: np.ndarray, repeat: float, freq: float, present: float) -> np.ndarray:
+    """Penalized copy of logits x given each token's count in the recent window."""
+    x = np.asarray(x, dtype=np.float32)
+    counts = np.asarray(counts, dtype=np.float32)
+    seen = counts > 0
+    r = F32(repeat)
+    out = np.where(seen, np.where(x <= 0, x * r, x / r), x).astype(np.float32)
+    sub = counts * F32(freq) + seen.astype(np.float32) * F32(present)
+    return np.where(seen, out - sub, out).astype(np.float32)
