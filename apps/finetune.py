@@ -17,6 +17,7 @@ import typer
 
 from llamapy.context import Context
 from llamapy.dataset import token_windows
+from llamapy.defaults import default_model_path, demo_corpus
 from llamapy.errors import InputError
 from llamapy.model import load_model
 from llamapy.lora import DEFAULT_MODULES, LoraAdapter
@@ -29,16 +30,17 @@ from .common import default_threads, guarded, log, read_text
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 DEFAULT_CTX = 256
+DEMO_CHARS = 20_000
 
 
 @cli.command()
 def run(
-    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file")],
-    file: Annotated[Path, typer.Option("-f", "--file", help="text to train on")],
+    model: Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: Gemma 3 270M Q4_K_M)")] = None,
+    file: Annotated[Optional[Path], typer.Option("-f", "--file", help="text to train on (default: a slice of the Python docs)")] = None,
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="tokens per training window")] = DEFAULT_CTX,
     batch_size: Annotated[Optional[int], typer.Option("-b", "--batch-size", help="tokens per optimizer step (whole windows; default -c)")] = None,
     ubatch_size: Annotated[int, typer.Option("-ub", "--ubatch-size", help="tokens computed at once")] = 512,
-    lr: Annotated[float, typer.Option("-lr", "--learning-rate", help="learning rate")] = 1e-5,
+    lr: Annotated[Optional[float], typer.Option("-lr", "--learning-rate", help="learning rate (default 1e-5; 1e-3 for LoRA)")] = None,
     lr_min: Annotated[float, typer.Option("-lr-min", help="decay the learning rate to this value")] = 0.0,
     decay_epochs: Annotated[float, typer.Option("-decay-epochs", help="epochs over which -lr-min is reached")] = -1.0,
     lr_half: Annotated[Optional[float], typer.Option("-lr-half", help="halve the learning rate every HALFLIFE epochs (1 if bare)")] = None,
@@ -55,6 +57,8 @@ def run(
     lora_alpha: Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha (default: the rank, i.e. scale 1)")] = None,
     lora_modules: Annotated[str, typer.Option("--lora-modules", help="comma-separated matrices to adapt")] = ",".join(DEFAULT_MODULES),
     lora_out: Annotated[Path, typer.Option("--lora-out", help="where to write the adapter")] = Path("lora-adapter.gguf"),
+    window_bos: Annotated[Optional[bool], typer.Option("--window-bos/--no-window-bos", help="start every window with BOS (default: what the architecture expects)")] = None,
+    demo_chars: Annotated[int, typer.Option("--demo-chars", help="characters of the demo corpus used when no -f is given")] = DEMO_CHARS,
 ) -> None:
     """Finetune MODEL on the text in FILE; writes the trained model to -o."""
     opt_name = optimizer.lower()
@@ -63,6 +67,7 @@ def run(
     if not 0.0 <= val_split < 1.0:
         raise InputError(f"-val-split must be in [0, 1), got {val_split}")
     t_load = time.perf_counter()
+    model = model or default_model_path(log)
     m = load_model(model)
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
     modules = [x.strip() for x in lora_modules.split(",") if x.strip()]
@@ -72,6 +77,7 @@ def run(
     for path in ([lora_out] if lora_rank else [output]) + ([plot] if plot else []):
         _check_writable(path)
     try:
+        lr = lr if lr is not None else (DEFAULT_LORA_LR if lora_rank else DEFAULT_LR)
         schedule = LRSchedule(lr0=lr, lr_min=lr_min, decay_epochs=decay_epochs, half_life=lr_half,
                               halvings=lr_halvings, epochs=epochs)
         params = TrainParams(optimizer=AdamW(wd=wd) if opt_name == "adamw" else SGD(wd=wd), schedule=schedule,
@@ -81,8 +87,16 @@ def run(
     adapter = LoraAdapter.new(m, lora_rank, lora_alpha, modules, seed) if lora_rank else None
     if adapter:
         log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices ({', '.join(modules)})")
-    tokens = m.vocab.tokenize(read_text(file), add_special=True)
-    dataset = token_windows(tokens, ctx_size)
+    if file is None:
+        text = demo_corpus()[:demo_chars]
+        log(f"text: no -f given: the first {len(text)} characters of the Python documentation "
+            f"(pydoc_data.topics; --demo-chars to change, -f for your own text)")
+    else:
+        text = read_text(file)
+    bos_windows = m.arch.bos_in_every_window if window_bos is None else window_bos
+    bos = m.vocab.bos_id if bos_windows else None
+    tokens = m.vocab.tokenize(text, add_special=not bos_windows)
+    dataset = token_windows(tokens, ctx_size, bos=bos)
     n_batch = batch_size or ctx_size
     n_val = int(round(dataset.ndata * val_split))
     log(f"dataset: {len(tokens)} tokens, {dataset.ndata} windows of {ctx_size} (stride {max(ctx_size // 2, 1)}), "
@@ -106,7 +120,10 @@ def run(
     if adapter:
         adapter.save(lora_out)
         log(f"finetune: saved the LoRA adapter to {lora_out}")
-        log(f"try it: llamapy-perplexity -m {model} --lora {lora_out} -f {file} -c {ctx_size}")
+        if file is None:
+            log(f'try it: llamapy-cli -m {model} --lora {lora_out} -p "The with statement" -n 64')
+        else:
+            log(f"try it: llamapy-perplexity -m {model} --lora {lora_out} -f {file} -c {ctx_size}")
     else:
         save_model_to_file(m, output)
         log(f"finetune: saved the trained model to {output}")
@@ -116,6 +133,8 @@ def run(
 
 
 DEFAULT_QUANTIZED_RANK = 8
+DEFAULT_LR = 1e-5        # llama.cpp's
+DEFAULT_LORA_LR = 1e-3   # adapters start at zero (B = 0) and need larger steps to move in a few epochs
 
 
 def _has_quantized(model, modules: list[str]) -> bool:

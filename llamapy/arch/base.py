@@ -14,6 +14,7 @@ def register(cls: type["Architecture"]) -> type["Architecture"]:
 
 class Architecture:
     name = ""
+    bos_in_every_window = False  # training windows start with BOS (models that score badly without it)
 
     def read_hparams(self, f: GGUFFile, n_vocab: int) -> HParams:
         raise NotImplementedError
