@@ -17,7 +17,7 @@ from ggmlpy import CpuBackend, GGMLType, GraphAllocator
 from .batch import Batch, split_equal, split_simple
 from .errors import InputError
 from .graph_builder import GraphBuilder, GraphShape
-from .kv_cache import KVCache
+from .kv_cache import KVMemory
 from .model import Model
 from .opt import TrainParams
 
@@ -46,7 +46,7 @@ class Context:
         if not unified and self.n_ctx % n_seq_max:
             raise InputError(f"n_ctx {self.n_ctx} must be a multiple of n_seq_max {n_seq_max}")
         kv_size = self.n_ctx if unified else self.n_ctx // n_seq_max
-        self.kv = KVCache(hp, kv_size, n_seq_max, unified, type_k, type_v)
+        self.kv = KVMemory(hp, kv_size, n_seq_max, unified, type_k, type_v, self.n_ubatch)
         self.backend = CpuBackend(n_threads)
         self._graphs: OrderedDict[GraphShape, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()
         self._logits = np.empty((0, hp.n_vocab), dtype=np.float32)
@@ -55,7 +55,8 @@ class Context:
         self._samplers: dict[int, object] = {}  # seq id -> sampler chain run in the graph
         self._sampled: dict[int, object] = {}   # batch index -> SampledRow of the last decode
         self._n_batch_last = 0
-        self._shift_graph = None  # (graph, positions input, allocator), built on the first K shift
+        self._out = self._logits  # where the last decode's logits are
+        self._shift_graphs: dict[int, tuple] = {}  # cache index -> (graph, positions input, allocator)
         self.trainer = None  # set by opt_init
         self.adapters: list[tuple[object, float]] = []  # (LoraAdapter, scale), applied in every graph
 
@@ -76,16 +77,23 @@ class Context:
         slots = self._find_slots(ubatches)
         self._output_row = np.where(batch.output, np.cumsum(batch.output) - 1, -1)
         n_outputs = int(batch.output.sum())
-        if self._logits.shape[0] < n_outputs:
+        # one ubatch in batch order without samplers: its logits are read in place from the
+        # compute buffer (valid until the next decode, as llama.cpp's); otherwise gathered
+        in_place = (len(ubatches) == 1 and not self._samplers
+                    and bool(np.all(ubatches[0].idx == np.arange(len(batch)))))
+        if not in_place and self._logits.shape[0] < n_outputs:
             self._logits = np.empty((n_outputs, self.n_vocab), dtype=np.float32)
+        self._out = self._logits
         self._n_outputs = n_outputs
         self._sampled = {}
         self._n_batch_last = len(batch)
         for ub, rows in zip(ubatches, slots):
-            self.kv.apply(ub, rows)
+            for cache, r in zip(self.kv.caches, rows):
+                cache.apply(ub, r)
+            n_kv = tuple(cache.n_kv(ub) for cache in self.kv.caches)
             chains = self._row_chains(ub)
             sigs = tuple(None if c is None else c.backend_signature() for c in chains)
-            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, self.kv.n_kv(ub), ub.n_outputs,
+            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, n_kv, ub.n_outputs,
                                sigs if any(chains) else ())
             builder = self._graph(shape, chains)
             builder.set_inputs(ub, rows)
@@ -100,7 +108,10 @@ class Context:
             plain = np.array([r is None for r in builder.sampler_rows], dtype=bool)
             if plain.any():
                 logits = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
-                self._logits[dest[plain]] = logits[plain]
+                if in_place:
+                    self._out = logits
+                else:
+                    self._logits[dest[plain]] = logits[plain]
             for j, (row, chain) in enumerate(zip(builder.sampler_rows, chains)):
                 if row is not None:
                     self._sampled[int(batch_idx[j])] = row.read(chain)
@@ -136,19 +147,20 @@ class Context:
             raise InputError(f"token {i} of the last batch has no token sampled in the graph")
         return got.token
 
-    def _find_slots(self, ubatches) -> list[np.ndarray]:
-        """Cells for every ubatch, found before anything is computed (llama.cpp's prepare):
-        if the batch does not fit, KVCacheFullError leaves the cache as it was."""
-        kv = self.kv
-        saved = kv.pos.copy(), kv.seqs.copy()
+    def _find_slots(self, ubatches) -> list[list[np.ndarray]]:
+        """Cells for every ubatch in every cache, found before anything is computed (llama.cpp's
+        prepare): if the batch does not fit, KVCacheFullError leaves the caches as they were."""
+        saved = self.kv.snapshot()
         try:
             slots = []
             for ub in ubatches:
-                slots.append(kv.find_slot(ub))
-                kv.apply(ub, slots[-1])
+                rows = [cache.find_slot(ub) for cache in self.kv.caches]
+                for cache, r in zip(self.kv.caches, rows):
+                    cache.apply(ub, r)
+                slots.append(rows)
             return slots
         finally:
-            kv.pos[...], kv.seqs[...] = saved
+            self.kv.restore(saved)
 
     def _apply_k_shift(self) -> None:
         """Re-rope every cached K by its cell's pending shift (llama.cpp's K-shift).
@@ -158,33 +170,38 @@ class Context:
         by 0, which leaves them unchanged. The rope kernel is F32, so each layer's K goes
         through an F32 copy (as llama.cpp does for quantized caches).
         """
-        kv, hp = self.kv, self.model.hparams
-        if self._shift_graph is None:
-            n_cells, hk = kv.kv_size * kv.n_stream, hp.n_embd_head_k
-            c = gg.Context()
-            graph = gg.Graph()
-            inp_shift = c.new_tensor_1d(GGMLType.I32, n_cells, "inp_k_shift").set_input()
-            scratch = None  # one F32 copy of a layer's K, reused by every layer in turn
-            for il, cache_k in enumerate(kv.k):
-                k = gg.view_3d(c, cache_k, hk, hp.n_head_kv, n_cells,
-                               gg.row_size(cache_k.type, hk), gg.row_size(cache_k.type, hp.n_embd_k_gqa))
-                k32 = k
-                if cache_k.type != GGMLType.F32:
-                    if scratch is None:
-                        scratch = c.new_tensor_3d(GGMLType.F32, hk, hp.n_head_kv, n_cells, "k_shift_f32")
-                    k32 = gg.cpy(c, k, scratch)
-                freq_base = hp.rope_freq_base_swa if hp.is_swa(il) else hp.rope_freq_base
-                roped = gg.rope_ext(c, k32, inp_shift, None, hp.n_rot, hp.rope_type, hp.n_ctx_train,
-                                    freq_base, hp.rope_freq_scale)
-                graph.visit(gg.cpy(c, roped, k))
-            allocator = GraphAllocator()
-            allocator.alloc_graph(graph)
-            self._shift_graph = (graph, inp_shift, allocator)
-        graph, inp_shift = self._shift_graph[:2]
-        inp_shift.array().reshape(-1)[:] = kv.shift.reshape(-1)
-        self.backend.compute(graph)
-        kv.shift.fill(0)
-        kv.has_shift = False
+        for ci, kv in enumerate(self.kv.caches):
+            if not kv.has_shift:
+                continue
+            if ci not in self._shift_graphs:
+                self._shift_graphs[ci] = self._build_shift_graph(kv)
+            graph, inp_shift = self._shift_graphs[ci][:2]
+            inp_shift.array().reshape(-1)[:] = kv.shift.reshape(-1)
+            self.backend.compute(graph)
+            kv.shift.fill(0)
+            kv.has_shift = False
+
+    def _build_shift_graph(self, kv):
+        hp = self.model.hparams
+        n_cells, hk = kv.kv_size * kv.n_stream, hp.n_embd_head_k
+        c = gg.Context()
+        graph = gg.Graph()
+        inp_shift = c.new_tensor_1d(GGMLType.I32, n_cells, "inp_k_shift").set_input()
+        scratch = None  # one F32 copy of a layer's K, reused by every layer in turn
+        for il, cache_k in kv.k.items():
+            k = gg.view_3d(c, cache_k, hk, hp.n_head_kv, n_cells,
+                           gg.row_size(cache_k.type, hk), gg.row_size(cache_k.type, hp.n_embd_k_gqa))
+            k32 = k
+            if cache_k.type != GGMLType.F32:
+                if scratch is None:
+                    scratch = c.new_tensor_3d(GGMLType.F32, hk, hp.n_head_kv, n_cells, "k_shift_f32")
+                k32 = gg.cpy(c, k, scratch)
+            roped = gg.rope_ext(c, k32, inp_shift, None, hp.n_rot, hp.rope_type, hp.n_ctx_train,
+                                hp.rope_base_of(il), hp.rope_freq_scale)
+            graph.visit(gg.cpy(c, roped, k))
+        allocator = GraphAllocator()
+        allocator.alloc_graph(graph)
+        return graph, inp_shift, allocator
 
     def _validate(self, batch: Batch) -> Batch:
         """Check the batch; a batch without positions gets a copy that continues each sequence."""
@@ -231,7 +248,7 @@ class Context:
         if self._sampled:
             raise InputError("get_logits: some outputs of the last batch were sampled in the graph and their "
                              "logits never left it (use get_logits_ith for the others)")
-        return self._logits[: self._n_outputs]
+        return self._out[: self._n_outputs]
 
     def get_logits_ith(self, i: int) -> np.ndarray:
         """Logits of batch token i (negative i counts from the end)."""
@@ -242,7 +259,7 @@ class Context:
                              "get_sampled_token_ith")
         if row < 0:
             raise InputError(f"token {i} of the last batch did not request logits")
-        return self._logits[row]
+        return self._out[row]
 
     # ---- memory (llama_memory_*) --------------------------------------------------------------
     def memory_clear(self) -> None:
@@ -327,13 +344,13 @@ class Context:
             raise InputError("warmup is refused while parameters are marked trainable (after opt_init)")
         vocab = self.model.vocab
         tokens = [t for t in (vocab.bos_id, vocab.eos_id) if t is not None and t >= 0] or [0]
-        saved = self.kv.pos.copy(), self.kv.seqs.copy()
+        saved = self.kv.snapshot()
         samplers, self._samplers = self._samplers, {}  # a warmup must not draw from a sampler's RNG
         try:
             self.decode(Batch.from_tokens(tokens[: self.n_batch]))
         finally:
             self._samplers = samplers
-            self.kv.pos[...], self.kv.seqs[...] = saved
+            self.kv.restore(saved)
 
     # ---- training (llama_opt_*) --------------------------------------------------------------------
     def opt_init(self, params: TrainParams | None = None) -> None:

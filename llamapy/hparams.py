@@ -31,6 +31,8 @@ class HParams:
     swa_layers: list[bool] = field(default_factory=list)
     n_swa: int = 0
     rope_freq_base_swa: float = 10000.0
+    # Q is multiplied by this before attention (0: attention scales by 1/sqrt(head_dim) itself)
+    f_attention_scale: float = 0.0
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -42,6 +44,18 @@ class HParams:
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]
+
+    def n_swa_of(self, il: int) -> int:
+        """The sliding window of layer il (0: the layer attends to the whole context)."""
+        return self.n_swa if self.is_swa(il) else 0
+
+    def rope_base_of(self, il: int) -> float:
+        return self.rope_freq_base_swa if self.is_swa(il) else self.rope_freq_base
+
+    def set_swa_pattern(self, n_pattern: int) -> None:
+        """Every n_pattern-th layer attends globally, the others through the window
+        (llama_hparams::set_swa_pattern; n_pattern 0: every layer uses the window)."""
+        self.swa_layers = [n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(self.n_layer)]
 
 
 def read_common(f: GGUFFile, arch: str, n_vocab: int, rope_type: int) -> HParams:

@@ -24,8 +24,12 @@ class KVCacheFullError(LlamapyError):
 
 
 class KVCache:
+    """The cache of some layers (all by default). With n_swa > 0 its layers attend through a
+    sliding window: a cell that no sequence can attend to any more is free again."""
+
     def __init__(self, hp: HParams, kv_size: int, n_seq_max: int = 1, unified: bool = True,
-                 type_k: GGMLType = GGMLType.F32, type_v: GGMLType = GGMLType.F32) -> None:
+                 type_k: GGMLType = GGMLType.F32, type_v: GGMLType = GGMLType.F32,
+                 layers: list[int] | None = None, n_swa: int = 0) -> None:
         if kv_size <= 0:
             raise LlamapyError(f"KV cache size must be positive, got {kv_size}")
         self.hp = hp
@@ -33,12 +37,14 @@ class KVCache:
         self.n_seq_max = n_seq_max
         self.unified = unified
         self.n_stream = 1 if unified else n_seq_max
+        self.n_swa = n_swa
+        self.layers = list(range(hp.n_layer)) if layers is None else list(layers)
         ctx = ggmlpy.Context(no_alloc=False)
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
-        for il in range(hp.n_layer):
-            self.k.append(ctx.new_tensor_3d(type_k, hp.n_embd_k_gqa, kv_size, self.n_stream, f"cache_k_l{il}"))
-            self.v.append(ctx.new_tensor_3d(type_v, hp.n_embd_v_gqa, kv_size, self.n_stream, f"cache_v_l{il}"))
+        self.k: dict[int, Tensor] = {}  # model layer index -> [n_embd_k_gqa, kv_size, n_stream]
+        self.v: dict[int, Tensor] = {}
+        for il in self.layers:
+            self.k[il] = ctx.new_tensor_3d(type_k, hp.n_embd_k_gqa, kv_size, self.n_stream, f"cache_k_l{il}")
+            self.v[il] = ctx.new_tensor_3d(type_v, hp.n_embd_v_gqa, kv_size, self.n_stream, f"cache_v_l{il}")
         self.pos = np.full((self.n_stream, kv_size), -1, dtype=np.int32)
         self.seqs = np.zeros((self.n_stream, kv_size), dtype=np.uint64)
         self.shift = np.zeros((self.n_stream, kv_size), dtype=np.int32)
@@ -46,7 +52,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes() for t in self.k + self.v)
+        return sum(t.nbytes() for t in [*self.k.values(), *self.v.values()])
 
     def stream_of(self, seq: int) -> int:
         return 0 if self.unified else seq
@@ -57,7 +63,7 @@ class KVCache:
         rows = np.empty(ub.n_tokens, dtype=np.int64)
         for j in range(ub.n_seqs):
             stream = ub.stream0 + j
-            free = np.flatnonzero(self.pos[stream] < 0)
+            free = np.flatnonzero(self.free_cells(stream))
             if len(free) < ub.n_seq_tokens:
                 raise KVCacheFullError(
                     f"KV cache full: {ub.n_seq_tokens} tokens need cells but only {len(free)} of "
@@ -65,9 +71,39 @@ class KVCache:
             rows[j * ub.n_seq_tokens:(j + 1) * ub.n_seq_tokens] = stream * self.kv_size + free[:ub.n_seq_tokens]
         return rows
 
+    def free_cells(self, stream: int) -> np.ndarray:
+        """Cells a new token may take: empty ones and, with a sliding window, those that no
+        sequence can attend to any more (for each of the cell's sequences, the next
+        position, one past its largest, is n_swa or more ahead of the cell's position)."""
+        pos, seqs = self.pos[stream], self.seqs[stream]
+        free = pos < 0
+        if self.n_swa > 0:
+            evictable = ~free
+            for seq in range(self.n_seq_max):
+                bit = np.uint64(1) << np.uint64(seq)
+                member = (seqs & bit) != 0
+                if not member.any():
+                    continue
+                next_pos = int(pos[member].max()) + 1
+                evictable &= ~member | (next_pos - pos >= self.n_swa)
+            free |= evictable
+        return free
+
+    def evict(self) -> int:
+        """Forget every cell no sequence can attend to any more; returns how many."""
+        n = 0
+        for stream in range(self.n_stream):
+            gone = self.free_cells(stream) & (self.pos[stream] >= 0)
+            self.pos[stream, gone] = -1
+            self.seqs[stream, gone] = 0
+            self.shift[stream, gone] = 0
+            n += int(gone.sum())
+        return n
+
     def apply(self, ub: UBatch, rows: np.ndarray) -> None:
         streams, cells = np.divmod(rows, self.kv_size)
         self.pos[streams, cells] = ub.pos
+        self.shift[streams, cells] = 0  # the K written there is roped at its position already
         self.seqs[streams, cells] = np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64))
 
     def n_kv(self, ub: UBatch) -> int:
@@ -134,7 +170,7 @@ class KVCache:
         s_src, s_dst = self.stream_of(src), self.stream_of(dst)
         self.seq_rm(dst)
         cells = np.flatnonzero(sel[s_src])
-        for k, v in zip(self.k, self.v):
+        for k, v in zip(self.k.values(), self.v.values()):
             for t in (k, v):
                 a = t.array()[0]
                 a[s_dst, cells] = a[s_src, cells]
@@ -167,3 +203,92 @@ class KVCache:
     def seq_pos_min(self, seq: int) -> int:
         sel = self._members(seq)
         return int(self.pos[sel].min()) if sel.any() else -1
+
+
+class KVMemory:
+    """A model's KV caches: one for every layer, or, when some layers attend through a
+    sliding window (llama.cpp's iswa cache), one for the global layers and one for the
+    window layers. The window cache needs only n_swa cells per sequence plus a ubatch,
+    since its cells are reused once no sequence can attend to them.
+
+    Sequence operations apply to every cache; placement, spans and masks are per cache.
+    """
+
+    def __init__(self, hp: HParams, kv_size: int, n_seq_max: int = 1, unified: bool = True,
+                 type_k: GGMLType = GGMLType.F32, type_v: GGMLType = GGMLType.F32, n_ubatch: int | None = None) -> None:
+        swa = [il for il in range(hp.n_layer) if hp.is_swa(il) and hp.n_swa > 0]
+        full = [il for il in range(hp.n_layer) if il not in swa]
+        self.caches: list[KVCache] = []
+        if full:
+            self.caches.append(KVCache(hp, kv_size, n_seq_max, unified, type_k, type_v, layers=full))
+        if swa:
+            seqs_per_stream = n_seq_max if unified else 1
+            size = hp.n_swa * seqs_per_stream + (kv_size if n_ubatch is None else n_ubatch)
+            size = min(kv_size, -(-size // N_KV_PAD) * N_KV_PAD)
+            self.caches.append(KVCache(hp, size, n_seq_max, unified, type_k, type_v, layers=swa, n_swa=hp.n_swa))
+        self.cache_index = {il: i for i, c in enumerate(self.caches) for il in c.layers}
+
+    def cache_of(self, il: int) -> KVCache:
+        return self.caches[self.cache_index[il]]
+
+    @property
+    def unified(self) -> bool:
+        return self.caches[0].unified
+
+    @property
+    def n_stream(self) -> int:
+        return self.caches[0].n_stream
+
+    @property
+    def k(self) -> dict[int, Tensor]:
+        return {il: t for c in self.caches for il, t in c.k.items()}
+
+    @property
+    def v(self) -> dict[int, Tensor]:
+        return {il: t for c in self.caches for il, t in c.v.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    @property
+    def has_shift(self) -> bool:
+        return any(c.has_shift for c in self.caches)
+
+    @has_shift.setter
+    def has_shift(self, value: bool) -> None:
+        for c in self.caches:
+            c.has_shift = value
+
+    def snapshot(self):
+        return [(c.pos.copy(), c.seqs.copy(), c.shift.copy()) for c in self.caches]
+
+    def restore(self, saved) -> None:
+        for c, (pos, seqs, shift) in zip(self.caches, saved):
+            c.pos[...], c.seqs[...], c.shift[...] = pos, seqs, shift
+
+    def clear(self) -> None:
+        for c in self.caches:
+            c.clear()
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        return all([c.seq_rm(seq, p0, p1) for c in self.caches])
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        for c in self.caches:
+            c.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        for c in self.caches:
+            c.seq_keep(seq)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        for c in self.caches:
+            c.seq_add(seq, p0, p1, delta)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return max(c.seq_pos_max(seq) for c in self.caches)
+
+    def seq_pos_min(self, seq: int) -> int:
+        """The smallest position every cache still holds (the window cache forgets early ones)."""
+        return max(c.seq_pos_min(seq) for c in self.caches)

@@ -53,7 +53,7 @@ def load_model(path: str | os.PathLike) -> Model:
         known = ", ".join(sorted(ARCHITECTURES))
         raise UnsupportedModelError(f"{f.path}: architecture {arch_name!r} is not supported (supported: {known})")
     arch = ARCHITECTURES[arch_name]()
-    vocab = Vocab.from_gguf(f.reader)
+    vocab = Vocab.from_gguf(f)
     hp = arch.read_hparams(f, vocab.n_tokens)
     for name in arch.required_tensors(hp):
         f.tensor(name)

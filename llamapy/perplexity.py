@@ -42,12 +42,18 @@ class PerplexityResult:
         return math.sqrt(var / (self.count - 1)) * self.ppl
 
 
-def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log softmax(logits)[target] per row: float32 exp, double sums (llama.cpp's log_softmax)."""
-    mx = logits.max(axis=1, keepdims=True)
-    sum_exp = np.exp(logits - mx).sum(axis=1, dtype=np.float64)
-    picked = logits[np.arange(len(targets)), targets].astype(np.float64) - mx[:, 0].astype(np.float64)
-    return np.log(sum_exp) - picked
+def token_nll(logits: np.ndarray, targets: np.ndarray, rows_per_step: int = 16) -> np.ndarray:
+    """-log softmax(logits)[target] per row: float32 exp, double sums (llama.cpp's log_softmax).
+
+    Rows go a few at a time, so the temporaries stay small next to a 262k-token vocabulary."""
+    out = np.empty(len(targets), dtype=np.float64)
+    for r0 in range(0, len(targets), rows_per_step):
+        lg, tg = logits[r0:r0 + rows_per_step], targets[r0:r0 + rows_per_step]
+        mx = lg.max(axis=1, keepdims=True)
+        sum_exp = np.exp(lg - mx).sum(axis=1, dtype=np.float64)
+        picked = lg[np.arange(len(tg)), tg].astype(np.float64) - mx[:, 0].astype(np.float64)
+        out[r0:r0 + rows_per_step] = np.log(sum_exp) - picked
+    return out
 
 
 def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512,
@@ -83,7 +89,7 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
         n_seq_batch = min(n_seq, n_chunk - i)
         chunk = tokens[i * n_ctx:(i + n_seq_batch) * n_ctx].reshape(n_seq_batch, n_ctx)
         ctx.memory_clear()
-        logits = []
+        nlls: list[list[np.ndarray]] = [[] for _ in range(n_seq_batch)]
         for j in range(num_batches):
             lo, hi = j * n_batch, min(n_ctx, (j + 1) * n_batch)
             part = chunk[:, lo:hi].copy()
@@ -92,11 +98,16 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
             pos = np.tile(np.arange(lo, hi, dtype=np.int32), n_seq_batch)
             seq = np.repeat(np.arange(n_seq_batch, dtype=np.int32), hi - lo)
             ctx.decode(Batch(part.reshape(-1), pos, seq, pos >= first))
-            if (pos >= first).any():
-                logits.append(ctx.get_logits().reshape(n_seq_batch, -1, model.hparams.n_vocab).copy())
-        all_logits = np.concatenate(logits, axis=1)  # [n_seq_batch, n_ctx - first, n_vocab]
+            scored = np.arange(max(lo, first), min(hi, n_ctx - 1))  # positions predicting a next token
+            if len(scored):
+                # scored rows straight from the context's logits (no copy of [tokens, n_vocab])
+                logits = ctx.get_logits().reshape(n_seq_batch, -1, model.hparams.n_vocab)
+                rows = scored - max(lo, first)
+                for s in range(n_seq_batch):
+                    nlls[s].append(token_nll(logits[s, rows[0]:rows[-1] + 1], chunk[s, scored + 1]))
         for s in range(n_seq_batch):
-            nll = token_nll(all_logits[s, :n_scored], chunk[s, first + 1:])
+            nll = np.concatenate(nlls[s])
+            assert len(nll) == n_scored
             result.nll += float(nll.sum())
             result.nll2 += float((nll * nll).sum())
             result.count += n_scored

@@ -26,8 +26,13 @@ VERSION = 1
 
 
 def _cache_desc(kv) -> dict:
-    return {"n_layer": len(kv.k), "type_k": kv.k[0].type.name, "type_v": kv.v[0].type.name,
-            "row_k": int(kv.k[0].array().shape[-1]), "row_v": int(kv.v[0].array().shape[-1])}
+    """What must agree between the saving and the restoring context, for every KV cache."""
+    out = []
+    for cache in kv.caches:
+        k0, v0 = next(iter(cache.k.values())), next(iter(cache.v.values()))
+        out.append({"layers": sorted(int(il) for il in cache.k), "type_k": k0.type.name, "type_v": v0.type.name,
+                    "row_k": int(k0.array().shape[-1]), "row_v": int(v0.array().shape[-1])})
+    return {"caches": out}
 
 
 def _pack(magic: bytes, header: dict, arrays: list[np.ndarray]) -> bytes:
@@ -62,27 +67,28 @@ class _Reader:
 
 def _check_cache(ctx, header: dict) -> None:
     mine = _cache_desc(ctx.kv)
-    theirs = {k: header[k] for k in mine}
-    if mine != theirs:
-        raise InputError(f"state was saved from a different model or cache layout: {theirs} vs {mine}")
+    if mine["caches"] != header["caches"]:
+        raise InputError(f"state was saved from a different model or cache layout: {header['caches']} vs {mine['caches']}")
 
 
-def _layers(kv):
-    """Per layer, K then V as arrays (n_stream, kv_size, row) of their storage dtype."""
-    for k, v in zip(kv.k, kv.v):
-        yield k.array()[0]
-        yield v.array()[0]
+def _layers(cache):
+    """Per layer of one cache, K then V as arrays (n_stream, kv_size, row) of their storage dtype."""
+    for il in sorted(cache.k):
+        yield cache.k[il].array()[0]
+        yield cache.v[il].array()[0]
 
 
 # ---- one sequence --------------------------------------------------------------------------
 def seq_get_data(ctx, seq: int) -> bytes:
-    kv = ctx.kv
-    stream = kv.stream_of(seq)
-    cells = np.flatnonzero((kv.seqs[stream] & np.uint64(1 << seq)) != 0)
-    cells = cells[np.argsort(kv.pos[stream, cells], kind="stable")]
-    header = {"seq": seq, "n_cells": int(len(cells)), **_cache_desc(kv)}
-    arrays = [kv.pos[stream, cells].astype(np.int32), kv.shift[stream, cells].astype(np.int32)]
-    arrays += [a[stream, cells] for a in _layers(kv)]
+    header = {"seq": seq, "n_cells": [], **_cache_desc(ctx.kv)}
+    arrays = []
+    for cache in ctx.kv.caches:
+        stream = cache.stream_of(seq)
+        cells = np.flatnonzero((cache.seqs[stream] & np.uint64(1 << seq)) != 0)
+        cells = cells[np.argsort(cache.pos[stream, cells], kind="stable")]
+        header["n_cells"].append(int(len(cells)))
+        arrays += [cache.pos[stream, cells].astype(np.int32), cache.shift[stream, cells].astype(np.int32)]
+        arrays += [a[stream, cells] for a in _layers(cache)]
     return _pack(SEQ_MAGIC, header, arrays)
 
 
@@ -90,55 +96,57 @@ def seq_set_data(ctx, seq: int, data: bytes) -> int:
     """Restore a sequence saved by seq_get_data into sequence `seq`; returns the bytes read."""
     header, body = _unpack(SEQ_MAGIC, data)
     _check_cache(ctx, header)
-    kv = ctx.kv
-    n = header["n_cells"]
+    ctx.kv.seq_rm(seq)
     r = _Reader(body)
-    pos, shift = r.take(np.int32, (n,)), r.take(np.int32, (n,))
-    kv.seq_rm(seq)
-    stream = kv.stream_of(seq)
-    free = np.flatnonzero(kv.pos[stream] < 0)
-    if len(free) < n:
-        raise InputError(f"state of {n} cells does not fit: {len(free)} free cells (increase n_ctx)")
-    cells = free[:n]
-    for a in _layers(kv):
-        a[stream, cells] = r.take(a.dtype, (n,) + a.shape[2:])
-    kv.pos[stream, cells] = pos
-    kv.shift[stream, cells] = shift
-    kv.seqs[stream, cells] = np.uint64(1 << seq)
-    kv.has_shift = kv.has_shift or bool(shift.any())
+    for cache, n in zip(ctx.kv.caches, header["n_cells"]):
+        pos, shift = r.take(np.int32, (n,)), r.take(np.int32, (n,))
+        stream = cache.stream_of(seq)
+        free = np.flatnonzero(cache.pos[stream] < 0)
+        if len(free) < n:
+            raise InputError(f"state of {n} cells does not fit: {len(free)} free cells (increase n_ctx)")
+        cells = free[:n]
+        for a in _layers(cache):
+            a[stream, cells] = r.take(a.dtype, (n,) + a.shape[2:])
+        cache.pos[stream, cells] = pos
+        cache.shift[stream, cells] = shift
+        cache.seqs[stream, cells] = np.uint64(1 << seq)
+        cache.has_shift = cache.has_shift or bool(shift.any())
     return len(data) - len(body) + r.at
 
 
 # ---- the whole context -------------------------------------------------------------------------
 def get_data(ctx) -> bytes:
-    kv = ctx.kv
     n_out = ctx._n_outputs
-    header = {"n_stream": kv.n_stream, "kv_size": kv.kv_size, "n_outputs": n_out,
-              "n_batch_last": len(ctx._output_row), "n_vocab": ctx.n_vocab, **_cache_desc(kv)}
-    arrays = [kv.pos, kv.seqs, kv.shift, *_layers(kv), ctx._output_row.astype(np.int64), ctx._logits[:n_out]]
+    header = {"shapes": [[c.n_stream, c.kv_size] for c in ctx.kv.caches], "n_outputs": n_out,
+              "n_batch_last": len(ctx._output_row), "n_vocab": ctx.n_vocab, **_cache_desc(ctx.kv)}
+    arrays = []
+    for cache in ctx.kv.caches:
+        arrays += [cache.pos, cache.seqs, cache.shift, *_layers(cache)]
+    arrays += [ctx._output_row.astype(np.int64), ctx.get_logits()[:n_out] if n_out else np.empty(0, np.float32)]
     return _pack(CTX_MAGIC, header, arrays)
 
 
 def set_data(ctx, data: bytes) -> None:
     header, body = _unpack(CTX_MAGIC, data)
     _check_cache(ctx, header)
-    kv = ctx.kv
-    if (header["n_stream"], header["kv_size"]) != (kv.n_stream, kv.kv_size):
-        raise InputError(f"state has {header['n_stream']} streams of {header['kv_size']} cells; this context "
-                         f"{kv.n_stream} of {kv.kv_size}")
+    mine = [[c.n_stream, c.kv_size] for c in ctx.kv.caches]
+    if header["shapes"] != mine:
+        raise InputError(f"state has KV caches of (streams, cells) {header['shapes']}; this context {mine}")
     r = _Reader(body)
-    shape = (kv.n_stream, kv.kv_size)
-    kv.pos[...] = r.take(np.int32, shape)
-    kv.seqs[...] = r.take(np.uint64, shape)
-    kv.shift[...] = r.take(np.int32, shape)
-    kv.has_shift = bool(kv.shift.any())
-    for a in _layers(kv):
-        a[...] = r.take(a.dtype, a.shape)
+    for cache in ctx.kv.caches:
+        shape = (cache.n_stream, cache.kv_size)
+        cache.pos[...] = r.take(np.int32, shape)
+        cache.seqs[...] = r.take(np.uint64, shape)
+        cache.shift[...] = r.take(np.int32, shape)
+        cache.has_shift = bool(cache.shift.any())
+        for a in _layers(cache):
+            a[...] = r.take(a.dtype, a.shape)
     ctx._output_row = r.take(np.int64, (header["n_batch_last"],)).copy()
     n_out = header["n_outputs"]
     if ctx._logits.shape[0] < n_out:
         ctx._logits = np.empty((n_out, ctx.n_vocab), dtype=np.float32)
     ctx._logits[:n_out] = r.take(np.float32, (n_out, header["n_vocab"]))
+    ctx._out = ctx._logits
     ctx._n_outputs = n_out
     ctx._sampled = {}
     ctx._n_batch_last = header["n_batch_last"]

@@ -45,7 +45,7 @@ class TrainGraphBuilder(GraphBuilder):
         self.adapters = tuple(adapters)
         self.flash_attn = False
         self.kv = None
-        self.shape = GraphShape(n_tokens, n_tokens, 1, 0, n_prev + n_tokens, n_tokens)
+        self.shape = GraphShape(n_tokens, n_tokens, 1, 0, (n_prev + n_tokens,), n_tokens)
         self.n_prev = n_prev
         self.ctx = gg.Context()
         self.graph = gg.Graph()
@@ -77,7 +77,7 @@ class TrainGraphBuilder(GraphBuilder):
         vview = gg.permute(c, v, 1, 2, 0, 3)                  # [n_kv, head_dim, n_head_kv]
         qv = gg.permute(c, q, 0, 2, 1, 3)                     # [head_dim, n_tokens, n_head]
         scale = 1.0 / math.sqrt(hk) if kq_scale is None else kq_scale
-        kq = gg.soft_max_ext(c, gg.mul_mat(c, kview, qv), self.kq_mask(n_swa), scale, 0.0)
+        kq = gg.soft_max_ext(c, gg.mul_mat(c, kview, qv), self.kq_mask(0, n_swa), scale, 0.0)
         kqv = gg.mul_mat(c, vview, kq)                        # [head_dim, n_tokens, n_head]
         return gg.cont(c, gg.permute(c, kqv, 0, 2, 1, 3), hv * hp.n_head, s.n_tokens)
 
@@ -85,9 +85,9 @@ class TrainGraphBuilder(GraphBuilder):
         n = self.shape.n_tokens
         self.inp_tokens.array().reshape(-1)[:] = tokens
         self.inp_pos.array().reshape(-1)[:] = pos0 + np.arange(n)
-        kv_pos = pos0 - self.n_prev + np.arange(self.shape.n_kv)
+        kv_pos = pos0 - self.n_prev + np.arange(self.shape.n_kv[0])
         tok_pos = pos0 + np.arange(n)
-        for n_swa, mask in self.inp_masks.items():
+        for (_, n_swa), mask in self.inp_masks.items():
             visible = kv_pos[None, :] <= tok_pos[:, None]
             if n_swa > 0:
                 visible &= tok_pos[:, None] - kv_pos[None, :] < n_swa

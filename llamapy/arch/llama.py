@@ -14,12 +14,8 @@ class Llama(Architecture):
     def read_hparams(self, f, n_vocab: int) -> HParams:
         return read_common(f, self.name, n_vocab, ROPE_TYPE_NORM)
 
-    def required_tensors(self, hp: HParams) -> list[str]:
-        names = ["token_embd.weight", "output_norm.weight"]
-        for il in range(hp.n_layer):
-            names += [f"blk.{il}.{w}.weight" for w in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                                        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
-        return names
+    layer_tensors = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                     "ffn_down")
 
     def build(self, g, model):
         c, hp, w = g.ctx, g.hp, model.weight

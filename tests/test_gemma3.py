@@ -1,0 +1,240 @@
+"""The gemma3 architecture.
+
+Fast: a tiny random gemma3-shaped model (written as GGUF here) against an independent
+float64 numpy forward pass: embedding scale, QK-norm, NEOX RoPE with per-layer bases,
+sandwich norms, GeGLU, and sliding-window masking on five layers of six (the window is
+smaller than the sequence, so the mask matters).
+
+Slow (real model, still run in CI): Gemma 3 270M Q4_K_M. The tokenizer against a
+transcription of llama.cpp's SPM algorithm; perplexity against llama.cpp's golden
+values (ppl_gemma3_wiki_c512_ch20.txt) within 0.5 % at every chunk; peak RSS of the
+perplexity CLI under 1 GB (weights used in place from the memory map).
+"""
+from __future__ import annotations
+
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from spm_reference import SpmReference
+
+import llamapy
+from conftest import REPO_ROOT, shared_path
+from ggmlpy import GGMLType
+from llamapy.gguf_file import GGUFFile
+from llamapy.vocab import Vocab
+
+N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER, N_SWA = 16, 2, 1, 8, 24, 6, 4
+VOCAB = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(28)]
+
+
+def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(128)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_sliding_window(N_SWA)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(VOCAB)
+    w.add_token_scores([0.0] * len(VOCAB))
+    w.add_token_types([3, 3, 3, 2] + [1] * (len(VOCAB) - 4))
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+
+    def t(name, *shape, scale=0.3, offset=0.0):
+        w.add_tensor(name, (offset + scale * rng.standard_normal(shape[::-1])).astype(np.float32))
+
+    t("token_embd.weight", N_EMBD, len(VOCAB))
+    t("output_norm.weight", N_EMBD, offset=1.0)
+    for il in range(N_LAYER):
+        p = f"blk.{il}."
+        t(p + "attn_norm.weight", N_EMBD, offset=1.0)
+        t(p + "attn_q.weight", N_EMBD, N_HEAD * HEAD_DIM)
+        t(p + "attn_k.weight", N_EMBD, N_HEAD_KV * HEAD_DIM)
+        t(p + "attn_v.weight", N_EMBD, N_HEAD_KV * HEAD_DIM)
+        t(p + "attn_q_norm.weight", HEAD_DIM, offset=1.0)
+        t(p + "attn_k_norm.weight", HEAD_DIM, offset=1.0)
+        t(p + "attn_output.weight", N_HEAD * HEAD_DIM, N_EMBD)
+        t(p + "post_attention_norm.weight", N_EMBD, offset=1.0)
+        t(p + "ffn_norm.weight", N_EMBD, offset=1.0)
+        t(p + "ffn_gate.weight", N_EMBD, N_FF)
+        t(p + "ffn_up.weight", N_EMBD, N_FF)
+        t(p + "ffn_down.weight", N_FF, N_EMBD)
+        t(p + "post_ffw_norm.weight", N_EMBD, offset=1.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def rms_norm(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope_neox(x, pos, base):
+    """Rotate pairs (i, i + d/2) by pos * base^(-2i/d) (GPT-NeoX layout)."""
+    d = x.shape[-1]
+    theta = pos[:, None] * base ** (-2.0 * np.arange(d // 2) / d)
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def reference_logits(model, tokens):
+    """Gemma 3 as the Hugging Face / gemma_pytorch papers describe it, in float64."""
+    W = {name: t.numpy().astype(np.float64) for name, t in model.tensors.items()}
+    n = len(tokens)
+    pos = np.arange(n, dtype=np.float64)
+    x = W["token_embd.weight"][tokens] * np.sqrt(N_EMBD)
+    for il in range(N_LAYER):
+        p = f"blk.{il}."
+        local = il % 6 != 5
+        base = 10000.0 if local else 1e6
+        visible = np.tril(np.ones((n, n), dtype=bool))
+        if local:
+            visible &= (pos[:, None] - pos[None, :]) < N_SWA
+        h = rms_norm(x, W[p + "attn_norm.weight"])
+        q = (h @ W[p + "attn_q.weight"].T).reshape(n, N_HEAD, HEAD_DIM)
+        k = (h @ W[p + "attn_k.weight"].T).reshape(n, N_HEAD_KV, HEAD_DIM)
+        v = (h @ W[p + "attn_v.weight"].T).reshape(n, N_HEAD_KV, HEAD_DIM)
+        q = rope_neox(rms_norm(q, W[p + "attn_q_norm.weight"]), pos, base)
+        k = rope_neox(rms_norm(k, W[p + "attn_k_norm.weight"]), pos, base)
+        out = np.empty((n, N_HEAD, HEAD_DIM))
+        for head in range(N_HEAD):
+            kvh = head // (N_HEAD // N_HEAD_KV)
+            s = np.where(visible, q[:, head] @ k[:, kvh].T / np.sqrt(HEAD_DIM), -np.inf)
+            pr = np.exp(s - s.max(-1, keepdims=True))
+            out[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kvh]
+        a = rms_norm(out.reshape(n, -1) @ W[p + "attn_output.weight"].T, W[p + "post_attention_norm.weight"])
+        x = x + a
+        h = rms_norm(x, W[p + "ffn_norm.weight"])
+        f = (gelu_tanh(h @ W[p + "ffn_gate.weight"].T) * (h @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
+        x = x + rms_norm(f, W[p + "post_ffw_norm.weight"])
+    return rms_norm(x, W["output_norm.weight"]) @ W["token_embd.weight"].T
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    return llamapy.load_model(write_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3.gguf"))
+
+
+def test_tiny_gemma3_hparams(tiny_gemma3):
+    hp = tiny_gemma3.hparams
+    assert hp.arch == "gemma3" and hp.n_embd_head_k == HEAD_DIM and hp.n_swa == N_SWA
+    assert hp.swa_layers == [True] * 5 + [False]
+    assert hp.rope_base_of(0) == 10000.0 and hp.rope_base_of(5) == 1e6
+    assert hp.f_attention_scale == pytest.approx(1 / np.sqrt(HEAD_DIM))
+    assert tiny_gemma3.output_weight is tiny_gemma3.tensors["token_embd.weight"]
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+@pytest.mark.parametrize("n_ubatch", [16, 5])
+def test_tiny_gemma3_matches_reference(tiny_gemma3, flash_attn, n_ubatch):
+    """16 tokens with a window of 4, in one ubatch or several (the window cache then
+    reuses cells whose positions fell out of every window)."""
+    tokens = list(np.random.default_rng(1).integers(4, len(VOCAB), 16))
+    ref = reference_logits(tiny_gemma3, tokens)
+    ctx = llamapy.Context(tiny_gemma3, n_ctx=64, n_batch=64, n_ubatch=n_ubatch, type_k=GGMLType.F32,
+                          type_v=GGMLType.F32, flash_attn=flash_attn)
+    swa_cache = ctx.kv.caches[1]
+    assert swa_cache.n_swa == N_SWA and swa_cache.layers == [0, 1, 2, 3, 4]
+    ctx.decode(llamapy.Batch.from_tokens(tokens, all_outputs=True))
+    ours = ctx.get_logits().astype(np.float64)
+    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
+
+
+def test_tiny_gemma3_token_by_token_in_a_small_window_cache(tiny_gemma3):
+    """Decoding one token at a time through a window cache of few cells gives the same logits."""
+    tokens = list(np.random.default_rng(2).integers(4, len(VOCAB), 40))
+    ref = reference_logits(tiny_gemma3, tokens)
+    ctx = llamapy.Context(tiny_gemma3, n_ctx=64, n_batch=64, n_ubatch=1, type_k=GGMLType.F32, type_v=GGMLType.F32)
+    for i, tok in enumerate(tokens):
+        ctx.decode(llamapy.Batch.from_tokens([tok], pos0=i))
+        np.testing.assert_allclose(ctx.get_logits()[0], ref[i], atol=2e-4 * np.abs(ref).max())
+    assert ctx.kv.caches[1].seq_pos_min(0) <= len(tokens) - N_SWA  # the window is still there
+
+
+# ---- the real model (slow) --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma3_file(gemma3_path):
+    t0 = time.perf_counter()
+    f = GGUFFile(gemma3_path)
+    vocab = Vocab.from_gguf(f)
+    return f, vocab, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+def test_gemma3_loads_quickly(gemma3_file):
+    f, vocab, seconds = gemma3_file
+    assert vocab.n_tokens == 262144 and f.get("general.architecture") == "gemma3"
+    assert seconds < 10, f"metadata and vocabulary took {seconds:.1f} s"
+
+
+@pytest.mark.slow
+def test_gemma3_tokenizer_matches_llama_cpp_algorithm(gemma3_file):
+    """sentencepiece (as llamapy.vocab uses it) against llama.cpp's SPM merge loop, around
+    the same partition of user-defined tokens (newlines, runs of spaces and tabs), on the
+    first 10,000 characters of wiki.test.raw and llama.cpp's SPM vocab test texts."""
+    f, vocab, _ = gemma3_file
+    ref = SpmReference(f.metadata["tokenizer.ggml.tokens"].value, f.metadata["tokenizer.ggml.scores"].value.tolist())
+    texts = [shared_path("data", "wiki.test.raw").read_text(encoding="utf-8")[:10000]]
+    raw = shared_path("data", "vocab", "ggml-vocab-llama-spm.gguf.inp").read_text(encoding="utf-8")
+    texts += raw.split("\n__ggml_vocab_test__\n")
+    texts += ["> </", "\t\tx  y\n\n\nz", "日本語のテキスト 🦙", "<start_of_turn>user\nhi<end_of_turn>"]
+    ours = [vocab.tokenize(t, add_special=False) for t in texts]
+    encode = vocab._encode
+    try:
+        vocab._encode = ref.encode_fragment
+        theirs = [vocab.tokenize(t, add_special=False) for t in texts]
+    finally:
+        vocab._encode = encode
+    for text, a, b in zip(texts, ours, theirs):
+        assert a == b, f"{text[:40]!r}: {a[:20]} != {b[:20]}"
+    assert vocab.tokenize("Hello")[0] == vocab.bos_id == 2 and vocab.add_bos
+    assert vocab.tokenize(" \n = Robert", add_special=False) == [236743, 107, 578, 9877]
+
+
+def golden_running(path: Path) -> list[float]:
+    return [float(v) for v in re.findall(r"\[\d+\]([0-9.]+)", path.read_text())]
+
+
+@pytest.mark.slow
+def test_gemma3_perplexity_matches_llama_cpp(gemma3_path):
+    """The CLI's 20 running values within 0.5 % of llama.cpp's, peak RSS under 1 GB."""
+    golden = golden_running(shared_path("golden", "ppl_gemma3_wiki_c512_ch20.txt"))
+    wiki = shared_path("data", "wiki.test.raw")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "apps.perplexity", "-m", str(gemma3_path), "-f", str(wiki),
+                          "-c", "512", "-b", "512", "--chunks", "20"], capture_output=True, text=True,
+                         cwd=REPO_ROOT, timeout=1500)
+    seconds = time.perf_counter() - t0
+    assert run.returncode == 0, run.stderr
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    ours = [float(v) for v in re.findall(r"\[\d+\]([0-9.]+)", run.stdout)]
+    assert len(ours) == len(golden) == 20
+    rel = [abs(a / b - 1) for a, b in zip(ours, golden)]
+    print(f"\ngemma3 ppl: {seconds:.0f} s, worst relative error {max(rel):.4%} at chunk {rel.index(max(rel)) + 1}, "
+          f"final {ours[-1]:.4f} vs {golden[-1]:.4f}, peak RSS {peak_kb / 1024:.0f} MB")
+    assert max(rel) < 0.005, list(zip(ours, golden))
+    assert peak_kb >= before and peak_kb < 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MB"
