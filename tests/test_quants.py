@@ -8,9 +8,13 @@ References:
   - quantization: gguf.quants.quantize bit for bit where gguf implements it (Q4_0, Q4_1,
     Q5_0, Q5_1, Q8_0); for the K-quants, ggml's own test-quantize-fns bounds on its
     synthetic data, plus relative-RMSE bounds on Gaussian rows.
-  - products: float64 numpy on the dequantized matrix. Dequantized weights are exact
-    float32 values and the activations are used unrounded, so the only error is float32
-    accumulation, for every type alike: |got - ref| <= MATMUL_RTOL[type] * sum_k |w_k x_k|.
+  - products: float64 numpy on the dequantized matrix and the rounded activations. ggml
+    quantizes the activations to the weight type's vec_dot_type before its integer dot
+    products (Q4_0/Q5_0/Q8_0 -> Q8_0, Q4_1/Q5_1 -> Q8_1, Q2_K..Q6_K -> Q8_K); the values
+    it then multiplies are rebuilt here in numpy from ggml's definitions (ref_round_activations:
+    x86 quantize_row_q8_0/q8_1 and quantize_row_q8_K). Dequantized weights and rounded
+    activations are exact float32 values, so the only error is float32 accumulation, for
+    every type alike: |got - ref| <= MATMUL_RTOL[type] * sum_k |w_k x_k|.
 """
 from __future__ import annotations
 
@@ -43,6 +47,37 @@ def ref_dequantize(data: np.ndarray, type: T) -> np.ndarray:
         q = blocks[:, 4:260].view(np.int8).astype(np.float32)
         return (d * q).reshape(*data.shape[:-1], -1)
     return gguf.quants.dequantize(data, G[type.name])
+
+
+def ref_round_activations(x: np.ndarray, type: T) -> np.ndarray:
+    """The activation values ggml-cpu's products with a `type` matrix use, in numpy.
+
+    Q8_0 / Q8_1 (x86 quantize_row_q8_0/q8_1, AVX2): per 32 values, amax = max |x|,
+    d = fp16(amax / 127), q = rint(x * (127 / amax)) ties to even; value d * q.
+    Q8_K (quantize_row_q8_K_ref): per 256 values, m = the first value of largest magnitude,
+    iscale = -127 / m, q = min(127, nearest_int(iscale * x)) (ties to even), d = 1 / iscale
+    kept in float32; value d * q. Other types (Q8_K weights): x unchanged."""
+    x = np.asarray(x, np.float32)
+    vdt = {T.Q4_0: 32, T.Q5_0: 32, T.Q8_0: 32, T.Q4_1: 32, T.Q5_1: 32,
+           T.Q2_K: 256, T.Q3_K: 256, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256}.get(type)
+    if vdt is None:
+        return x.copy()
+    b = x.reshape(-1, vdt)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if vdt == 32:
+            amax = np.abs(b).max(axis=1, keepdims=True)
+            d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+            inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+            q = np.rint(b * inv) + np.float32(0)  # the int8 quants: no -0
+        else:
+            m = np.take_along_axis(b, np.abs(b).argmax(axis=1)[:, None], axis=1)
+            iscale = np.float32(-127) / m
+            q = np.minimum(np.float32(127), np.rint(b * iscale)) + np.float32(0)
+            d = np.where(m != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+            q = np.where(m != 0, q, np.float32(0))
+    out = (d * q).astype(np.float32)
+    assert out.dtype == np.float32
+    return out.reshape(x.shape)
 
 
 def random_blocks(rng, type: T, n_rows: int, n_blocks: int) -> np.ndarray:
@@ -194,6 +229,67 @@ def test_requantize_is_stable(type):
     assert np.sqrt(np.mean((y2 - x) ** 2)) <= 1.02 * np.sqrt(np.mean((y1 - x) ** 2))
 
 
+# ---- activation rounding (the vec_dot_type quantization of a product's other operand) ------------
+def _activation_rows(rng, k):
+    """Rows with every kind of block: Gaussian at several scales, all zero, exact ties of
+    x * 127 / amax (d = 1), a single non-zero value, negative extremes, tiny values."""
+    x = (rng.standard_normal((6, k)) * np.float32([[1e-3], [0.1], [1], [30], [1e4], [1]])).astype(np.float32)
+    x[5, :32] = 0
+    t = np.float32(127) * (rng.integers(-254, 255, k) / np.float32(254))  # halves: (2j + 1) / 2
+    t[0] = 127                                                             # amax 127: factor 1
+    ties = t.astype(np.float32)
+    ties[::32] = 127
+    single = np.zeros(k, np.float32)
+    single[3] = -2.5
+    neg = -np.abs(x[2])
+    sub = (rng.standard_normal(k) * 1e-30).astype(np.float32)
+    return np.vstack([x, ties, single, neg, sub]).astype(np.float32)
+
+
+@pytest.mark.parametrize("type", ALL, ids=ids)
+def test_activation_rounding_matches_ggml(type):
+    """Q.round_activations against the numpy rebuild of ggml's activation quantizers."""
+    rng = np.random.default_rng(int(type) + 3)
+    x = _activation_rows(rng, 512)
+    got = Q.round_activations(x, type)
+    ref = ref_round_activations(x, type)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    np.testing.assert_array_equal(x, _activation_rows(np.random.default_rng(int(type) + 3), 512))  # input kept
+    if type != T.Q8_K:
+        assert not np.array_equal(got, x)  # the rounding did something
+
+
+def test_activation_rounding_details():
+    """The points where ggml's activation quantizers differ from the naive ones."""
+    # Q8_0 (x86): ties to even (the reference roundf would give 3 and -3) with factor 127 / amax = 1
+    x = np.zeros((1, 32), np.float32)
+    x[0, :4] = [127, 2.5, -2.5, 3.5]
+    np.testing.assert_array_equal(Q.round_activations(x, T.Q8_0)[0, :4], [127, 2, -2, 4])
+    # Q8_0: d is stored in fp16, so values are fp16(amax / 127) * q, not amax / 127 * q
+    x = np.full((1, 32), 0.3, np.float32)
+    d16 = np.float32(np.float16(np.float32(0.3) / np.float32(127)))
+    assert Q.round_activations(x, T.Q5_0)[0, 0] == d16 * np.float32(127) != np.float32(0.3)
+    # Q8_K: d = 1 / iscale in float32 (no fp16): the largest value comes back to float32 rounding
+    x = np.full((1, 256), 0.3, np.float32)
+    iscale = np.float32(-127) / np.float32(0.3)
+    assert Q.round_activations(x, T.Q4_K)[0, 0] == np.float32(np.float32(1) / iscale) * np.float32(-127)
+    # Q8_K: the same values as quantizing to Q8_K and dequantizing
+    rng = np.random.default_rng(5)
+    x = _activation_rows(rng, 768)
+    via_blocks = ref_dequantize(Q.quantize(x, T.Q8_K), T.Q8_K)
+    np.testing.assert_array_equal(Q.round_activations(x, T.Q6_K).view(np.uint32), via_blocks.view(np.uint32))
+    # the product path uses them: a Q8_0 identity (d = 1, q = 1 on the diagonal) picks them out
+    eye = np.zeros((64, 2, 34), np.uint8)
+    eye[:, :, :2] = np.float16(1).reshape(1).view(np.uint8)
+    eye[np.arange(64), np.arange(64) // 32, 2 + np.arange(64) % 32] = 1
+    np.testing.assert_array_equal(ref_dequantize(eye.reshape(64, 68), T.Q8_0), np.eye(64))
+    ctx = gg.Context()
+    xa = (rng.standard_normal((3, 64))).astype(np.float32)
+    out = gg.mul_mat(ctx, ctx.from_numpy(eye.reshape(64, 68), T.Q8_0), ctx.from_numpy(xa))
+    gg.compute(gg.new_graph(out))
+    np.testing.assert_array_equal(out.array()[0, 0], ref_round_activations(xa, T.Q8_0))
+
+
 # ---- products ------------------------------------------------------------------------------------
 # float32 accumulation only (see module docstring); identical for every type
 MATMUL_RTOL = {t: 4e-6 for t in ALL}
@@ -230,8 +326,9 @@ def test_mul_mat_quantized(small_tiles, type, n):
     assert out.ne == (45, n, 1, 1)
     gg.compute(gg.new_graph(out))
     got = out.array()[0, 0]
-    ref = x.astype(np.float64) @ w.T
-    assert_product_close(got, ref, np.abs(x) @ np.abs(w).T, type)
+    xr = ref_round_activations(x, type).astype(np.float64)
+    ref = xr @ w.T
+    assert_product_close(got, ref, np.abs(xr) @ np.abs(w).T, type)
 
 
 BCAST = {
@@ -255,7 +352,7 @@ def test_mul_mat_quantized_broadcast_and_layouts(small_tiles, type, case, b_layo
     ctx = gg.Context()
     out = gg.mul_mat(ctx, ctx.from_numpy(q, type), make(ctx, x, b_layout))
     gg.compute(gg.new_graph(out))
-    ref, scale = mul_mat_ref(w, x.astype(np.float64))
+    ref, scale = mul_mat_ref(w, ref_round_activations(x, type).astype(np.float64))
     assert_product_close(out.array(), ref, scale, type)
 
 
@@ -270,7 +367,8 @@ def test_mul_mat_quantized_view_with_padded_rows(small_tiles):
     out = gg.mul_mat(ctx, a, ctx.from_numpy(x))
     gg.compute(gg.new_graph(out))
     wv = w[1:39:2]
-    assert_product_close(out.array()[0, 0], x.astype(np.float64) @ wv.T, np.abs(x) @ np.abs(wv).T, T.Q4_K)
+    xr = ref_round_activations(x, T.Q4_K).astype(np.float64)
+    assert_product_close(out.array()[0, 0], xr @ wv.T, np.abs(xr) @ np.abs(wv).T, T.Q4_K)
 
 
 @pytest.mark.parametrize("n", [1, 13])
@@ -338,8 +436,9 @@ def test_real_gemma3_blocks(gemma3_path):
             w = qmatmul.QuantMatrix(type, t.data.reshape(-1), np.asarray(pick) * rows.shape[1], k)
             x = rng.standard_normal((5, k)).astype(np.float32)
             out = qmatmul.mul_mat_q(w, x, np.empty((5, len(pick)), np.float32))
-            ref64 = x.astype(np.float64) @ ref.astype(np.float64).T
-            assert_product_close(out, ref64, np.abs(x) @ np.abs(ref.astype(np.float64)).T, type)
+            xr = ref_round_activations(x, type).astype(np.float64)
+            ref64 = xr @ ref.astype(np.float64).T
+            assert_product_close(out, ref64, np.abs(xr) @ np.abs(ref.astype(np.float64)).T, type)
     assert {T.Q4_K, T.Q6_K} <= seen, seen
 
 

@@ -630,3 +630,33 @@ def quantize_q8_k(x, out):
             bits = np.int64(F32(F32(1.0) / iscale).view(np.uint32))
             for k in range(4):
                 y[o + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+
+
+@njit(parallel=True, cache=True)
+def round_rows_q8_k(x):
+    """In place: every row of x (float32[:, ::1], ne0 a multiple of 256) replaced by the values
+    d * q of its Q8_K blocks, as quantize_row_q8_K (= quantize_row_q8_K_ref on x86) makes
+    them for the activations of a K-quant product: max the signed element of largest
+    magnitude, iscale = -127 / max, q = min(127, nearest_int(iscale * x)), d = 1 / iscale
+    (a float32, not an fp16)."""
+    nb = x.shape[1] // QK_K
+    for r in prange(x.shape[0]):
+        xr = x[r]
+        for i in range(nb):
+            xo = i * QK_K
+            mx = F32(0.0)
+            amax = F32(0.0)
+            for j in range(QK_K):
+                ax = abs(xr[xo + j])
+                if ax > amax:
+                    amax = ax
+                    mx = xr[xo + j]
+            if amax == 0:
+                for j in range(QK_K):
+                    xr[xo + j] = F32(0.0)
+                continue
+            iscale = F32(-127.0) / mx
+            d = F32(F32(1.0) / iscale)
+            for j in range(QK_K):
+                q = min(127, nearest_int(iscale * xr[xo + j]))
+                xr[xo + j] = F32(d * F32(q))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import F32, f16_to_f32, put_f16, roundf
+from .common import F32, f16_round, f16_to_f32, put_f16, roundf
 
 QK = 32
 
@@ -239,3 +239,29 @@ def quantize_q8_0(x, out):
             put_f16(y, o, d)
             for j in range(QK):
                 y[o + 2 + j] = np.uint8(np.int32(roundf(xr[i * QK + j] * idd)) & 0xFF)
+
+
+# ---- activations: the rounding ggml applies to the other operand of a quantized product ----
+@njit(parallel=True, cache=True)
+def round_rows_q8_0(x):
+    """In place: every row of x (float32[:, ::1], ne0 a multiple of 32) replaced by the values
+    of its Q8_0 (or Q8_1) blocks as ggml-cpu's x86 quantize_row_q8_0 / q8_1 (AVX, AVX2)
+    produce them for the activations of a product:
+        amax = max |x|,  d = fp16(amax / 127),  q = rint(x * (127 / amax))  (ties to even)
+    and the value is d * q. (The scalar quantize_row_q8_0_ref differs: x * (1 / d), ties
+    away from zero.)"""
+    nb = x.shape[1] // QK
+    for r in prange(x.shape[0]):
+        xr = x[r]
+        for i in range(nb):
+            o = i * QK
+            amax = F32(0.0)
+            for j in range(QK):
+                a = abs(xr[o + j])
+                if a > amax:
+                    amax = a
+            d = f16_round(amax / F32(127.0))
+            idd = F32(127.0) / amax if amax != 0 else F32(0.0)
+            for j in range(QK):
+                q = np.int32(np.rint(F32(xr[o + j] * idd)))  # an integer: no -0
+                xr[o + j] = F32(d * F32(q))

@@ -8,10 +8,11 @@ matrices of b, as grouped-query attention needs. Splitting b's dims 2 and 3 into
 When `a` is F16/BF16, ggml converts `b` to that type before the dot products; rounding
 `b` the same way here keeps results identical to llama.cpp's.
 
-When `a` is block-quantized, its rows are dequantized a tile at a time and multiplied
-through BLAS (qmatmul.py); ggml instead quantizes `b` to the type's dot-product partner
-(Q8_0 / Q8_K) and uses integer dot products, so results differ from llama.cpp's by that
-rounding of `b` (float32 activations here are used as they are).
+When `a` is block-quantized, ggml quantizes `b` to the type's dot-product partner
+(vec_dot_type: Q8_0, Q8_1 or Q8_K) and uses integer dot products. Here `b`'s rows are
+rounded to exactly those values (d * q), and `a`'s rows are dequantized a tile at a time
+and multiplied with them through BLAS (qmatmul.py): the products differ from llama.cpp's
+only by float32 summation order.
 """
 from __future__ import annotations
 
@@ -77,10 +78,11 @@ def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
             else:
                 work += [(w, bs[j3, j2], ds[j3, j2]) for j3 in range(bs.shape[0]) for j2 in range(bs.shape[1])]
     scratch = np.empty((tile_rows(k, m), k), dtype=np.float32)
+    xbuf = np.empty(max((x.shape[0] * x.shape[1] for _, x, _ in work), default=0), dtype=np.float32)
 
     def run() -> None:
         for w, x, out in work:
-            mul_mat_q(w, x, out, scratch)
+            mul_mat_q(w, x, out, scratch, xbuf)
     return run
 
 

@@ -6,7 +6,9 @@ by the type's numba kernel, in parallel over the tile's rows, and multiplied wit
 against all columns of the other operand, so the dequantization cost is shared by the
 whole batch and memory stays bounded.
 
-  mul_mat_q:  out (N, M) = X (N, K) @ W^T      ggml_mul_mat(W, x)
+  mul_mat_q:  out (N, M) = X~ (N, K) @ W^T     ggml_mul_mat(W, x); X~ is X rounded as ggml
+                                               rounds activations (quantized to the type's
+                                               vec_dot_type: Q8_0, Q8_1 or Q8_K)
   mul_mat_qt: out (N, K) = G (N, M) @ W        the transposed product (ggml_out_prod(W, g)),
                                                e.g. the gradient of mul_mat w.r.t. x
 
@@ -42,7 +44,7 @@ def row_offsets(t: Tensor) -> np.ndarray:
 class QuantMatrix:
     """Rows of a quantized matrix: `type`, K elements per row, row r at buf[offs[r]]."""
 
-    __slots__ = ("type", "buf", "offs", "k", "dequantize")
+    __slots__ = ("type", "buf", "offs", "k", "dequantize", "round_activations")
 
     def __init__(self, type: GGMLType, buf: np.ndarray, offs: np.ndarray, k: int) -> None:
         self.type = GGMLType(type)
@@ -50,6 +52,7 @@ class QuantMatrix:
         self.offs = np.ascontiguousarray(offs, dtype=np.int64).reshape(-1)
         self.k = int(k)
         self.dequantize = quants.kernels(self.type).dequantize
+        self.round_activations = quants.activation_rounder(self.type)
 
     @classmethod
     def from_bytes(cls, type: GGMLType, rows: np.ndarray, k: int) -> "QuantMatrix":
@@ -73,12 +76,23 @@ def _scratch(w: QuantMatrix) -> tuple[int, np.ndarray]:
     return t, np.empty((t, w.k), dtype=np.float32)
 
 
-def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
-    """out[n, m] = sum_k x[n, k] * W[m, k]  (x: (N, K) float32, out: (N, M) float32 view)."""
+def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None,
+              xbuf: np.ndarray | None = None) -> np.ndarray:
+    """out[n, m] = sum_k x~[n, k] * W[m, k]  (x: (N, K) float32, out: (N, M) float32 view).
+
+    x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
+    vec_dot_type and back: exactly the values its integer dot products use), written
+    into xbuf (float32, at least N * K elements) or a new array; x is left unchanged."""
     if scratch is None:
         t, scratch = _scratch(w)
     else:
         t = scratch.shape[0]
+    if w.round_activations is not None and x.size:
+        n = x.shape[0] * x.shape[1]
+        xr = (np.empty(n, np.float32) if xbuf is None else xbuf[:n]).reshape(x.shape)
+        np.copyto(xr, x)
+        w.round_activations(xr)
+        x = xr
     for r0 in range(0, w.m, t):
         r1 = min(w.m, r0 + t)
         tile = w.dequantize_rows(r0, r1, scratch)
