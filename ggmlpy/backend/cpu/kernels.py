@@ -64,6 +64,9 @@ _EXP_C = tuple(F32(float.fromhex(h)) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5",
                                                "0x1.fffdb6p-2", "0x1.ffffecp-1"))
 
 
+_EXP_MAX = F32(88.0)  # exp_f32 is valid up to here (exp(88) = 1.65e38); callers clamp
+
+
 @njit(cache=True, inline="always")
 def exp_f32(x):
     """expf as ggml vectorises it (range reduction + polynomial, no libm call), so loops over
@@ -220,7 +223,7 @@ def silu_f32(x, dst):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
             v = x[i3, i2, i1, i0]
-            dst[i3, i2, i1, i0] = v / (F32(1.0) + np.exp(-v))
+            dst[i3, i2, i1, i0] = v / (F32(1.0) + exp_f32(min(-v, _EXP_MAX)))
 
 
 @njit(parallel=True, cache=True)
@@ -230,7 +233,7 @@ def swiglu_f32(a, b, dst):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
             v = a[i3, i2, i1, i0]
-            dst[i3, i2, i1, i0] = v / (F32(1.0) + np.exp(-v)) * b[i3, i2, i1, i0]
+            dst[i3, i2, i1, i0] = v / (F32(1.0) + exp_f32(min(-v, _EXP_MAX))) * b[i3, i2, i1, i0]
 
 
 GELU_COEF_A = 0.044715

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .kernels import GELU_COEF_A, SQRT_2_OVER_PI, _row_index
+from .kernels import _EXP_MAX, GELU_COEF_A, SQRT_2_OVER_PI, _row_index, exp_f32
 
 F32 = np.float32
 
@@ -57,7 +57,7 @@ def silu_back_f32(g, x, dst):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
             v = x[i3, i2, i1, i0]
-            s = F32(1.0) / (F32(1.0) + np.exp(-v))
+            s = F32(1.0) / (F32(1.0) + exp_f32(min(-v, _EXP_MAX)))
             dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * s * (F32(1.0) + v * (F32(1.0) - s))
 
 
