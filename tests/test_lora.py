@@ -142,3 +142,23 @@ def test_loading_an_adapter_for_other_shapes_fails_clearly(model, tmp_path):
     path = ad.save(tmp_path / "bad.gguf")
     with pytest.raises(ModelLoadError, match="do not fit"):
         LoraAdapter.load(path, model)
+
+
+@pytest.mark.slow
+def test_gemma3_lora_finetune_lowers_loss_and_perplexity(gemma3_path, wiki_path, tmp_path):
+    """The headline: LoRA on the quantized Gemma 3 270M. Validation loss falls from the first
+    epoch to the last; the adapter lowers the text's perplexity; scale 0 is exactly the base."""
+    text = tmp_path / "slice.txt"
+    text.write_text(wiki_path.read_text()[:2500])
+    adapter = tmp_path / "gemma-ad.gguf"
+    r = run_app("apps.finetune", "-m", str(gemma3_path), "-f", str(text), "-c", "64", "--epochs", "2",
+                "-val-split", "0.2", "--lora-out", str(adapter))
+    assert r.returncode == 0, r.stderr
+    assert "training a LoRA adapter of rank 8" in r.stderr  # LoRA is the default on quantized weights
+    val = [float(x) for x in __import__("re").findall(r"val: +\[███████▉\] data=\S+ loss=([\d.]+)", r.stderr)]
+    assert len(val) == 2 and val[1] < val[0], r.stderr
+    ppl = lambda *extra: final_ppl(run_app("apps.perplexity", "-m", str(gemma3_path), *extra, "-f", str(text),  # noqa: E731
+                                           "-c", "64", "-b", "64").stderr)
+    base = ppl()
+    assert ppl("--lora", str(adapter)) < base
+    assert ppl("--lora-scaled", str(adapter), "0") == base
