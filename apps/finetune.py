@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import numpy as np
 import typer
 
-from llamapy.context import Context
+from llamapy.context import Context, validation_windows
 from llamapy.dataset import token_windows
 from llamapy.defaults import default_model_path, demo_corpus
 from llamapy.errors import InputError
@@ -98,7 +98,7 @@ def run(
     tokens = m.vocab.tokenize(text, add_special=not bos_windows)
     dataset = token_windows(tokens, ctx_size, bos=bos)
     n_batch = batch_size or ctx_size
-    n_val = int(round(dataset.ndata * val_split))
+    n_val = validation_windows(dataset.ndata, val_split)
     log(f"dataset: {len(tokens)} tokens, {dataset.ndata} windows of {ctx_size} (stride {max(ctx_size // 2, 1)}), "
         f"{dataset.ndata - n_val} for training, {n_val} for validation")
     log(f"training: {opt_name}, lr {lr:g}, {n_batch} tokens per step, ubatch {min(ubatch_size, ctx_size)}, "

@@ -24,6 +24,13 @@ from .opt import TrainParams
 MAX_CACHED_GRAPHS = 8
 
 
+def validation_windows(ndata: int, val_split: float) -> int:
+    """Windows held out for validation: the fraction rounded, but at least one when asked for any."""
+    if val_split <= 0 or ndata < 2:
+        return 0
+    return max(1, int(round(ndata * val_split)))
+
+
 class Context:
     """Defaults follow llama.cpp on the CPU: an F16 KV cache and fused (flash) attention."""
 
@@ -382,7 +389,7 @@ class Context:
         epochs = epochs or trainer.params.schedule.epochs
         if not 0.0 <= val_split < 1.0:
             raise InputError(f"val_split must be in [0, 1), got {val_split}")
-        idata_split = dataset.ndata - int(round(dataset.ndata * val_split)) if val_split else dataset.ndata
+        idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
         if idata_split < trainer.windows_per_step:
             raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
                              f"one optimizer step after holding out {val_split:.0%} for validation")
