@@ -3,8 +3,12 @@
 The text is tokenized once (BOS first), cut into non-overlapping chunks of n_ctx
 tokens; each chunk starts from an empty KV cache with its first token replaced by BOS,
 and only its second half is scored (positions n_ctx/2 .. n_ctx-2 predicting the next
-token). When n_batch holds several chunks they are decoded together, one KV stream
-each. The ± is the standard error of the mean NLL propagated to PPL.
+token). When a ubatch holds several chunks (n_batch and n_ubatch both >= 2 n_ctx) they
+are decoded together, one KV stream each. Otherwise each decode takes one chunk: the
+ubatches computed are the same as with llama.cpp's n_batch / n_ctx chunks per decode
+(a ubatch never mixes sequences then), but only one chunk's logits exist at a time
+(n_ctx / 2 rows of n_vocab floats, read in place from the compute buffer). The ± is
+the standard error of the mean NLL propagated to PPL.
 """
 from __future__ import annotations
 
@@ -72,7 +76,8 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
         raise InputError(f"n_batch ({n_batch}) must be smaller than n_ctx ({n_ctx}) or a multiple of it")
     n_chunk_max = len(tokens) // n_ctx
     n_chunk = n_chunk_max if n_chunks < 0 else min(n_chunks, n_chunk_max)
-    n_seq = max(1, n_batch // n_ctx)
+    # chunks per decode: as many as one ubatch holds (see the module docstring)
+    n_seq = max(1, min(n_batch, n_ubatch) // n_ctx)
     n_seq = min(n_seq, n_chunk)
     n_batch = min(n_batch, n_ctx * n_seq)
     ctx = Context(model, n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch), n_seq_max=n_seq,

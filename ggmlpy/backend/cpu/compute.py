@@ -5,6 +5,7 @@ a loop of calls, each straight into numpy/BLAS or a numba kernel.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -13,6 +14,7 @@ from ... import convert
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import kernels as K
+from .qmatmul import shared_scratch
 
 Prepared = Callable[[], None]
 PREPARE: dict[Op, Callable[[Tensor], Prepared]] = {}
@@ -166,12 +168,14 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
     n_head_kv, n_kv = kv.shape[1], kv.shape[2]
     group = n_head // n_head_kv
     q5 = qv.reshape(n3, n_head_kv, group, n_q, dk)
-    scores = np.empty((n3, n_head_kv, group, n_q, n_kv), dtype=np.float32)
-    scores4 = scores.reshape(n3, n_head, n_q, n_kv)
+    scores_shape = (n3, n_head_kv, group, n_q, n_kv)
     out5 = dv.reshape(n3, n_q, n_head_kv, group, dv.shape[3]).transpose(0, 2, 3, 1, 4)
     sm_scale = 1.0 if softcap else scale
 
     def run() -> None:
+        # the scores live in a scratch shared by every attention of the graph (one op at a time)
+        scores = shared_scratch("attn_scores", math.prod(scores_shape)).reshape(scores_shape)
+        scores4 = scores.reshape(n3, n_head, n_q, n_kv)
         k32 = convert.to_f32(kv, k_type)[:, :, None]
         v32 = convert.to_f32(vv, v_type)[:, :, None]
         np.matmul(q5, k32.swapaxes(-1, -2), out=scores)

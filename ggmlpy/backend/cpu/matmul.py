@@ -22,7 +22,7 @@ from ... import convert
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from .compute import Prepared, prepares
-from .qmatmul import QuantMatrix, mul_mat_q, row_offsets, tile_rows
+from .qmatmul import QuantMatrix, mul_mat_q, row_offsets
 
 
 def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
@@ -77,12 +77,10 @@ def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
                 work.append((w, b2, d2))
             else:
                 work += [(w, bs[j3, j2], ds[j3, j2]) for j3 in range(bs.shape[0]) for j2 in range(bs.shape[1])]
-    scratch = np.empty((tile_rows(k, m), k), dtype=np.float32)
-    xbuf = np.empty(max((x.shape[0] * x.shape[1] for _, x, _ in work), default=0), dtype=np.float32)
-
+    # tile and rounded-activation scratch shared by all products (see shared_scratch)
     def run() -> None:
         for w, x, out in work:
-            mul_mat_q(w, x, out, scratch, xbuf)
+            mul_mat_q(w, x, out)
     return run
 
 

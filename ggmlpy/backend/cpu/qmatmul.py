@@ -17,6 +17,8 @@ broadcast layouts, memory-mapped files and arenas are all handled the same way.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ... import quants
@@ -71,9 +73,28 @@ class QuantMatrix:
         return dst
 
 
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.bufs: dict[str, np.ndarray] = {}
+
+
+_SCRATCH = _Scratch()
+
+
+def shared_scratch(name: str, n: int) -> np.ndarray:
+    """n float32 elements of a buffer shared by every product that runs in this thread
+    (one buffer per name, grown on demand): graphs run one op at a time, so the products
+    of a graph need one tile scratch between them, not one each. Valid until the next
+    call with the same name."""
+    buf = _SCRATCH.bufs.get(name)
+    if buf is None or buf.size < n:
+        buf = _SCRATCH.bufs[name] = np.empty(n, dtype=np.float32)
+    return buf[:n]
+
+
 def _scratch(w: QuantMatrix) -> tuple[int, np.ndarray]:
     t = tile_rows(w.k, w.m)
-    return t, np.empty((t, w.k), dtype=np.float32)
+    return t, shared_scratch("tile", t * w.k).reshape(t, w.k)
 
 
 def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None,
@@ -82,14 +103,15 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: np.ndarra
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
-    into xbuf (float32, at least N * K elements) or a new array; x is left unchanged."""
+    into xbuf (float32, at least N * K elements) or a shared scratch; x is left unchanged.
+    scratch: (rows, K) float32 for the dequantized tiles, or None for a shared one."""
     if scratch is None:
         t, scratch = _scratch(w)
     else:
         t = scratch.shape[0]
     if w.round_activations is not None and x.size:
         n = x.shape[0] * x.shape[1]
-        xr = (np.empty(n, np.float32) if xbuf is None else xbuf[:n]).reshape(x.shape)
+        xr = (shared_scratch("activations", n) if xbuf is None else xbuf[:n]).reshape(x.shape)
         np.copyto(xr, x)
         w.round_activations(xr)
         x = xr
