@@ -30,7 +30,7 @@ from .common import default_threads, guarded, log, read_text
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 DEFAULT_CTX = 256
-DEMO_CHARS = 4_000
+DEMO_CHARS = 16_000
 
 
 @cli.command()
