@@ -18,7 +18,7 @@ from llamapy.errors import InputError
 from llamapy.opt import SGD, LRSchedule, TrainParams, param_filter_pattern
 from llamapy.perplexity import perplexity
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, SHARED
 
 N_CTX = 128
 
@@ -145,7 +145,8 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     out = tmp_path / "stories-shakespeare.gguf"
     monkeypatch.chdir(REPO_ROOT)
     namespace: dict = {}
-    exec(compile(example.replace('"stories-shakespeare.gguf"', repr(str(out))), "README", "exec"), namespace)
+    example = example.replace('"stories-shakespeare.gguf"', repr(str(out))).replace('"../shared/', f'"{SHARED}/')
+    exec(compile(example, "README", "exec"), namespace)
     history = namespace["history"]
     assert len(history) == 2 and history[1].val.loss()[0] < history[0].val.loss()[0]
     assert llamapy.load_model(out).hparams.n_layer == 5
