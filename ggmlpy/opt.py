@@ -64,6 +64,11 @@ class Dataset:
             labels = np.reshape(labels_batch.array(), (-1, self.labels.shape[1]), copy=False)
             labels[...] = self.labels[shards]
 
+    def datapoint(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Data and labels of the i-th datapoint in the current (shuffled) order."""
+        j = self.permutation[i // self.ndata_shard] * self.ndata_shard + i % self.ndata_shard
+        return self.data[j], None if self.labels is None else self.labels[j]
+
     def _shards(self, n_batch: int, ibatch: int) -> np.ndarray:
         per_batch = n_batch // self.ndata_shard
         if n_batch % self.ndata_shard or (ibatch + 1) * per_batch > len(self.permutation):
@@ -168,6 +173,20 @@ class Result:
         # (ggml reports the sample standard deviation for sums, without the sqrt(n).)
         unc = math.sqrt(sample_var / n) if self.loss_per_datapoint else math.sqrt(sample_var * n)
         return float(loss), unc
+
+    def add_batch(self, ndata: int, loss: float, preds, ncorrect: int | None, opt_period: int,
+                  loss_per_datapoint: bool) -> None:
+        """Record one physical batch (ncorrect None: no accuracy for this loss)."""
+        if self.ndata == 0:
+            self.loss_per_datapoint, self.opt_period = loss_per_datapoint, opt_period
+        self.ndata += ndata
+        self.losses.append(loss)
+        if ncorrect is None:
+            self.ncorrect = -1
+            return
+        self.preds.extend(int(i) for i in preds)
+        if self.ncorrect >= 0:
+            self.ncorrect += ncorrect
 
     def accuracy(self) -> tuple[float, float]:
         """(fraction correct, its binomial standard error); NaN when there are no predictions."""
@@ -332,34 +351,33 @@ class OptContext:
             self.iter += graph is self.gb_opt
             self.opt_i = (self.opt_i + 1) % self.opt_period
         self._graph = None
-        if result is None:
-            return
-        if result.ndata == 0:
-            result.loss_per_datapoint, result.opt_period = self.loss_per_datapoint, self.opt_period
-        result.ndata += self.outputs.ne[1]
-        result.losses.append(float(self.loss.array().reshape(-1)[0]))
-        if self.pred is None:
-            result.ncorrect = -1
-            return
-        result.preds.extend(int(i) for i in self.pred.array().reshape(-1))
-        if result.ncorrect >= 0:
-            result.ncorrect += int(self.ncorrect.array().reshape(-1)[0])
+        if result is not None:
+            has_acc = self.pred is not None
+            result.add_batch(self.outputs.ne[1], float(self.loss.array().reshape(-1)[0]),
+                             self.pred.array().reshape(-1) if has_acc else (),
+                             int(self.ncorrect.array().reshape(-1)[0]) if has_acc else None,
+                             self.opt_period, self.loss_per_datapoint)
 
     def _set_step_params(self) -> None:
         pars = self.params.get_opt_pars(self.params.get_opt_pars_ud)
-        values = self.opt_step_params.array().reshape(-1)
-        if self.optimizer == OptimizerType.ADAMW:
-            a = pars.adamw
-            if not (a.alpha > 0 and 0 <= a.beta1 <= 1 and 0 <= a.beta2 <= 1 and a.eps >= 0 and 0 <= a.wd <= 1):
-                raise ValueError(f"opt: invalid AdamW parameters {a}")
-            beta1h = 1.0 / (1.0 - np.float32(a.beta1) ** self.iter)
-            beta2h = 1.0 / (1.0 - np.float32(a.beta2) ** self.iter)
-            values[:] = (a.alpha, a.beta1, a.beta2, a.eps, a.wd, beta1h, beta2h)
-        else:
-            s = pars.sgd
-            if not (s.alpha > 0 and 0 <= s.wd <= 1):
-                raise ValueError(f"opt: invalid SGD parameters {s}")
-            values[:] = (s.alpha, s.wd)
+        write_step_params(self.opt_step_params, self.optimizer, pars, self.iter)
+
+
+def write_step_params(params: Tensor, optimizer: OptimizerType, pars: OptimizerParams, iteration: int) -> None:
+    """Fill an opt_step_* params tensor for step `iteration` (1-based: AdamW's bias correction)."""
+    values = params.array().reshape(-1)
+    if optimizer == OptimizerType.ADAMW:
+        a = pars.adamw
+        if not (a.alpha > 0 and 0 <= a.beta1 <= 1 and 0 <= a.beta2 <= 1 and a.eps >= 0 and 0 <= a.wd <= 1):
+            raise ValueError(f"opt: invalid AdamW parameters {a}")
+        beta1h = 1.0 / (1.0 - np.float32(a.beta1) ** iteration)
+        beta2h = 1.0 / (1.0 - np.float32(a.beta2) ** iteration)
+        values[:] = (a.alpha, a.beta1, a.beta2, a.eps, a.wd, beta1h, beta2h)
+    else:
+        s = pars.sgd
+        if not (s.alpha > 0 and 0 <= s.wd <= 1):
+            raise ValueError(f"opt: invalid SGD parameters {s}")
+        values[:] = (s.alpha, s.wd)
 
 
 def opt_init(params: OptParams) -> OptContext:

@@ -142,8 +142,6 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
     (the destination is then untouched: a previous file there stays as it was).
     """
     dest = Path(path)
-    if dest.is_dir():
-        raise SaveError(f"cannot save model to {dest}: it is a directory")
     writer = _ModelWriter(None, str(model.file.get("general.architecture", "")))
     _fill_writer(writer, model, metadata)
     return write_atomically(writer, dest, "model")

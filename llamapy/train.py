@@ -25,7 +25,14 @@ import numpy as np
 
 import ggmlpy as gg
 from ggmlpy import GGMLType, GraphAllocator, Tensor
-from ggmlpy.opt import Dataset, EpochCallback, OptimizerParams, Result
+from ggmlpy.opt import (
+    Dataset,
+    EpochCallback,
+    OptimizerParams,
+    OptimizerType,
+    Result,
+    write_step_params,
+)
 
 from .errors import InputError, LlamapyError
 from .graph_builder import GraphBuilder, GraphShape
@@ -153,17 +160,19 @@ class Trainer:
         self.windows_per_step = self.n_batch // self.n_ctx
         self.opt_period = self.n_batch // self.n_ubatch
         self.trained = self._select_params(params.param_filter)
-        self.grad_accs = {id(t): _own(t.ne, f"{name} grad") for name, t in self.trained.items()}
+        state = self._state = gg.Context(no_alloc=False)  # zeroed memory of their own, outside any arena
+        self.grad_accs = {id(t): state.new_tensor(GGMLType.F32, t.ne, f"{name} grad") for name, t in self.trained.items()}
         self.momenta = {}
         adamw = isinstance(params.optimizer, AdamW)
         n_pars = gg.ADAMW_PARAMS if adamw else gg.SGD_PARAMS
-        self.step_params = _own((n_pars, 1, 1, 1), "optimizer params")
+        self.step_params = state.new_tensor_1d(GGMLType.F32, n_pars, "optimizer params")
         c = gg.Context()
         steps = []
         for name, t in self.trained.items():
             grad = self.grad_accs[id(t)]
             if adamw:
-                m, v = _own(t.ne, f"AdamW m for {name}"), _own(t.ne, f"AdamW v for {name}")
+                m = state.new_tensor(GGMLType.F32, t.ne, f"AdamW m for {name}")
+                v = state.new_tensor(GGMLType.F32, t.ne, f"AdamW v for {name}")
                 self.momenta[id(t)] = (m, v)
                 steps.append(gg.opt_step_adamw(c, t, grad, m, v, self.step_params))
             else:
@@ -228,12 +237,8 @@ class Trainer:
     def _record(self, g: UbatchGraph, result: Result | None) -> float:
         loss = float(g.loss.array().reshape(-1)[0])
         if result is not None:
-            if result.ndata == 0:
-                result.loss_per_datapoint, result.opt_period = True, self.opt_period
-            result.ndata += self.n_ubatch
-            result.losses.append(loss)
-            result.preds.extend(int(i) for i in g.pred.array().reshape(-1))
-            result.ncorrect += int(g.ncorrect.array().reshape(-1)[0])
+            result.add_batch(self.n_ubatch, loss, g.pred.array().reshape(-1), int(g.ncorrect.array().reshape(-1)[0]),
+                             self.opt_period, True)
         return loss
 
     # -- one window ----------------------------------------------------------------------------
@@ -292,14 +297,8 @@ class Trainer:
             acc.array()[...] = 0
 
     def step(self, pars: OptimizerParams) -> None:
-        values = self.step_params.array().reshape(-1)
-        if isinstance(self.params.optimizer, AdamW):
-            a = pars.adamw
-            beta1h = 1.0 / (1.0 - np.float32(a.beta1) ** self.iter)
-            beta2h = 1.0 / (1.0 - np.float32(a.beta2) ** self.iter)
-            values[:] = (a.alpha, a.beta1, a.beta2, a.eps, a.wd, beta1h, beta2h)
-        else:
-            values[:] = (pars.sgd.alpha, pars.sgd.wd)
+        kind = OptimizerType.ADAMW if isinstance(self.params.optimizer, AdamW) else OptimizerType.SGD
+        write_step_params(self.step_params, kind, pars, self.iter)
         self.lctx.backend.compute(self.step_graph)
         self.iter += 1
 
@@ -316,18 +315,10 @@ class Trainer:
         get_opt_pars = get_opt_pars or (lambda: self.params.optimizer_params(self.epoch))
         for train, first, last, result, callback in ((True, 0, n_train, result_train, callback_train),
                                                       (False, idata_split, ndata, result_eval, callback_eval)):
-            t_start = time.perf_counter()
-            count = [0]
-            total = (last - first) * per_window
-
-            def tick(train=train, result=result, callback=callback, total=total, t_start=t_start):
-                count[0] += 1
-                if callback:
-                    callback(train, self, dataset, result, count[0], total, t_start)
+            tick = _Progress(callback, train, self, dataset, result, (last - first) * per_window)
             step_losses = []
             for i in range(first, last):
-                shard = dataset._shards(1, i)
-                tokens, labels = dataset.data[shard[0]], dataset.labels[shard[0]]
+                tokens, labels = dataset.datapoint(i)
                 if train and not step_losses:
                     self.zero_grads()
                 losses = self.window(tokens, labels, train, result, tick)
@@ -345,9 +336,14 @@ class Trainer:
                     step_losses = []
 
 
-def _own(ne, name: str) -> Tensor:
-    """An F32 tensor with zeroed memory of its own (state that lives across graphs)."""
-    ne = tuple(ne) + (1,) * (4 - len(ne))
-    t = Tensor(GGMLType.F32, ne, name=name)
-    t.bind(np.zeros(max(t.nbytes(), 1), dtype=np.uint8))
-    return t
+class _Progress:
+    """Calls an epoch callback after each ubatch with ggml's (ibatch, ibatch_max, t_start)."""
+
+    def __init__(self, callback, train: bool, trainer, dataset, result, total: int) -> None:
+        self.callback, self.train, self.trainer, self.dataset, self.result = callback, train, trainer, dataset, result
+        self.total, self.count, self.t_start = total, 0, time.perf_counter()
+
+    def __call__(self) -> None:
+        self.count += 1
+        if self.callback:
+            self.callback(self.train, self.trainer, self.dataset, self.result, self.count, self.total, self.t_start)

@@ -85,6 +85,18 @@ def gelu_back_f32(g, x, dst):
             dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * F32(0.5) * (one_plus_t + v * dt)
 
 
+@njit(cache=True, inline="always")
+def _log_sum_exp(row):
+    """(max, log(sum(exp(row - max))) + max) of one row, the sum in double."""
+    mx = row[0]
+    for i0 in range(1, row.shape[0]):
+        mx = max(mx, row[i0])
+    s = 0.0
+    for i0 in range(row.shape[0]):
+        s += np.exp(np.float64(row[i0] - mx))
+    return mx, np.log(s) + mx
+
+
 @njit(parallel=True, cache=True)
 def cross_entropy_rows(logits, labels, out):
     """out[r] = -sum(labels * log_softmax(logits)) of row r, in double."""
@@ -92,13 +104,7 @@ def cross_entropy_rows(logits, labels, out):
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         row = logits[i3, i2, i1]
-        mx = row[0]
-        for i0 in range(1, n0):
-            mx = max(mx, row[i0])
-        s = 0.0
-        for i0 in range(n0):
-            s += np.exp(np.float64(row[i0] - mx))
-        log_sum = np.log(s) + mx
+        _, log_sum = _log_sum_exp(row)
         acc = 0.0
         for i0 in range(n0):
             acc += np.float64(labels[i3, i2, i1, i0]) * (np.float64(row[i0]) - log_sum)
@@ -113,15 +119,10 @@ def cross_entropy_back_f32(d, logits, labels, dst):
     for r in prange(n_rows):
         i3, i2, i1 = _row_index(r, n2, n1)
         row = logits[i3, i2, i1]
-        mx = row[0]
-        for i0 in range(1, n0):
-            mx = max(mx, row[i0])
-        s = 0.0
-        for i0 in range(n0):
-            s += np.exp(np.float64(row[i0] - mx))
+        _, log_sum = _log_sum_exp(row)
         sc = d / n_rows
         for i0 in range(n0):
-            p = np.exp(np.float64(row[i0] - mx)) / s
+            p = np.exp(np.float64(row[i0]) - log_sum)
             dst[i3, i2, i1, i0] = F32((p - np.float64(labels[i3, i2, i1, i0])) * sc)
 
 
