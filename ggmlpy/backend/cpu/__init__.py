@@ -1,30 +1,24 @@
 """The CPU backend: computes graphs with numpy/BLAS and numba kernels."""
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 
-# numba's OpenMP workers otherwise spin after each parallel kernel and starve the BLAS
-# threads that run next (measured: 2 threads slower than 1). Must precede the first
-# parallel kernel, when numba loads libgomp.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import numba
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
 from ...alloc import GraphAllocator
 from ...graph import Graph
 from ...tensor import VIEW_OPS, Op
 from . import compute_sampling, compute_train, matmul  # noqa: F401  (register their ops)
 from .compute import prepare
+from .gemm import GRAIN
 
-# Below this much work an op runs on one thread: waking more costs more. Work is result
-# elements, times the reduced dimension for products. BLAS follows the same rule: its
-# second thread slows small products down, and badly so when another process is busy.
-PARALLEL_MIN_ELEMENTS = 1 << 16
-PARALLEL_MIN_MACS = 1 << 22
+# Below this much work an op runs on one thread: waking the other costs more. Work is
+# result elements, times the reduced dimension for products (which gemm.py cuts into
+# slices of GRAIN multiply-adds; with fewer than two slices a second thread idles).
+PARALLEL_MIN_ELEMENTS = 1 << 15
+PARALLEL_MIN_MACS = 2 * GRAIN
 _PRODUCTS = (Op.MUL_MAT, Op.OUT_PROD)
 
 
@@ -32,15 +26,6 @@ def _parallel(node) -> bool:
     if node.op in _PRODUCTS:
         return node.nelements() * node.src[0].ne[0 if node.op == Op.MUL_MAT else 1] >= PARALLEL_MIN_MACS
     return node.nelements() >= PARALLEL_MIN_ELEMENTS
-
-
-_BLAS = ThreadpoolController().select(user_api="blas").lib_controllers
-
-
-def _set_blas_threads(n: int) -> None:
-    """openblas_set_num_threads and the like: about a microsecond, so it can follow each op."""
-    for lib in _BLAS:
-        lib.set_num_threads(n)
 
 
 class CpuBackend:
@@ -56,9 +41,8 @@ class CpuBackend:
         self.set_n_threads(n_threads or numba.config.NUMBA_NUM_THREADS)
 
     def set_n_threads(self, n_threads: int) -> None:
-        """Threads for numba kernels and for BLAS (whose own default would oversubscribe)."""
+        """Threads for numba's pool, which runs every kernel and product (BLAS included)."""
         self.n_threads = max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS))
-        _set_blas_threads(self.n_threads)
 
     def supports_op(self, op: Op) -> bool:
         from .compute import PREPARE
@@ -73,7 +57,6 @@ class CpuBackend:
                           for node in graph.nodes if node.op not in VIEW_OPS and node.op != Op.NONE]
         with np.errstate(all="ignore"):  # inf/nan are results here (as in ggml), not warnings
             self._run_plan(graph.plan)
-        _set_blas_threads(self.n_threads)
 
     def _run_plan(self, plan) -> None:
         threads = 0
@@ -82,7 +65,6 @@ class CpuBackend:
             want = self.n_threads if parallel else 1
             if want != threads:
                 numba.set_num_threads(want)
-                _set_blas_threads(want)
                 threads = want
             if profile is None:
                 run()

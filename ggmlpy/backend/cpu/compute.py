@@ -14,6 +14,7 @@ from ... import convert
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import kernels as K
+from .gemm import matmul
 from .qmatmul import shared_scratch
 
 Prepared = Callable[[], None]
@@ -178,11 +179,11 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
         scores4 = scores.reshape(n3, n_head, n_q, n_kv)
         k32 = convert.to_f32(kv, k_type)[:, :, None]
         v32 = convert.to_f32(vv, v_type)[:, :, None]
-        np.matmul(q5, k32.swapaxes(-1, -2), out=scores)
+        matmul(q5, k32.swapaxes(-1, -2), scores)
         if softcap:
             np.multiply(np.tanh(scores * np.float32(scale)), np.float32(softcap), out=scores)
         K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask)
-        np.matmul(scores, v32, out=out5)
+        matmul(scores, v32, out5)
     return run
 
 

@@ -7,6 +7,7 @@ from ...tensor import Op, Tensor
 from ...types import traits
 from . import train_kernels as TK
 from .compute import Prepared, _require_f32, prepares
+from .gemm import Matmul
 from .matmul import _split_batch
 from .qmatmul import QuantMatrix, mul_mat_qt, row_offsets, tile_rows
 
@@ -112,7 +113,7 @@ def _out_prod(node: Tensor) -> Prepared:
     a6 = av.reshape(ne03, 1, ne02, 1, av.shape[2], av.shape[3])
     b6t = _split_batch(bv, ne02, ne03).swapaxes(-1, -2)
     d6 = _split_batch(dv, ne02, ne03)
-    return lambda: np.matmul(b6t, a6, out=d6)
+    return Matmul(b6t, a6, d6)
 
 
 def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:

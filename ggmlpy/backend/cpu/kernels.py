@@ -93,51 +93,108 @@ def alibi_slope(max_bias, h, n_head):
     return m1 ** F32(2 * (h - n_head_log2) + 1)
 
 
-LANES = 8  # independent accumulators: a reduction split in lanes is not one serial chain
-ROWS_PER_TASK = 16  # rows per parallel task, so scratch is allocated once per task
+# Row reductions. `reassoc` lets LLVM split a sum into vector lanes by element position, so
+# a row's result does not change when masked (zero) entries follow it; the exp stays in
+# functions without fast-math, where ggml_v_expf's rounding trick must survive.
+_REDUCE = {"nsz", "reassoc"}
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def sum_f64(v):
+    s = 0.0
+    for i in range(v.shape[0]):
+        s += np.float64(v[i])
+    return s
+
+
+@njit(cache=True, fastmath=_REDUCE)
+def dot_f64(a, b):
+    s = 0.0
+    for i in range(a.shape[0]):
+        s += np.float64(a[i]) * np.float64(b[i])
+    return s
+
+
+@njit(cache=True)
+def max_f32(v):
+    m = F32(-np.inf)
+    for i in range(v.shape[0]):
+        m = max(m, v[i])
+    return m
+
+
+@njit(cache=True)
+def exp_shifted(v, shift):
+    """v = exp(v - shift) in place."""
+    for i in range(v.shape[0]):
+        v[i] = exp_f32(v[i] - shift)
+
+
+SPAN_MULTIPLE = 32  # 8 float lanes x 4 interleaved: one iteration of LLVM's vector loop
+
+
+@njit(cache=True)
+def finite_spans(mask, spans):
+    """spans[i3, i2, i1] = (lo, hi) covering the entries of mask row (i3, i2, i1) above -inf:
+    outside it softmax is exactly 0, so only the span is computed (half of a causal mask).
+    The span is widened to a multiple of SPAN_MULTIPLE (the extra entries are -inf and
+    come out 0 too) so that vector loops over it have no long scalar tail. A row with no
+    such entry gets an empty span."""
+    m3, m2, m1, n0 = mask.shape
+    for i3 in range(m3):
+        for i2 in range(m2):
+            for i1 in range(m1):
+                row = mask[i3, i2, i1]
+                lo = 0
+                while lo < n0 and row[lo] == -np.inf:
+                    lo += 1
+                hi = n0
+                while hi > lo and row[hi - 1] == -np.inf:
+                    hi -= 1
+                if hi > lo:
+                    width = min(n0, -(-(hi - lo) // SPAN_MULTIPLE) * SPAN_MULTIPLE)
+                    hi = min(n0, lo + width)
+                    lo = hi - width
+                spans[i3, i2, i1, 0] = lo
+                spans[i3, i2, i1, 1] = hi
 
 
 @njit(parallel=True, cache=True)
 def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
-    """dst = softmax(x * scale + slope * mask) per row, the sum in double (as ggml)."""
+    """dst = softmax(x * scale + slope * mask) per row, the sum in double (as ggml).
+
+    A row whose mask is -inf everywhere is NaN, as in ggml (exp(-inf - -inf))."""
     n3, n2, n1, n0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
+    spans = np.empty((m3, m2, mask.shape[2], 2), dtype=np.int64)
+    if has_mask:
+        finite_spans(mask, spans)
     sc = F32(scale)
-    n_rows = n3 * n2 * n1
-    n_full = n0 - n0 % LANES
-    for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        lane_max = np.empty(LANES, dtype=np.float32)
-        lane_sum = np.empty(LANES, dtype=np.float64)
-        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
-            i3, i2, i1 = _row_index(r, n2, n1)
-            xr = x[i3, i2, i1]
-            dr = dst[i3, i2, i1]
-            mr = mask[i3 % m3, i2 % m2, i1]
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        dr = dst[i3, i2, i1]
+        lo, hi = 0, n0
+        if has_mask:
+            lo, hi = spans[i3 % m3, i2 % m2, i1, 0], spans[i3 % m3, i2 % m2, i1, 1]
+        if lo >= hi:
+            dr[:] = np.nan
+            continue
+        dr[:lo] = 0
+        dr[hi:] = 0
+        xr = x[i3, i2, i1, lo:hi]
+        d = dr[lo:hi]
+        if has_mask:
+            mr = mask[i3 % m3, i2 % m2, i1, lo:hi]
             slope = alibi_slope(max_bias, i2, n2)
-            for i0 in range(n0):
-                v = xr[i0] * sc
-                if has_mask:
-                    v += slope * F32(mr[i0])
-                dr[i0] = v
-            lane_max[:] = -np.inf
-            for i0 in range(0, n_full, LANES):
-                for j in range(LANES):
-                    lane_max[j] = max(lane_max[j], dr[i0 + j])
-            m = lane_max.max()
-            for i0 in range(n_full, n0):
-                m = max(m, dr[i0])
-            for i0 in range(n0):
-                dr[i0] = exp_f32(dr[i0] - m)
-            lane_sum[:] = 0.0
-            for i0 in range(0, n_full, LANES):
-                for j in range(LANES):
-                    lane_sum[j] += np.float64(dr[i0 + j])
-            s = lane_sum.sum()
-            for i0 in range(n_full, n0):
-                s += np.float64(dr[i0])
-            inv = F32(1.0 / s)
-            for i0 in range(n0):
-                dr[i0] *= inv
+            for i0 in range(hi - lo):
+                d[i0] = xr[i0] * sc + slope * mr[i0]
+        else:
+            for i0 in range(hi - lo):
+                d[i0] = xr[i0] * sc
+        exp_shifted(d, max_f32(d))
+        inv = F32(1.0 / sum_f64(d))
+        for i0 in range(hi - lo):
+            d[i0] *= inv
 
 
 @njit(cache=True)

@@ -1,4 +1,4 @@
-"""MUL_MAT on the CPU: float products through BLAS (numpy.matmul), with ggml's broadcasting.
+"""MUL_MAT on the CPU: float products through BLAS (gemm.py), with ggml's broadcasting.
 
 ggml computes dst[i13, i12, i11, i01] = dot(a[i13 / r3, i12 / r2, i01, :], b[i13, i12, i11, :]),
 r2 = b.ne2 / a.ne2, r3 = b.ne3 / a.ne3: a's matrices are shared by r2 (r3) consecutive
@@ -22,6 +22,7 @@ from ... import convert
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from .compute import Prepared, prepares
+from .gemm import Matmul, matmul
 from .qmatmul import QuantMatrix, mul_mat_q, row_offsets
 
 
@@ -46,17 +47,15 @@ def prepare_mul_mat(node: Tensor) -> Prepared:
         # one matrix for all of b: a single GEMM over every row of b
         a2 = av[0, 0]
         if a_type == GGMLType.F32:
-            a2t = a2.T
-            return lambda: np.matmul(b2, a2t, out=d2)
-        return lambda: np.matmul(convert.round_to(b2, a_type), convert.to_f32(a2, a_type).T, out=d2)
+            return Matmul(b2, a2.T, d2)
+        return lambda: matmul(convert.round_to(b2, a_type), convert.to_f32(a2, a_type).T, d2)
 
     a6 = av.reshape(ne03, 1, ne02, 1, av.shape[2], av.shape[3])
     b6 = _split_batch(bv, ne02, ne03)
     d6 = _split_batch(dv, ne02, ne03)
     if a_type == GGMLType.F32:
-        a6t = a6.swapaxes(-1, -2)
-        return lambda: np.matmul(b6, a6t, out=d6)
-    return lambda: np.matmul(convert.round_to(b6, a_type), convert.to_f32(a6, a_type).swapaxes(-1, -2), out=d6)
+        return Matmul(b6, a6.swapaxes(-1, -2), d6)
+    return lambda: matmul(convert.round_to(b6, a_type), convert.to_f32(a6, a_type).swapaxes(-1, -2), d6)
 
 
 def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 
 from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
+from .gemm import matmul
 
 TILE_BYTES = 1 << 20
 
@@ -92,33 +94,39 @@ def shared_scratch(name: str, n: int) -> np.ndarray:
     return buf[:n]
 
 
-def _scratch(w: QuantMatrix) -> tuple[int, np.ndarray]:
+def _scratch(w: QuantMatrix, tiles: int = 1) -> tuple[int, np.ndarray]:
     t = tile_rows(w.k, w.m)
-    return t, shared_scratch("tile", t * w.k).reshape(t, w.k)
+    return t, shared_scratch("tile", tiles * t * w.k).reshape(tiles * t, w.k)
 
 
-def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None,
-              xbuf: np.ndarray | None = None) -> np.ndarray:
+def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[n, m] = sum_k x~[n, k] * W[m, k]  (x: (N, K) float32, out: (N, M) float32 view).
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
-    into xbuf (float32, at least N * K elements) or a shared scratch; x is left unchanged.
-    scratch: (rows, K) float32 for the dequantized tiles, or None for a shared one."""
-    if scratch is None:
-        t, scratch = _scratch(w)
-    else:
-        t = scratch.shape[0]
+    into a shared scratch; x is left unchanged.
+
+    Tiles are dequantized one group at a time, a tile per thread, and each tile's product
+    is one whole BLAS call: the result is the same for any thread count and the float
+    rounding of every product is that of an unsliced (N, K) x (K, tile) GEMM."""
+    group = max(1, numba.get_num_threads())
+    t, scratch = _scratch(w, group)
     if w.round_activations is not None and x.size:
         n = x.shape[0] * x.shape[1]
-        xr = (shared_scratch("activations", n) if xbuf is None else xbuf[:n]).reshape(x.shape)
+        xr = shared_scratch("activations", n).reshape(x.shape)
         np.copyto(xr, x)
         w.round_activations(xr)
         x = xr
-    for r0 in range(0, w.m, t):
-        r1 = min(w.m, r0 + t)
-        tile = w.dequantize_rows(r0, r1, scratch)
-        np.matmul(x, tile.T, out=out[:, r0:r1])
+    n_full = w.m // t
+    for r0 in range(0, n_full * t, group * t):
+        g = min(group, n_full - r0 // t)
+        tiles = w.dequantize_rows(r0, r0 + g * t, scratch).reshape(g, t, w.k)
+        outs = np.reshape(out[:, r0:r0 + g * t], (out.shape[0], g, t), copy=False).swapaxes(0, 1)
+        matmul(x, tiles.swapaxes(1, 2), outs, max_slices=1)
+    if n_full * t < w.m:
+        r0 = n_full * t
+        tile = w.dequantize_rows(r0, w.m, scratch)
+        matmul(x, tile.T, out[:, r0:], max_slices=1)
     return out
 
 
@@ -128,17 +136,10 @@ def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: np.ndarr
         t, scratch = _scratch(w)
     else:
         t = scratch.shape[0]
-    partial = None
     for r0 in range(0, w.m, t):
         r1 = min(w.m, r0 + t)
         tile = w.dequantize_rows(r0, r1, scratch)
-        if r0 == 0:
-            np.matmul(g[:, r0:r1], tile, out=out)
-            continue
-        if partial is None:
-            partial = np.empty_like(out)
-        np.matmul(g[:, r0:r1], tile, out=partial)
-        np.add(out, partial, out=out)
+        matmul(g[:, r0:r1], tile, out, accumulate=r0 > 0)
     if w.m == 0:
         out[...] = 0
     return out

@@ -8,7 +8,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .kernels import _EXP_MAX, GELU_COEF_A, SQRT_2_OVER_PI, _row_index, exp_f32
+from .kernels import (
+    _EXP_MAX,
+    GELU_COEF_A,
+    SQRT_2_OVER_PI,
+    _row_index,
+    dot_f64,
+    exp_f32,
+    exp_shifted,
+    max_f32,
+    sum_f64,
+)
 
 F32 = np.float32
 
@@ -38,15 +48,13 @@ def rms_norm_back_f32(g, x, dst, eps):
 def soft_max_back_f32(g, y, dst, scale):
     """dx = scale * y * (g - dot(g, y)) per row."""
     n3, n2, n1, n0 = y.shape
+    sc = F32(scale)
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        dot = 0.0
+        gr, yr, dr = g[i3, i2, i1], y[i3, i2, i1], dst[i3, i2, i1]
+        d = F32(dot_f64(gr, yr))
         for i0 in range(n0):
-            dot += np.float64(g[i3, i2, i1, i0]) * np.float64(y[i3, i2, i1, i0])
-        d = F32(dot)
-        sc = F32(scale)
-        for i0 in range(n0):
-            dst[i3, i2, i1, i0] = sc * y[i3, i2, i1, i0] * (g[i3, i2, i1, i0] - d)
+            dr[i0] = sc * yr[i0] * (gr[i0] - d)
 
 
 @njit(parallel=True, cache=True)
@@ -85,16 +93,14 @@ def gelu_back_f32(g, x, dst):
             dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * F32(0.5) * (one_plus_t + v * dt)
 
 
-@njit(cache=True, inline="always")
-def _log_sum_exp(row):
-    """(max, log(sum(exp(row - max))) + max) of one row, the sum in double."""
-    mx = row[0]
-    for i0 in range(1, row.shape[0]):
-        mx = max(mx, row[i0])
-    s = 0.0
-    for i0 in range(row.shape[0]):
-        s += np.exp(np.float64(row[i0] - mx))
-    return mx, np.log(s) + mx
+@njit(cache=True)
+def _exp_sum(row, scratch):
+    """(max, sum(exp(row - max))) with scratch = exp(row - max), as ggml's log-softmax:
+    float exp, double sum."""
+    scratch[:] = row
+    m = max_f32(row)
+    exp_shifted(scratch, m)
+    return m, sum_f64(scratch)
 
 
 @njit(parallel=True, cache=True)
@@ -103,27 +109,25 @@ def cross_entropy_rows(logits, labels, out):
     n3, n2, n1, n0 = logits.shape
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        row = logits[i3, i2, i1]
-        _, log_sum = _log_sum_exp(row)
-        acc = 0.0
-        for i0 in range(n0):
-            acc += np.float64(labels[i3, i2, i1, i0]) * (np.float64(row[i0]) - log_sum)
-        out[r] = -acc
+        row, lab = logits[i3, i2, i1], labels[i3, i2, i1]
+        m, s = _exp_sum(row, np.empty(n0, dtype=np.float32))
+        log_sum = np.log(s) + np.float64(m)
+        out[r] = log_sum * sum_f64(lab) - dot_f64(lab, row)
 
 
 @njit(parallel=True, cache=True)
 def cross_entropy_back_f32(d, logits, labels, dst):
-    """dst = (softmax(logits) - labels) * d / rows."""
+    """dst = (softmax(logits) - labels) * d / rows, in float as ggml."""
     n3, n2, n1, n0 = logits.shape
     n_rows = n3 * n2 * n1
+    sc = F32(d / n_rows)
     for r in prange(n_rows):
         i3, i2, i1 = _row_index(r, n2, n1)
-        row = logits[i3, i2, i1]
-        _, log_sum = _log_sum_exp(row)
-        sc = d / n_rows
+        dr, lab = dst[i3, i2, i1], labels[i3, i2, i1]
+        _, s = _exp_sum(logits[i3, i2, i1], dr)
+        inv = F32(1.0 / s)
         for i0 in range(n0):
-            p = np.exp(np.float64(row[i0]) - log_sum)
-            dst[i3, i2, i1, i0] = F32((p - np.float64(labels[i3, i2, i1, i0])) * sc)
+            dr[i0] = (dr[i0] * inv - lab[i0]) * sc
 
 
 @njit(cache=True)

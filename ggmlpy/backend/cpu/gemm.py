@@ -1,0 +1,149 @@
+"""Float32 matrix products on numba's threads: numpy's own OpenBLAS sgemm, called from a
+parallel numba loop over (matrix, slice) tasks.
+
+Why not numpy.matmul with OpenBLAS threads: a graph is hundreds of small products between
+numba kernels, and two thread pools on two cores either sleep between ops (waking costs
+~80 us an op) or spin against each other. Here OpenBLAS runs on one thread inside each of
+numba's workers, so a single pool serves every op. A product is cut into slices by its
+shape alone, never by the thread count, so results do not depend on -t.
+
+`Matmul(lhs, rhs, out)` plans `out = lhs @ rhs` (numpy.matmul's broadcasting over leading
+dims) once for fixed arrays; calling it computes. `matmul(lhs, rhs, out)` plans and runs.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import llvmlite.binding as llvm
+import numpy as np
+from numba import njit, prange, types
+from threadpoolctl import ThreadpoolController
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+GRAIN = 1 << 17  # multiply-adds per slice: below ~5 us of work a slice costs more than it saves
+MAX_SLICES = 4
+MIN_SLICE_ROWS = 16
+
+
+def _find_sgemm() -> int:
+    """Address of cblas_sgemm in the OpenBLAS that numpy loaded (ILP64: 64-bit ints)."""
+    for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers:
+        handle = ctypes.CDLL(lib.filepath)
+        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):
+            if hasattr(handle, name):
+                lib.set_num_threads(1)  # it runs inside numba's threads from now on
+                return ctypes.cast(getattr(handle, name), ctypes.c_void_p).value
+    raise ImportError("ggmlpy needs numpy built with its 64-bit-integer OpenBLAS (cblas_sgemm64_); "
+                      "install numpy from PyPI wheels")
+
+
+# A named symbol, not a baked-in address, so numba can cache the kernel across processes.
+llvm.add_symbol("ggmlpy_cblas_sgemm", _find_sgemm())
+_i64, _f32, _ptr = types.int64, types.float32, types.intp
+_sgemm = types.ExternalFunction("ggmlpy_cblas_sgemm", types.void(
+    types.int32, types.int32, types.int32, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64))
+
+
+@njit(parallel=True, cache=True)
+def _sgemm_tasks(trans_a, trans_b, m, n, k, a_ptrs, lda, b_ptrs, ldb, c_ptrs, ldc, beta, slices, split_m):
+    """C_i = op(A_i) op(B_i) + beta C_i for each matrix i (row-major C, m x n), each cut into
+    `slices` row (split_m) or column blocks; one task per block."""
+    for t in prange(a_ptrs.shape[0] * slices):
+        i, s = t // slices, t % slices
+        a, b, c = a_ptrs[i], b_ptrs[i], c_ptrs[i]
+        if split_m:
+            lo, hi = s * m // slices, (s + 1) * m // slices
+            a += 4 * lo * (1 if trans_a == _TRANS else lda)
+            c += 4 * lo * ldc
+            _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, n, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
+        else:
+            lo, hi = s * n // slices, (s + 1) * n // slices
+            b += 4 * lo * (ldb if trans_b == _TRANS else 1)
+            c += 4 * lo
+            _sgemm(_ROW_MAJOR, trans_a, trans_b, m, hi - lo, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
+
+
+def _operand(x: np.ndarray) -> tuple[int, int] | None:
+    """(trans, ld) of a 2-D float32 layout BLAS reads as is, else None."""
+    rows, cols = x.shape[-2:]
+    s_row, s_col = (s // 4 for s in x.strides[-2:])
+    if s_col == 1 or cols == 1:
+        ld = s_row if rows > 1 else cols
+        return (_NO_TRANS, ld) if ld >= max(1, cols) else None
+    if s_row == 1 or rows == 1:
+        ld = s_col if cols > 1 else rows
+        return (_TRANS, ld) if ld >= max(1, rows) else None
+    return None
+
+
+def _batch_addresses(x: np.ndarray, batch: tuple[int, ...]) -> np.ndarray:
+    """Address of each matrix of x (leading dims broadcast to `batch`), in C order."""
+    lead = x.shape[:-2]
+    strides = (0,) * (len(batch) - len(lead)) + tuple(s if n > 1 else 0 for n, s in zip(lead, x.strides[:-2]))
+    offs = np.zeros(batch, dtype=np.int64)
+    for axis, (size, stride) in enumerate(zip(batch, strides)):
+        shape = [1] * len(batch)
+        shape[axis] = size
+        offs += (np.arange(size, dtype=np.int64) * stride).reshape(shape)
+    return (x.ctypes.data + offs).reshape(-1)
+
+
+class Matmul:
+    """out = lhs @ rhs (+ out when accumulate), float32, planned once for these arrays.
+
+    Each matrix is cut into up to max_slices slices (by its shape) when there are fewer
+    matrices than that."""
+
+    def __init__(self, lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, accumulate: bool = False,
+                 max_slices: int = MAX_SLICES) -> None:
+        for x in (lhs, rhs, out):
+            if x.dtype != np.float32 or x.ndim < 2:
+                raise TypeError("Matmul takes float32 arrays of at least 2 dims")
+        self._keep = (lhs, rhs, out)
+        self._copies: list[tuple[np.ndarray, np.ndarray]] = []  # operands BLAS cannot read in place
+        batch = out.shape[:-2]
+        if np.broadcast_shapes(lhs.shape[:-2], rhs.shape[:-2], batch) != batch or lhs.shape[-1] != rhs.shape[-2] \
+                or out.shape[-2:] != (lhs.shape[-2], rhs.shape[-1]):
+            raise ValueError(f"Matmul shapes {lhs.shape} @ {rhs.shape} -> {out.shape}")
+        self.out, self.accumulate = out, accumulate
+        self.args = None
+        if out.size == 0 or lhs.shape[-1] == 0:
+            return  # nothing to multiply: __call__ zeroes (or keeps) out
+        if _operand(out) is not None and _operand(out)[0] == _TRANS:
+            lhs, rhs, out = rhs.swapaxes(-1, -2), lhs.swapaxes(-1, -2), out.swapaxes(-1, -2)
+        if _operand(out) is None:
+            raise ValueError("Matmul: the output needs one unit stride")
+        lhs, rhs = self._readable(lhs), self._readable(rhs)
+        (m, k), n = lhs.shape[-2:], rhs.shape[-1]
+        (ta, lda), (tb, ldb), (_, ldc) = _operand(lhs), _operand(rhs), _operand(out)
+        ptrs = [_batch_addresses(x, batch) for x in (lhs, rhs, out)]
+        split_m = m >= n
+        slices = 1
+        if len(ptrs[0]) < max_slices:
+            slices = int(max(1, min(max_slices, m * n * k // GRAIN, (m if split_m else n) // MIN_SLICE_ROWS)))
+        self.args = (np.int32(ta), np.int32(tb), m, n, k, ptrs[0], lda, ptrs[1], ldb, ptrs[2], ldc,
+                     np.float32(1.0 if accumulate else 0.0), slices, split_m)
+
+    def _readable(self, x: np.ndarray) -> np.ndarray:
+        if _operand(x) is not None:
+            return x
+        copy = np.empty(x.shape, dtype=np.float32)
+        self._copies.append((copy, x))
+        return copy
+
+    def __call__(self) -> None:
+        if self.args is None:
+            if not self.accumulate:
+                self.out[...] = 0
+            return
+        for copy, src in self._copies:
+            np.copyto(copy, src)
+        _sgemm_tasks(*self.args)
+
+
+def matmul(lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, accumulate: bool = False,
+           max_slices: int = MAX_SLICES) -> np.ndarray:
+    """out = lhs @ rhs (+ out when accumulate) for arrays made at run time; max_slices=1
+    keeps each matrix one BLAS call (the rounding of the unsliced product)."""
+    Matmul(lhs, rhs, out, accumulate, max_slices)()
+    return out
