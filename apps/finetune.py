@@ -116,7 +116,10 @@ def run(
         raise InputError(str(e)) from None
     elapsed = time.perf_counter() - start
     n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
-    log(f"finetune: {n_trained} training tokens in {elapsed:.1f} s = {n_trained / elapsed:.0f} tokens/s")
+    timing = ctx.trainer.timing
+    log(f"finetune: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
+        f"{timing.tokens_per_second:.0f} tokens/s after the first window's {timing.startup_seconds:.2f} s "
+        "of start-up (graphs built, kernels loaded)")
     if adapter:
         adapter.save(lora_out)
         log(f"finetune: saved the LoRA adapter to {lora_out}")

@@ -180,6 +180,7 @@ class Trainer:
         self.step_graph = gg.new_graph(*steps)
         self.iter = 1  # optimizer steps taken + 1 (AdamW bias correction)
         self.epoch = 0
+        self.timing = TrainTiming()
         self._last_good: dict[str, np.ndarray] | None = None
         self._graphs: dict[tuple[int, bool], UbatchGraph] = {}
         hp = model.hparams
@@ -318,12 +319,14 @@ class Trainer:
             tick = _Progress(callback, train, self, dataset, result, (last - first) * per_window)
             step_losses = []
             for i in range(first, last):
+                t0 = time.perf_counter()
                 tokens, labels = dataset.datapoint(i)
                 if train and not step_losses:
                     self.zero_grads()
                 losses = self.window(tokens, labels, train, result, tick)
                 if not train:
                     continue
+                self.timing.add_window(self.n_ctx, time.perf_counter() - t0)
                 step_losses += losses
                 if len(step_losses) == self.opt_period:
                     if not all(math.isfinite(x) for x in step_losses):
@@ -331,9 +334,36 @@ class Trainer:
                         raise TrainingDivergedError(
                             f"training: the loss became {sum(step_losses)} at optimizer step {self.iter}; "
                             "the weights are back to the last ones that gave a finite loss")
+                    t0 = time.perf_counter()
                     self._keep_last_good()
                     self.step(get_opt_pars())
+                    self.timing.add_step(time.perf_counter() - t0)
                     step_losses = []
+
+
+class TrainTiming:
+    """Where training time goes: the first window (building and planning its graphs, loading
+    their kernels) apart from the rest, whose tokens/s is the trainer's speed."""
+
+    def __init__(self) -> None:
+        self.startup_seconds = 0.0
+        self.tokens = 0
+        self.seconds = 0.0
+        self._first = True
+
+    def add_window(self, tokens: int, seconds: float) -> None:
+        if self._first:
+            self.startup_seconds, self._first = seconds, False
+        else:
+            self.tokens += tokens
+            self.seconds += seconds
+
+    def add_step(self, seconds: float) -> None:
+        self.seconds += seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
 class _Progress:

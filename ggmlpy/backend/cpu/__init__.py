@@ -22,6 +22,18 @@ PARALLEL_MIN_MACS = 2 * GRAIN
 _PRODUCTS = (Op.MUL_MAT, Op.OUT_PROD)
 
 
+def _thread_setter():
+    """numba.set_num_threads without its per-call locking (~1.5 us, and a graph switches
+    between one thread and all of them around a hundred times): numba's own setter,
+    reached once its threads are launched."""
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # launches the pool
+    from numba.np.ufunc import parallel
+    return getattr(parallel, "_set_num_threads", None) or numba.set_num_threads
+
+
+_set_threads = _thread_setter()
+
+
 def _parallel(node) -> bool:
     if node.op in _PRODUCTS:
         return node.nelements() * node.src[0].ne[0 if node.op == Op.MUL_MAT else 1] >= PARALLEL_MIN_MACS
@@ -64,7 +76,7 @@ class CpuBackend:
         for name, run, parallel in plan:
             want = self.n_threads if parallel else 1
             if want != threads:
-                numba.set_num_threads(want)
+                _set_threads(want)
                 threads = want
             if profile is None:
                 run()
