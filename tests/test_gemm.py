@@ -3,8 +3,8 @@
 Every layout BLAS can read in place (row-major, transposed, permuted with a row stride)
 and the ones it cannot (strided columns, negative strides: copied first), broadcasting
 over leading dims as numpy.matmul, a transposed output, accumulation, empty dims, and
-the promise that matters for reproducibility: the result does not depend on the thread
-count.
+the promises that matter for reproducibility: the result depends neither on the thread
+count nor on how many rows (tokens) share a product.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numba
 import numpy as np
 import pytest
 
-from ggmlpy.backend.cpu.gemm import GRAIN, Matmul, matmul
+from ggmlpy.backend.cpu.gemm import SLICE_ROWS, Matmul, matmul
 
 
 def _f(rng, *shape):
@@ -91,11 +91,11 @@ def test_shape_errors():
 
 
 def test_results_do_not_depend_on_threads():
-    """Products are sliced by shape, never by thread count: -t changes no bit."""
+    """Products are sliced by rows, never by thread count: -t changes no bit."""
     rng = np.random.default_rng(6)
     cases = [(_f(rng, 128, 172), _f(rng, 172, 64)), (_f(rng, 8, 128, 8), _f(rng, 8, 8, 128)),
              (_f(rng, 512, 64), _f(rng, 64, 128))]
-    assert cases[0][0].shape[0] * 172 * 64 >= 2 * GRAIN  # the first one is sliced
+    assert cases[0][0].shape[0] > SLICE_ROWS  # the first one is sliced
     before = numba.get_num_threads()
     try:
         results = []
@@ -106,3 +106,14 @@ def test_results_do_not_depend_on_threads():
         numba.set_num_threads(before)
     for x, y in zip(*results):
         assert np.array_equal(x, y)
+
+
+def test_rows_do_not_depend_on_their_company():
+    """A ubatch of 512 tokens and sixteen of 32 give every token the same bits (n_ubatch
+    invariance): each row's dot products are computed in a call of the same shape."""
+    rng = np.random.default_rng(7)
+    x, w = _f(rng, 512, 64), _f(rng, 172, 64)
+    whole = matmul(x, w.T, np.empty((512, 172), np.float32))
+    for n in (SLICE_ROWS, 4 * SLICE_ROWS):
+        parts = np.concatenate([matmul(x[i:i + n], w.T, np.empty((n, 172), np.float32)) for i in range(0, 512, n)])
+        assert np.array_equal(parts, whole)

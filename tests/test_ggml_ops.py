@@ -737,3 +737,30 @@ def test_concat(rng, dim, layouts):
     ctx = gg.Context()
     got = run(gg.concat(ctx, make(ctx, a, layouts[0]), make(ctx, b, layouts[1]), dim))
     assert np.array_equal(got, np.concatenate([a, b], axis=3 - dim))
+
+
+# ---- half-precision bits in numba (the KV cache's writes and the attention's reads) -----------------
+def test_f16_bits_round_trip_as_numpy():
+    """Every half bit pattern decodes to numpy's value, and float32 values (ties, subnormals,
+    overflow, inf, NaN included) round to numpy's half bits."""
+    from ggmlpy.backend.cpu import kernels as K
+
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(halves.shape, np.float32)
+    K.f16_to_f32(halves, got)
+    ref = halves.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+    rng = np.random.default_rng(11)
+    x = np.concatenate([
+        rng.standard_normal(200_000).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 20, 200_000),
+        (ref[~nan].astype(np.float64)[:-1] + np.diff(ref[~nan].astype(np.float64)) / 2).astype(np.float32),  # ties
+        np.array([65504.0, 65520.0, 65519.99, 1e6, -1e6, np.inf, -np.inf, 0.0, -0.0, 2.0 ** -25, 2.0 ** -26],
+                 np.float32)])
+    src = x.reshape(1, 1, -1, 1)
+    idx = np.arange(src.shape[2], dtype=np.int64).reshape(1, 1, -1)
+    bits = np.zeros((1, 1, src.shape[2], 1), np.uint16)
+    K.set_rows_f16(src, idx, bits)
+    assert np.array_equal(bits.reshape(-1), x.astype(np.float16).view(np.uint16))

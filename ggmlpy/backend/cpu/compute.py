@@ -151,14 +151,38 @@ def _soft_max(node: Tensor) -> Prepared:
     return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False)
 
 
+UNROLLED_HEAD_DIM = 64  # numba takes head sizes up to this as compile-time constants
+
+
 @prepares(Op.FLASH_ATTN_EXT)
 def _flash_attn_ext(node: Tensor) -> Prepared:
-    """Scores through a float32 GEMM, a softmax summed in double, a float32 GEMM with V:
-    the numerics of ggml's tiled CPU kernel. (ggml's one-chunk kernel, which it picks for
-    ubatches under 64 rows, accumulates in f16, so there n_ubatch changes results; here
-    it never does.)"""
+    """The numerics of ggml's tiled CPU kernel: float32 scores and outputs, the softmax sum
+    in double. (ggml's one-chunk kernel, which it picks for ubatches under 64 rows,
+    accumulates in f16, so there n_ubatch changes results; here it never does.)
+
+    Small heads go through K.flash_attn_f32: every score and output a sequential sum, only
+    the cells some query of a tile sees, so n_ubatch changes no bit. Wide heads (Gemma's 256)
+    are products big enough for BLAS: scores and outputs as whole GEMMs per head."""
     q, k, v = node.src[:3]
     _require_f32(node, q)
+    if max(q.ne[0], node.ne[0]) > UNROLLED_HEAD_DIM:
+        return _flash_attn_blas(node)
+    scale, max_bias, softcap = node.op_params
+    qv, dv = q.array(), node.array()
+    has_mask = len(node.src) > 3
+    mv = node.src[3].array() if has_mask else _EMPTY_F32
+    mask_type = node.src[3].type if has_mask else GGMLType.F32
+    dk_dims, dv_dims = (0,) * qv.shape[3], (0,) * dv.shape[3]
+    k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
+
+    def run() -> None:
+        K.flash_attn_f32(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type),
+                         dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims)
+    return run
+
+
+def _flash_attn_blas(node: Tensor) -> Prepared:
+    q, k, v = node.src[:3]
     scale, max_bias, softcap = node.op_params
     qv, kv, vv, dv = q.array(), k.array(), v.array(), node.array()
     k_type, v_type = k.type, v.type
@@ -179,12 +203,35 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
         scores4 = scores.reshape(n3, n_head, n_q, n_kv)
         k32 = convert.to_f32(kv, k_type)[:, :, None]
         v32 = convert.to_f32(vv, v_type)[:, :, None]
-        matmul(q5, k32.swapaxes(-1, -2), scores)
+        matmul(q5, k32.swapaxes(-1, -2), scores, slice_rows=None)
         if softcap:
             np.multiply(np.tanh(scores * np.float32(scale)), np.float32(softcap), out=scores)
         K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask)
-        matmul(scores, v32, out5)
+        matmul(scores, v32, out5, slice_rows=None)
     return run
+
+
+def _cells_f32(t: Tensor) -> Callable[[], np.ndarray]:
+    """A reader of K or V as the cache stores them, cells first ([n3, n_kv, n_head_kv, d]),
+    contiguous float32: the array itself when it is one, else a buffer of its own filled
+    on each call (F16 through numba, several times faster than numpy's cast)."""
+    cells = t.array().transpose(0, 2, 1, 3)
+    if t.type == GGMLType.F32 and cells.flags.c_contiguous:
+        return lambda: cells
+    buf = np.empty(cells.shape, dtype=np.float32)
+    if t.type == GGMLType.F16 and cells.flags.c_contiguous:
+        bits, flat = cells.reshape(-1).view(np.uint16), buf.reshape(-1)
+
+        def read_f16() -> np.ndarray:
+            K.f16_to_f32(bits, flat)
+            return buf
+        return read_f16
+    src_type = t.type
+
+    def read() -> np.ndarray:
+        np.copyto(buf, convert.to_f32(cells, src_type))
+        return buf
+    return read
 
 
 def _rope_args(node: Tensor):
@@ -261,6 +308,9 @@ def _set_rows(node: Tensor) -> Prepared:
                 for i2 in range(n2):
                     dv[i3, i2][iv[i3 % c2, i2 % c1]] = quants.quantize(sv[i3, i2], q_type)
         return run
+    if dst_t.type == GGMLType.F16:  # the KV cache's writes: numba rounds as numpy does, faster
+        bits = dv.view(np.uint16)
+        return lambda: K.set_rows_f16(sv, iv, bits)
     if dst_t.type == GGMLType.BF16:
         def run() -> None:
             for i3 in range(n3):

@@ -4,8 +4,13 @@ parallel numba loop over (matrix, slice) tasks.
 Why not numpy.matmul with OpenBLAS threads: a graph is hundreds of small products between
 numba kernels, and two thread pools on two cores either sleep between ops (waking costs
 ~80 us an op) or spin against each other. Here OpenBLAS runs on one thread inside each of
-numba's workers, so a single pool serves every op. A product is cut into slices by its
-shape alone, never by the thread count, so results do not depend on -t.
+numba's workers, so a single pool serves every op.
+
+A product is cut into slices of SLICE_ROWS rows of its left operand (tokens, for a layer's
+products), one BLAS call each. OpenBLAS rounds a row's dot products according to the shape
+of the call it is in, so fixed slices make a token's result independent of how many tokens
+share its ubatch (n_ubatch changes no bit when it is a multiple of SLICE_ROWS) and of the
+thread count.
 
 `Matmul(lhs, rhs, out)` plans `out = lhs @ rhs` (numpy.matmul's broadcasting over leading
 dims) once for fixed arrays; calling it computes. `matmul(lhs, rhs, out)` plans and runs.
@@ -20,9 +25,8 @@ from numba import njit, prange, types
 from threadpoolctl import ThreadpoolController
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-GRAIN = 1 << 17  # multiply-adds per slice: below ~5 us of work a slice costs more than it saves
-MAX_SLICES = 4
-MIN_SLICE_ROWS = 16
+SLICE_ROWS = 32
+GRAIN = 1 << 17  # multiply-adds worth a thread: ~5 us of work, more than waking it costs
 
 
 def _find_sgemm() -> int:
@@ -45,22 +49,17 @@ _sgemm = types.ExternalFunction("ggmlpy_cblas_sgemm", types.void(
 
 
 @njit(parallel=True, cache=True)
-def _sgemm_tasks(trans_a, trans_b, m, n, k, a_ptrs, lda, b_ptrs, ldb, c_ptrs, ldc, beta, slices, split_m):
-    """C_i = op(A_i) op(B_i) + beta C_i for each matrix i (row-major C, m x n), each cut into
-    `slices` row (split_m) or column blocks; one task per block."""
+def _sgemm_tasks(trans_a, trans_b, m, n, k, a_ptrs, lda, b_ptrs, ldb, c_ptrs, ldc, beta, slice_rows):
+    """C_i = op(A_i) op(B_i) + beta C_i for each matrix i (row-major C, m x n), one task per
+    block of slice_rows rows."""
+    slices = (m + slice_rows - 1) // slice_rows
     for t in prange(a_ptrs.shape[0] * slices):
         i, s = t // slices, t % slices
-        a, b, c = a_ptrs[i], b_ptrs[i], c_ptrs[i]
-        if split_m:
-            lo, hi = s * m // slices, (s + 1) * m // slices
-            a += 4 * lo * (1 if trans_a == _TRANS else lda)
-            c += 4 * lo * ldc
-            _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, n, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
-        else:
-            lo, hi = s * n // slices, (s + 1) * n // slices
-            b += 4 * lo * (ldb if trans_b == _TRANS else 1)
-            c += 4 * lo
-            _sgemm(_ROW_MAJOR, trans_a, trans_b, m, hi - lo, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
+        lo = s * slice_rows
+        hi = min(m, lo + slice_rows)
+        a = a_ptrs[i] + 4 * lo * (1 if trans_a == _TRANS else lda)
+        c = c_ptrs[i] + 4 * lo * ldc
+        _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, n, k, np.float32(1.0), a, lda, b_ptrs[i], ldb, beta, c, ldc)
 
 
 def _operand(x: np.ndarray) -> tuple[int, int] | None:
@@ -91,11 +90,10 @@ def _batch_addresses(x: np.ndarray, batch: tuple[int, ...]) -> np.ndarray:
 class Matmul:
     """out = lhs @ rhs (+ out when accumulate), float32, planned once for these arrays.
 
-    Each matrix is cut into up to max_slices slices (by its shape) when there are fewer
-    matrices than that."""
+    slice_rows=None computes each matrix in one BLAS call."""
 
     def __init__(self, lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, accumulate: bool = False,
-                 max_slices: int = MAX_SLICES) -> None:
+                 slice_rows: int | None = SLICE_ROWS) -> None:
         for x in (lhs, rhs, out):
             if x.dtype != np.float32 or x.ndim < 2:
                 raise TypeError("Matmul takes float32 arrays of at least 2 dims")
@@ -117,12 +115,8 @@ class Matmul:
         (m, k), n = lhs.shape[-2:], rhs.shape[-1]
         (ta, lda), (tb, ldb), (_, ldc) = _operand(lhs), _operand(rhs), _operand(out)
         ptrs = [_batch_addresses(x, batch) for x in (lhs, rhs, out)]
-        split_m = m >= n
-        slices = 1
-        if len(ptrs[0]) < max_slices:
-            slices = int(max(1, min(max_slices, m * n * k // GRAIN, (m if split_m else n) // MIN_SLICE_ROWS)))
         self.args = (np.int32(ta), np.int32(tb), m, n, k, ptrs[0], lda, ptrs[1], ldb, ptrs[2], ldc,
-                     np.float32(1.0 if accumulate else 0.0), slices, split_m)
+                     np.float32(1.0 if accumulate else 0.0), slice_rows or max(m, 1))
 
     def _readable(self, x: np.ndarray) -> np.ndarray:
         if _operand(x) is not None:
@@ -142,8 +136,7 @@ class Matmul:
 
 
 def matmul(lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, accumulate: bool = False,
-           max_slices: int = MAX_SLICES) -> np.ndarray:
-    """out = lhs @ rhs (+ out when accumulate) for arrays made at run time; max_slices=1
-    keeps each matrix one BLAS call (the rounding of the unsliced product)."""
-    Matmul(lhs, rhs, out, accumulate, max_slices)()
+           slice_rows: int | None = SLICE_ROWS) -> np.ndarray:
+    """out = lhs @ rhs (+ out when accumulate) for arrays made at run time."""
+    Matmul(lhs, rhs, out, accumulate, slice_rows)()
     return out

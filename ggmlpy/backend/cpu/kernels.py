@@ -81,6 +81,55 @@ def exp_f32(x):
     return F32(0.0) if x < F32(-87.0) else j * k + k
 
 
+@njit(cache=True, inline="always")
+def f32_to_f16_bits(x):
+    """IEEE half bits of x, round to nearest even (what F16C and numpy do), written with
+    selects only so that loops over it vectorise."""
+    f = np.float32(x).view(np.uint32)
+    sign = (f >> np.uint32(16)) & np.uint32(0x8000)
+    a = np.uint32(f & np.uint32(0x7FFFFFFF))
+    # normal halves: rebias the exponent, round the 13 dropped bits to nearest even
+    normal = (a + np.uint32(0xC8000FFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    # subnormal halves: adding 0.5 lets the float adder round the bits off
+    sub = np.float32(a.view(np.float32) + np.float32(0.5)).view(np.uint32) - np.uint32(0x3F000000)
+    special = np.uint32(0x7E00) if a > np.uint32(0x7F800000) else np.uint32(0x7C00)  # NaN, or inf/overflow
+    h = special if a >= np.uint32(0x477FF000) else (normal if a >= np.uint32(0x38800000) else sub)
+    return np.uint16(h | sign)
+
+
+@njit(cache=True, inline="always")
+def f16_bits_to_f32(h):
+    """float32 value of IEEE half bits h (exact), with selects only."""
+    h = np.uint32(h)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    a = h & np.uint32(0x7FFF)
+    normal = (a << np.uint32(13)) + np.uint32(0x38000000)
+    special = (a << np.uint32(13)) | np.uint32(0x7F800000)  # inf, NaN with its payload
+    sub = np.float32(np.float32(a) * np.float32(2.0 ** -24)).view(np.uint32)  # exact: a < 2^10
+    bits = special if a >= np.uint32(0x7C00) else (normal if a >= np.uint32(0x0400) else sub)
+    return np.uint32(bits | sign).view(np.float32)
+
+
+@njit(cache=True)
+def f16_to_f32(src_bits, dst):
+    """dst = the float32 values of the half bits in src_bits (1-D, so the loop vectorises)."""
+    for i in range(src_bits.shape[0]):
+        dst[i] = f16_bits_to_f32(src_bits[i])
+
+
+@njit(parallel=True, cache=True)
+def set_rows_f16(src, idx, dst_bits):
+    """Row i1 of src[i3, i2] goes, rounded to half, to row idx[i3 % c2, i2 % c1, i1] of
+    dst_bits[i3, i2] (the bits of an F16 tensor)."""
+    n3, n2, n1, n0 = src.shape
+    c2, c1 = idx.shape[0], idx.shape[1]
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        d = dst_bits[i3, i2, idx[i3 % c2, i2 % c1, i1]]
+        for i0 in range(n0):
+            d[i0] = f32_to_f16_bits(src[i3, i2, i1, i0])
+
+
 @njit(cache=True)
 def alibi_slope(max_bias, h, n_head):
     if max_bias <= 0.0:
@@ -195,6 +244,144 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
         inv = F32(1.0 / sum_f64(d))
         for i0 in range(hi - lo):
             d[i0] *= inv
+
+
+Q_TILE = 32  # query rows attended together: the vector width of the attention loops
+
+
+@njit(cache=True)
+def _attn_mask_tile(mask, q0, mt):
+    """mt[j, i] = mask[q0 + i, j] over the tile's span [lo, hi) of cells that some query of
+    the tile sees (beyond it every weight is exactly 0); rows past the mask are -inf."""
+    n1, n_kv = mask.shape
+    nt = min(Q_TILE, n1 - q0)
+    lo, hi = n_kv, 0
+    for i in range(nt):
+        row = mask[q0 + i]
+        j = 0
+        while j < lo and row[j] == -np.inf:
+            j += 1
+        lo = min(lo, j)
+        j = n_kv
+        while j > hi and row[j - 1] == -np.inf:
+            j -= 1
+        hi = max(hi, j)
+    for j in range(lo, hi):
+        for i in range(nt):
+            mt[j, i] = mask[q0 + i, j]
+        for i in range(nt, Q_TILE):
+            mt[j, i] = -np.inf
+    return lo, max(lo, hi)
+
+
+KV_BLOCK = 8  # cells per pass over the output accumulator in _attn_pv
+
+
+@njit(cache=True)
+def _attn_pv(p, vh, acc, lo, hi, dv_dims):
+    """acc[d, i] = sum over cells j in [lo, hi) of p[j, i] * vh[j, d], summed in order of j.
+    KV_BLOCK cells per read/write of the accumulator, so that its stores, which the compiler
+    cannot tell apart from p's loads, are few and the loop over queries vectorises."""
+    dv = len(dv_dims)
+    acc[:] = 0.0
+    n_blocks = (hi - lo) // KV_BLOCK
+    for b in range(n_blocks):
+        j0 = lo + b * KV_BLOCK
+        for d in range(dv):
+            a_d = acc[d]
+            for i in range(Q_TILE):
+                a = a_d[i]
+                for jj in range(KV_BLOCK):
+                    a += p[j0 + jj, i] * vh[j0 + jj, d]
+                a_d[i] = a
+    for j in range(lo + n_blocks * KV_BLOCK, hi):
+        for d in range(dv):
+            a_d = acc[d]
+            vd = vh[j, d]
+            for i in range(Q_TILE):
+                a_d[i] += p[j, i] * vd
+
+
+@njit(parallel=True, cache=True)
+def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_dims, dv_dims):
+    """dst = softmax(q.k * scale [softcapped] + slope * mask) . v per query row, as ggml's
+    tiled CPU kernel: float32 products, the softmax sum in double, normalised at the end.
+
+    q: [n3, n_head, n_q, dk], k/v: [n3, n_kv, n_head_kv, dk/dv] (the KV cache's memory order),
+    mask: [m3, m2, >= n_q, n_kv],
+    dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one sequence, for every head;
+    the inner loops run over the tile's queries (vectorised, each query's sums in plain
+    sequential order). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims), which
+    are part of the type, so numba compiles them as constants and the loops over them unroll.
+    Only the tile's span of unmasked cells is computed.
+    """
+    dk, dv = len(dk_dims), len(dv_dims)
+    n3, n_head, n_q = q.shape[0], q.shape[1], q.shape[2]
+    n_kv, n_head_kv = k.shape[1], k.shape[2]
+    group = n_head // n_head_kv
+    m3, m2 = mask.shape[0], mask.shape[1]
+    sc = F32(scale)
+    cap = F32(softcap)
+    n_tiles = (n_q + Q_TILE - 1) // Q_TILE
+    for task in prange(n3 * n_tiles):
+        i3 = task // n_tiles
+        u = task % n_tiles
+        t = u // 2 if u % 2 == 0 else n_tiles - 1 - u // 2  # big and small tiles alternate: even halves
+        q0 = t * Q_TILE
+        nt = min(Q_TILE, n_q - q0)
+        mt = np.empty((m2, n_kv, Q_TILE), dtype=np.float32)
+        spans = np.empty((m2, 2), dtype=np.int64)
+        for i2 in range(m2):
+            if has_mask:
+                spans[i2, 0], spans[i2, 1] = _attn_mask_tile(mask[i3 % m3, i2], q0, mt[i2])
+            else:
+                spans[i2, 0], spans[i2, 1] = 0, n_kv
+        qt = np.zeros((dk, Q_TILE), dtype=np.float32)
+        st = np.empty((n_kv, Q_TILE), dtype=np.float32)
+        acc = np.empty((dv, Q_TILE), dtype=np.float32)
+        mx = np.empty(Q_TILE, dtype=np.float32)
+        sm = np.empty(Q_TILE, dtype=np.float64)
+        for h in range(n_head):
+            hk = h // group
+            mth = mt[h % m2]
+            lo, hi = spans[h % m2, 0], spans[h % m2, 1]
+            slope = alibi_slope(max_bias, h, n_head)
+            for d in range(dk):
+                for i in range(nt):
+                    qt[d, i] = q[i3, h, q0 + i, d]
+            mx[:] = -np.inf
+            for j in range(lo, hi):
+                kj = k[i3, j, hk]
+                s = st[j]
+                mj = mth[j]
+                for i in range(Q_TILE):
+                    a = F32(0.0)
+                    for d in range(dk):
+                        a += kj[d] * qt[d, i]
+                    s[i] = a * sc
+                if softcap != 0.0:
+                    for i in range(Q_TILE):
+                        s[i] = np.tanh(s[i]) * cap
+                if has_mask:
+                    for i in range(Q_TILE):
+                        s[i] += slope * mj[i]
+                for i in range(Q_TILE):
+                    mx[i] = max(mx[i], s[i])
+            for i in range(Q_TILE):
+                if mx[i] == -np.inf:  # a query that sees no cell: weights 0, output 0 (as ggml)
+                    mx[i] = 0.0
+            sm[:] = 0.0
+            for j in range(lo, hi):
+                s = st[j]
+                for i in range(Q_TILE):
+                    s[i] = exp_f32(s[i] - mx[i])
+                for i in range(Q_TILE):
+                    sm[i] += np.float64(s[i])
+            _attn_pv(st, v[i3, :, hk], acc, lo, hi, dv_dims)
+            for i in range(nt):
+                inv = F32(0.0) if sm[i] == 0.0 else F32(1.0 / sm[i])
+                for d in range(dv):
+                    dst[i3, q0 + i, h, d] = acc[d, i] * inv
 
 
 @njit(cache=True)

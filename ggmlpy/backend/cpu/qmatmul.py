@@ -122,11 +122,11 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         g = min(group, n_full - r0 // t)
         tiles = w.dequantize_rows(r0, r0 + g * t, scratch).reshape(g, t, w.k)
         outs = np.reshape(out[:, r0:r0 + g * t], (out.shape[0], g, t), copy=False).swapaxes(0, 1)
-        matmul(x, tiles.swapaxes(1, 2), outs, max_slices=1)
+        matmul(x, tiles.swapaxes(1, 2), outs, slice_rows=None)
     if n_full * t < w.m:
         r0 = n_full * t
         tile = w.dequantize_rows(r0, w.m, scratch)
-        matmul(x, tile.T, out[:, r0:], max_slices=1)
+        matmul(x, tile.T, out[:, r0:], slice_rows=None)
     return out
 
 
