@@ -17,6 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit, prange
+
+from ggmlpy.backend.cpu.kernels import exp_sum
 
 from .batch import Batch
 from .context import Context
@@ -46,17 +49,16 @@ class PerplexityResult:
         return math.sqrt(var / (self.count - 1)) * self.ppl
 
 
-def token_nll(logits: np.ndarray, targets: np.ndarray, rows_per_step: int = 16) -> np.ndarray:
-    """-log softmax(logits)[target] per row: float32 exp, double sums (llama.cpp's log_softmax).
-
-    Rows go a few at a time, so the temporaries stay small next to a 262k-token vocabulary."""
-    out = np.empty(len(targets), dtype=np.float64)
-    for r0 in range(0, len(targets), rows_per_step):
-        lg, tg = logits[r0:r0 + rows_per_step], targets[r0:r0 + rows_per_step]
-        mx = lg.max(axis=1, keepdims=True)
-        sum_exp = np.exp(lg - mx).sum(axis=1, dtype=np.float64)
-        picked = lg[np.arange(len(tg)), tg].astype(np.float64) - mx[:, 0].astype(np.float64)
-        out[r0:r0 + rows_per_step] = np.log(sum_exp) - picked
+@njit(parallel=True, cache=True)
+def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log softmax(logits)[target] per row: float32 exp of logit - max summed in double,
+    as llama.cpp's log_softmax; rows in parallel, no temporaries beyond one row."""
+    out = np.empty(targets.shape[0], dtype=np.float64)
+    for r in prange(targets.shape[0]):
+        row = logits[r]
+        e = np.empty(row.shape[0], dtype=np.float32)
+        m, s = exp_sum(row, e)
+        out[r] = np.log(s) - (np.float64(row[targets[r]]) - np.float64(m))
     return out
 
 

@@ -15,8 +15,7 @@ from .kernels import (
     _row_index,
     dot_f64,
     exp_f32,
-    exp_shifted,
-    max_f32,
+    exp_sum,
     sum_f64,
 )
 
@@ -93,16 +92,6 @@ def gelu_back_f32(g, x, dst):
             dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * F32(0.5) * (one_plus_t + v * dt)
 
 
-@njit(cache=True)
-def _exp_sum(row, scratch):
-    """(max, sum(exp(row - max))) with scratch = exp(row - max), as ggml's log-softmax:
-    float exp, double sum."""
-    scratch[:] = row
-    m = max_f32(row)
-    exp_shifted(scratch, m)
-    return m, sum_f64(scratch)
-
-
 @njit(parallel=True, cache=True)
 def cross_entropy_rows(logits, labels, out):
     """out[r] = -sum(labels * log_softmax(logits)) of row r, in double."""
@@ -110,7 +99,7 @@ def cross_entropy_rows(logits, labels, out):
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         row, lab = logits[i3, i2, i1], labels[i3, i2, i1]
-        m, s = _exp_sum(row, np.empty(n0, dtype=np.float32))
+        m, s = exp_sum(row, np.empty(n0, dtype=np.float32))
         log_sum = np.log(s) + np.float64(m)
         out[r] = log_sum * sum_f64(lab) - dot_f64(lab, row)
 
@@ -124,7 +113,7 @@ def cross_entropy_back_f32(d, logits, labels, dst):
     for r in prange(n_rows):
         i3, i2, i1 = _row_index(r, n2, n1)
         dr, lab = dst[i3, i2, i1], labels[i3, i2, i1]
-        _, s = _exp_sum(logits[i3, i2, i1], dr)
+        _, s = exp_sum(logits[i3, i2, i1], dr)
         inv = F32(1.0 / s)
         for i0 in range(n0):
             dr[i0] = (dr[i0] * inv - lab[i0]) * sc
