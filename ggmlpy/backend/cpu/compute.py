@@ -234,22 +234,58 @@ def _cells_f32(t: Tensor) -> Callable[[], np.ndarray]:
     return read
 
 
-def _rope_args(node: Tensor):
-    n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = node.op_params
-    corr0, corr1 = K.rope_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
-    return (n_dims, mode == 2, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1)
+class RopeTable:
+    """cos/sin of the positions in one positions tensor. Every rope of a graph (q and k of
+    each layer, forward and back) reads the same table; it is computed again only when the
+    positions or frequency factors differ from those it was made from (compared per call)."""
+
+    def __init__(self, n_pos: int, n_dims: int, args: tuple) -> None:
+        self.args = args
+        self.pos = np.empty(n_pos, dtype=np.int64)
+        self.ff = np.empty(0, dtype=np.float32)
+        self.valid = False
+        self.cos = np.empty((n_pos, n_dims // 2), dtype=np.float32)
+        self.sin = np.empty((n_pos, n_dims // 2), dtype=np.float32)
+
+    def refresh(self, pos: np.ndarray, ff: np.ndarray, has_ff: bool) -> None:
+        if self.valid and np.array_equal(self.pos, pos) and np.array_equal(self.ff, ff):
+            return
+        K.rope_table(pos, ff, *self.args, has_ff, self.cos, self.sin)
+        np.copyto(self.pos, pos)
+        self.ff = ff.copy()
+        self.valid = True
+
+
+_ROPE_TABLES: dict[tuple, RopeTable] = {}  # by the memory of positions and factors, and the rope's parameters
+_ROPE_TABLES_MAX = 64
+_NO_FREQ_FACTORS = np.ones(1, dtype=np.float32)
+
+
+def _rope_table(pos: np.ndarray, ff: np.ndarray, args: tuple) -> RopeTable:
+    key = (pos.ctypes.data, pos.shape[0], ff.ctypes.data, args)
+    if key not in _ROPE_TABLES:
+        if len(_ROPE_TABLES) >= _ROPE_TABLES_MAX:
+            _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))
+        _ROPE_TABLES[key] = RopeTable(pos.shape[0], args[0], args)
+    return _ROPE_TABLES[key]
 
 
 @prepares(Op.ROPE, Op.ROPE_BACK)
 def _rope(node: Tensor) -> Prepared:
     a, pos = node.src[0], node.src[1]
     _require_f32(node, a)
-    ffv = node.src[2].array().reshape(-1) if len(node.src) > 2 else np.ones(1, dtype=np.float32)
+    ffv = node.src[2].array().reshape(-1) if len(node.src) > 2 else _NO_FREQ_FACTORS
     has_ff = len(node.src) > 2
     av, pv, dv = a.array(), pos.array().reshape(-1), node.array()
-    args = _rope_args(node)
-    sign = 1.0 if node.op == Op.ROPE else -1.0
-    return lambda: K.rope_f32(av, pv, ffv, dv, *args, has_ff, sign)
+    n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = node.op_params
+    corr0, corr1 = K.rope_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+    table = _rope_table(pv, ffv, (n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1))
+    neox, sign = mode == 2, 1.0 if node.op == Op.ROPE else -1.0
+
+    def run() -> None:
+        table.refresh(pv, ffv, has_ff)
+        K.rope_f32(av, table.cos, table.sin, dv, n_dims, neox, sign)
+    return run
 
 
 @prepares(Op.GET_ROWS)

@@ -428,18 +428,25 @@ def rope_cache(p, ne0, n_dims, freq_base, freq_scale, ext_factor, attn_factor, c
 
 
 @njit(parallel=True, cache=True)
-def rope_f32(x, pos, ff, dst, n_dims, neox, freq_base, freq_scale, ext_factor, attn_factor,
-             corr0, corr1, has_ff, sign):
-    """Rotate pairs of each head; `sign` -1 gives the inverse rotation (rope_back)."""
+def rope_table(pos, ff, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, has_ff, cos, sin):
+    """cos[i], sin[i]: the n_dims/2 rotations at position pos[i] (ggml's rope cache)."""
+    for i in prange(pos.shape[0]):
+        # angles for the n_dims/2 rotated pairs only: freq_factors holds just n_dims/2 values
+        rope_cache(pos[i], n_dims, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, ff, has_ff,
+                   cos[i], sin[i])
+
+
+@njit(parallel=True, cache=True)
+def rope_f32(x, cos, sin, dst, n_dims, neox, sign):
+    """Rotate pairs of each head by the token's row of cos/sin; `sign` -1 gives the inverse
+    rotation (rope_back)."""
     n3, n2, n1, n0 = x.shape
     half = n_dims // 2
     for r in prange(n3 * n2):
         i3 = r // n2
         i2 = r % n2
-        cs = np.empty(n0 // 2, dtype=np.float32)
-        sn = np.empty(n0 // 2, dtype=np.float32)
-        # angles for the n_dims/2 rotated pairs only: freq_factors holds just n_dims/2 values
-        rope_cache(pos[i2], n_dims, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, ff, has_ff, cs, sn)
+        cs = cos[i2]
+        sn = sin[i2]
         for i1 in range(n1):
             for k in range(half):
                 c = cs[k]
