@@ -8,6 +8,7 @@ sequences decode side by side as one batched attention (what llama.cpp does when
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
 import ggmlpy
 from ggmlpy import GGMLType, Tensor
@@ -120,17 +121,9 @@ class KVCache:
         A cell is visible to a token when it belongs to the token's sequence and holds an
         earlier or equal position (and, with a sliding window, one less than n_swa back).
         """
-        for j in range(ub.n_seqs):
-            stream = ub.stream0 + j
-            sl = slice(j * ub.n_seq_tokens, (j + 1) * ub.n_seq_tokens)
-            cell_pos = self.pos[stream, :n_kv][None, :]
-            cell_seq = self.seqs[stream, :n_kv][None, :]
-            tok_pos = ub.pos[sl][:, None]
-            tok_bit = np.left_shift(np.uint64(1), ub.seq_id[sl].astype(np.uint64))[:, None]
-            visible = ((cell_seq & tok_bit) != 0) & (cell_pos >= 0) & (cell_pos <= tok_pos)
-            if n_swa > 0:
-                visible &= tok_pos - cell_pos < n_swa
-            mask[j, 0] = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+        streams = slice(ub.stream0, ub.stream0 + ub.n_seqs)
+        tok_bits = np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64))
+        _fill_mask(self.pos[streams, :n_kv], self.seqs[streams, :n_kv], ub.pos, tok_bits, n_swa, mask)
 
     # ---- sequence operations (llama_memory_seq_*) -----------------------------------------
     def _range(self, p0: int, p1: int) -> np.ndarray:
@@ -292,3 +285,17 @@ class KVMemory:
     def seq_pos_min(self, seq: int) -> int:
         """The smallest position every cache still holds (the window cache forgets early ones)."""
         return max(c.seq_pos_min(seq) for c in self.caches)
+
+
+@njit(parallel=True, cache=True)
+def _fill_mask(cell_pos, cell_seqs, tok_pos, tok_bits, n_swa, mask):
+    """mask[j, 0, i, c] for token i of the ubatch's sequence j and cell c of its stream."""
+    n_seqs, n_tok, n_kv = mask.shape[0], mask.shape[2], cell_pos.shape[1]
+    for t in prange(n_seqs * n_tok):
+        j, i = t // n_tok, t % n_tok
+        p, bit = tok_pos[t], tok_bits[t]
+        row = mask[j, 0, i]
+        for c in range(n_kv):
+            cp = cell_pos[j, c]
+            visible = (cell_seqs[j, c] & bit) != 0 and cp >= 0 and cp <= p and (n_swa <= 0 or p - cp < n_swa)
+            row[c] = np.float32(0.0) if visible else np.float32(-np.inf)
