@@ -184,9 +184,8 @@ def dequantize_q8_k(buf, offs, dst):
 
 # ---- ggml's scale search helpers ---------------------------------------------------
 @njit(cache=True)
-def make_qx_quants(n, nmax, x, xo, L, lo):
-    """make_qx_quants(n, nmax, x + xo, L + lo, rmse_type=1, qw=NULL): symmetric levels
-    L in [0, 2*nmax) with weights x^2; returns the scale."""
+def signed_absmax(x, xo, n):
+    """(max |x|, the signed x of largest magnitude, first one on ties) over x[xo:xo+n]."""
     mx = F32(0.0)
     amax = F32(0.0)
     for i in range(n):
@@ -194,6 +193,14 @@ def make_qx_quants(n, nmax, x, xo, L, lo):
         if ax > amax:
             amax = ax
             mx = x[xo + i]
+    return amax, mx
+
+
+@njit(cache=True)
+def make_qx_quants(n, nmax, x, xo, L, lo):
+    """make_qx_quants(n, nmax, x + xo, L + lo, rmse_type=1, qw=NULL): symmetric levels
+    L in [0, 2*nmax) with weights x^2; returns the scale."""
+    amax, mx = signed_absmax(x, xo, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[lo + i] = 0
@@ -235,13 +242,7 @@ def make_qx_quants(n, nmax, x, xo, L, lo):
 @njit(cache=True)
 def make_q3_quants(n, nmax, x, xo, L, lo):
     """make_q3_quants(n, nmax, x + xo, L + lo, do_rmse=true); returns the scale."""
-    mx = F32(0.0)
-    amax = F32(0.0)
-    for i in range(n):
-        ax = abs(x[xo + i])
-        if ax > amax:
-            amax = ax
-            mx = x[xo + i]
+    amax, mx = signed_absmax(x, xo, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
             L[lo + i] = 0
@@ -607,13 +608,7 @@ def quantize_q8_k(x, out):
         xr, y = x[r], out[r]
         for i in range(nb):
             xo, o = i * QK_K, i * 292
-            mx = F32(0.0)
-            amax = F32(0.0)
-            for j in range(QK_K):
-                ax = abs(xr[xo + j])
-                if ax > amax:
-                    amax = ax
-                    mx = xr[xo + j]
+            amax, mx = signed_absmax(xr, xo, QK_K)
             for k in range(292):
                 y[o + k] = 0
             if amax == 0:
@@ -644,13 +639,7 @@ def round_rows_q8_k(x):
         xr = x[r]
         for i in range(nb):
             xo = i * QK_K
-            mx = F32(0.0)
-            amax = F32(0.0)
-            for j in range(QK_K):
-                ax = abs(xr[xo + j])
-                if ax > amax:
-                    amax = ax
-                    mx = xr[xo + j]
+            amax, mx = signed_absmax(xr, xo, QK_K)
             if amax == 0:
                 for j in range(QK_K):
                     xr[xo + j] = F32(0.0)

@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import njit
 
+from .kernels import max_f32
+
 F32 = np.float32
 
 
@@ -20,18 +22,9 @@ def sort_desc(row: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def row_max(x):
-    m = F32(-np.inf)
-    for i in range(x.shape[0]):
-        if x[i] > m:
-            m = x[i]
-    return m
-
-
-@njit(cache=True)
 def softmax(x, out):
     """out = softmax(x): float32 exp of x - max, normalized by their double sum."""
-    m = row_max(x)
+    m = max_f32(x)
     s = 0.0
     for i in range(x.shape[0]):
         e = np.exp(x[i] - m)
@@ -67,7 +60,7 @@ def top_p_keep(x_sorted, p, min_keep):
 @njit(cache=True)
 def min_p_threshold(x, p):
     """Logits below this have probability below p times the largest."""
-    return row_max(x) + F32(math.log(F32(p)))
+    return max_f32(x) + F32(math.log(F32(p)))
 
 
 @njit(cache=True)
@@ -75,7 +68,7 @@ def dist_select(x, rnd):
     """llama.cpp's dist sampler: probabilities exp(x - max) summed in double; the first
     position where the running sum reaches rnd * total (never a zero-probability one)."""
     n = x.shape[0]
-    m = row_max(x)
+    m = max_f32(x)
     total = 0.0
     for i in range(n):
         total += np.float64(np.exp(x[i] - m))
