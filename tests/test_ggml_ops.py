@@ -339,6 +339,74 @@ def test_soft_max_alibi_slopes_differ_per_head(rng):
     assert len({round(float(v), 6) for v in got[0, :, 0, -1]}) == 6
 
 
+# ---- flash_attn_ext ----------------------------------------------------------------------------
+def flash_attn_ref(q, k, v, mask, scale, max_bias, softcap):
+    """softmax(q.k * scale [then tanh(s) * softcap] + slope * mask) . v in float64 (a query that
+    sees no cell outputs 0); q: (n3, n_head, n_q, dk), k/v: (n3, n_head_kv, n_kv, d), mask: (m3, m2, >= n_q, n_kv) or None.
+    Returns (out (n3, n_q, n_head, dv), error scale): the score error of float32 dot products
+    becomes a relative error of the weights through exp, and the weighted sum adds its own."""
+    n3, n_head, n_q, _ = q.shape
+    group = n_head // k.shape[1]
+    kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", q, kk) * np.float64(np.float32(scale))
+    dot_abs = np.einsum("bhqd,bhkd->bhqk", np.abs(q), np.abs(kk)) * abs(scale)
+    if softcap:
+        s = np.tanh(s) * softcap
+    if mask is not None:
+        m = mask[np.ix_(np.arange(n3) % mask.shape[0], np.arange(n_head) % mask.shape[1], np.arange(n_q),
+                        np.arange(mask.shape[3]))]
+        s = s + alibi_slopes(n_head, max_bias)[None, :, None, None] * m
+    mx = s.max(axis=-1, keepdims=True)
+    seen = np.isfinite(mx)
+    p = np.where(seen, np.exp(s - np.where(seen, mx, 0.0)), 0.0)
+    total = p.sum(axis=-1, keepdims=True)
+    w = np.divide(p, total, out=np.zeros_like(p), where=total > 0)
+    out = w @ vv
+    spread = np.max(np.where(np.isfinite(s), dot_abs + np.abs(s), 0.0), axis=-1, keepdims=True)
+    err_scale = (w @ np.abs(vv)) * (1.0 + spread + np.sqrt(kk.shape[2]))
+    return out.transpose(0, 2, 1, 3), err_scale.transpose(0, 2, 1, 3)
+
+
+FLASH_ATTN_CASES = {
+    # name: (n3, n_head, n_head_kv, n_q, n_kv, dk, dv, mask (m3, m2) or None, kv type, scale, max_bias, softcap)
+    "small_heads_gqa": (2, 8, 4, 70, 96, 8, 8, (2, 1), T.F16, 0.35, 0.0, 0.0),
+    "one_mask_for_all": (3, 4, 4, 33, 40, 8, 8, (1, 1), T.F32, 0.25, 0.0, 0.0),
+    "no_mask": (1, 4, 2, 40, 50, 64, 64, None, T.F32, 0.125, 0.0, 0.0),
+    "alibi": (1, 6, 3, 20, 30, 8, 8, (1, 1), T.F32, 0.5, 8.0, 0.0),
+    "softcap": (2, 4, 2, 35, 64, 8, 8, (2, 1), T.F16, 0.125, 0.0, 30.0),
+    "wide_heads_blas": (1, 4, 1, 40, 64, 256, 256, (1, 1), T.F16, 0.0625, 0.0, 0.0),
+    "wide_heads_softcap": (1, 2, 1, 20, 32, 128, 128, (1, 1), T.F32, 0.09, 0.0, 20.0),
+}
+
+
+@pytest.mark.parametrize("layout", ("contig", "perm"))
+@pytest.mark.parametrize("case", FLASH_ATTN_CASES.values(), ids=FLASH_ATTN_CASES.keys())
+def test_flash_attn_ext(rng, case, layout):
+    n3, n_head, n_head_kv, n_q, n_kv, dk, dv, mask_dims, kv_type, scale, max_bias, softcap = case
+    q = randn(rng, (n3, n_head, n_q, dk))
+    k = randn(rng, (n3, n_head_kv, n_kv, dk))
+    v = randn(rng, (n3, n_head_kv, n_kv, dv))
+    ctx = gg.Context()
+    mask_vals = mask = None
+    if mask_dims is not None:
+        m3, m2 = mask_dims
+        n_q_pad = -(-n_q // 16) * 16  # llama.cpp pads the mask's rows
+        mask_f32 = causal_mask(rng, m2, m3, n_q_pad, n_kv, alibi=max_bias > 0)
+        mask_f32[0, 0, 1] = -np.inf  # a query that sees no cell: its output is 0
+        mask_vals = decode(encode(mask_f32, T.F16), T.F16)
+        mask = ctx.from_numpy(encode(mask_f32, T.F16), T.F16)
+    # K and V as the cache holds them (cells by heads), seen as [d, n_kv, n_head_kv, n3]
+    k_t = make(ctx, k, layout, kv_type)
+    v_t = make(ctx, v, layout, kv_type)
+    out = gg.flash_attn_ext(ctx, make(ctx, q, layout), k_t, v_t, mask, scale, max_bias, softcap)
+    got = run(out)
+    ref, err_scale = flash_attn_ref(q.astype(np.float64), decode(encode(k, kv_type), kv_type),
+                                    decode(encode(v, kv_type), kv_type), mask_vals, scale, max_bias, softcap)
+    assert_close(got, ref, err_scale)
+    if mask_dims is not None:
+        assert np.all(got[0, 1] == 0.0)  # the query that sees no cell
+
+
 # ---- rope_ext ----------------------------------------------------------------------------------
 def yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
     def corr_dim(n_rot):

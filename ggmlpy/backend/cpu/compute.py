@@ -146,9 +146,9 @@ def _soft_max(node: Tensor) -> Prepared:
         if mask.type not in (GGMLType.F32, GGMLType.F16):
             raise NotImplementedError(f"SOFT_MAX mask of type {mask.type.name}")
         if mask.type == GGMLType.F16:
-            return lambda: K.soft_max_f32(av, mv.astype(np.float32), dv, scale, max_bias, True)
-        return lambda: K.soft_max_f32(av, mv, dv, scale, max_bias, True)
-    return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False)
+            return lambda: K.soft_max_f32(av, mv.astype(np.float32), dv, scale, max_bias, True, np.nan)
+        return lambda: K.soft_max_f32(av, mv, dv, scale, max_bias, True, np.nan)
+    return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False, np.nan)
 
 
 UNROLLED_HEAD_DIM = 64  # numba takes head sizes up to this as compile-time constants
@@ -177,7 +177,7 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
 
     def run() -> None:
         K.flash_attn_f32(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type),
-                         dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims)
+                         dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, K.Q_TILE)
     return run
 
 
@@ -206,7 +206,7 @@ def _flash_attn_blas(node: Tensor) -> Prepared:
         matmul(q5, k32.swapaxes(-1, -2), scores, slice_rows=None)
         if softcap:
             np.multiply(np.tanh(scores * np.float32(scale)), np.float32(softcap), out=scores)
-        K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask)
+        K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask, 0.0)
         matmul(scores, v32, out5, slice_rows=None)
     return run
 

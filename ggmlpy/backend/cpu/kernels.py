@@ -219,10 +219,11 @@ def finite_spans(mask, spans):
 
 
 @njit(parallel=True, cache=True)
-def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
+def soft_max_f32(x, mask, dst, scale, max_bias, has_mask, empty_row):
     """dst = softmax(x * scale + slope * mask) per row, the sum in double (as ggml).
 
-    A row whose mask is -inf everywhere is NaN, as in ggml (exp(-inf - -inf))."""
+    A row whose mask is -inf everywhere is `empty_row`: NaN for ggml's soft_max
+    (exp(-inf - -inf)), 0 for attention weights (a query that sees nothing outputs 0)."""
     n3, n2, n1, n0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
     spans = np.empty((m3, m2, mask.shape[2], 2), dtype=np.int64)
@@ -236,7 +237,7 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
         if has_mask:
             lo, hi = spans[i3 % m3, i2 % m2, i1, 0], spans[i3 % m3, i2 % m2, i1, 1]
         if lo >= hi:
-            dr[:] = np.nan
+            dr[:] = empty_row
             continue
         dr[:lo] = 0
         dr[hi:] = 0
@@ -257,6 +258,11 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask):
 
 
 Q_TILE = 32  # query rows attended together: the vector width of the attention loops
+_F32_MAX = F32(np.finfo(np.float32).max)
+
+# The attention loops are compiled with fused multiply-adds, as ggml's AVX2 build computes
+# its dot products, axpys and expf; nothing is reassociated, every sum stays in order.
+_FMA = {"contract"}
 
 
 @njit(cache=True)
@@ -287,7 +293,7 @@ def _attn_mask_tile(mask, q0, mt):
 KV_BLOCK = 8  # cells per pass over the output accumulator in _attn_pv
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FMA)
 def _attn_pv(p, vh, acc, lo, hi, dv_dims):
     """acc[d, i] = sum over cells j in [lo, hi) of p[j, i] * vh[j, d], summed in order of j.
     KV_BLOCK cells per read/write of the accumulator, so that its stores, which the compiler
@@ -312,8 +318,30 @@ def _attn_pv(p, vh, acc, lo, hi, dv_dims):
                 a_d[i] += p[j, i] * vd
 
 
-@njit(parallel=True, cache=True)
-def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_dims, dv_dims):
+@njit(cache=True, inline="always")
+def _attn_dot(kj, qt, i, dk_dims):
+    """q_i . k_j, summed in order of the head dimension (qt holds the tile's queries by column)."""
+    a = F32(0.0)
+    for d in range(len(dk_dims)):
+        a += kj[d] * qt[d, i]
+    return a
+
+
+@njit(cache=True, fastmath=_FMA)
+def _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, tile):
+    """flash_attn_f32's score pass with a logit softcap: tanh(q.k * scale) * cap + slope * mask."""
+    for j in range(lo, hi):
+        kj = k[i3, j, hk]
+        s = st[j]
+        mj = mth[j]
+        for i in range(tile):
+            s[i] = np.tanh(_attn_dot(kj, qt, i, dk_dims) * sc) * cap + slope * mj[i]
+        for i in range(tile):
+            mx[i] = np.maximum(mx[i], s[i])
+
+
+@njit(parallel=True, cache=True, fastmath=_FMA)
+def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, tile):
     """dst = softmax(q.k * scale [softcapped] + slope * mask) . v per query row, as ggml's
     tiled CPU kernel: float32 products, the softmax sum in double, normalised at the end.
 
@@ -321,9 +349,11 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
     mask: [m3, m2, >= n_q, n_kv],
     dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one sequence, for every head;
     the inner loops run over the tile's queries (vectorised, each query's sums in plain
-    sequential order). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims), which
-    are part of the type, so numba compiles them as constants and the loops over them unroll.
-    Only the tile's span of unmasked cells is computed.
+    sequential order). `tile` must be Q_TILE: it comes at run time only so that LLVM keeps
+    the loops over it as vector loops (given the constant 32, it unrolls them into scalar
+    code, 20% slower). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
+    which are part of the type, so numba compiles them as constants and the loops over them
+    unroll. Only the tile's span of unmasked cells is computed.
     """
     dk, dv = len(dk_dims), len(dv_dims)
     n3, n_head, n_q = q.shape[0], q.shape[1], q.shape[2]
@@ -339,7 +369,10 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
         t = u // 2 if u % 2 == 0 else n_tiles - 1 - u // 2  # big and small tiles alternate: even halves
         q0 = t * Q_TILE
         nt = min(Q_TILE, n_q - q0)
-        mt = np.empty((m2, n_kv, Q_TILE), dtype=np.float32)
+        if has_mask:
+            mt = np.empty((m2, n_kv, Q_TILE), dtype=np.float32)
+        else:
+            mt = np.zeros((m2, n_kv, Q_TILE), dtype=np.float32)  # added as a mask, changes nothing
         spans = np.empty((m2, 2), dtype=np.int64)
         for i2 in range(m2):
             if has_mask:
@@ -359,33 +392,25 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
             for d in range(dk):
                 for i in range(nt):
                     qt[d, i] = q[i3, h, q0 + i, d]
-            mx[:] = -np.inf
-            for j in range(lo, hi):
-                kj = k[i3, j, hk]
-                s = st[j]
-                mj = mth[j]
-                for i in range(Q_TILE):
-                    a = F32(0.0)
-                    for d in range(dk):
-                        a += kj[d] * qt[d, i]
-                    s[i] = a * sc
-                if softcap != 0.0:
-                    for i in range(Q_TILE):
-                        s[i] = np.tanh(s[i]) * cap
-                if has_mask:
-                    for i in range(Q_TILE):
-                        s[i] += slope * mj[i]
-                for i in range(Q_TILE):
-                    mx[i] = max(mx[i], s[i])
-            for i in range(Q_TILE):
-                if mx[i] == -np.inf:  # a query that sees no cell: weights 0, output 0 (as ggml)
-                    mx[i] = 0.0
+            # a query that sees no cell keeps -max: its weights exp(-inf) are 0, its output 0 (as ggml)
+            mx[:] = -_F32_MAX
+            if softcap == 0.0:
+                for j in range(lo, hi):
+                    kj = k[i3, j, hk]
+                    s = st[j]
+                    mj = mth[j]
+                    for i in range(tile):  # score, mask and running max in one pass
+                        a = _attn_dot(kj, qt, i, dk_dims) * sc + slope * mj[i]
+                        s[i] = a
+                        mx[i] = np.maximum(mx[i], a)  # not max(): that compiles to masked stores, slow on AMD
+            else:
+                _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, tile)
             sm[:] = 0.0
             for j in range(lo, hi):
                 s = st[j]
-                for i in range(Q_TILE):
+                for i in range(tile):
                     s[i] = exp_f32(s[i] - mx[i])
-                for i in range(Q_TILE):
+                for i in range(tile):
                     sm[i] += np.float64(s[i])
             _attn_pv(st, v[i3, :, hk], acc, lo, hi, dv_dims)
             for i in range(nt):
