@@ -95,9 +95,9 @@ def split_equal(batch: Batch, n_ubatch: int) -> list[UBatch]:
     Each ubatch takes the same number of tokens from every sequence in the range, so
     attention runs as one batched product over streams.
     """
-    pending: dict[int, np.ndarray] = {}
-    for s in np.unique(batch.seq_id):
-        pending[int(s)] = np.flatnonzero(batch.seq_id == s)
+    order = np.argsort(batch.seq_id, kind="stable")  # each sequence's tokens, in batch order
+    seqs, starts, counts = np.unique(batch.seq_id[order], return_index=True, return_counts=True)
+    pending = {int(s): order[a:a + n] for s, a, n in zip(seqs, starts, counts)}
     cursor = {s: 0 for s in pending}
     out = []
     while True:

@@ -99,36 +99,44 @@ class Context:
                 cache.apply(ub, r)
             n_kv = tuple(cache.n_kv(ub) for cache in self.kv.caches)
             chains = self._row_chains(ub)
-            sigs = tuple(None if c is None else c.backend_signature() for c in chains)
-            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, n_kv, ub.n_outputs,
-                               sigs if any(chains) else ())
+            sigs = () if chains is None else tuple(None if c is None else c.backend_signature() for c in chains)
+            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, n_kv, ub.n_outputs, sigs)
             builder = self._graph(shape, chains)
             builder.set_inputs(ub, rows)
-            for row, chain in zip(builder.sampler_rows, chains):
-                if row is not None:
-                    row.fill_inputs(chain)
+            if chains is not None:
+                for row, chain in zip(builder.sampler_rows, chains):
+                    if row is not None:
+                        row.fill_inputs(chain)
             self.backend.compute(builder.graph)
-            if not ub.n_outputs:
-                continue
-            batch_idx = ub.idx[ub.output]
-            dest = self._output_row[batch_idx]
-            plain = np.array([r is None for r in builder.sampler_rows], dtype=bool)
-            if plain.any():
-                logits = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
-                if in_place:
-                    self._out = logits
-                else:
-                    self._logits[dest[plain]] = logits[plain]
-            for j, (row, chain) in enumerate(zip(builder.sampler_rows, chains)):
-                if row is not None:
-                    self._sampled[int(batch_idx[j])] = row.read(chain)
+            if ub.n_outputs:
+                self._collect_outputs(ub, builder, chains, in_place)
 
-    def _row_chains(self, ub) -> list:
-        """The chain to run in the graph for each output row of a ubatch (None: logits leave)."""
+    def _collect_outputs(self, ub, builder: GraphBuilder, chains: list | None, in_place: bool) -> None:
+        """Logits of the ubatch's output rows into the batch's order (or left in place), and
+        what the graph sampled for rows with a backend sampler chain."""
+        logits = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
+        if in_place:
+            self._out = logits
+            return
+        batch_idx = ub.idx[ub.output]
+        dest = self._output_row[batch_idx]
+        if chains is None:
+            self._logits[dest] = logits
+            return
+        plain = np.array([r is None for r in builder.sampler_rows], dtype=bool)
+        self._logits[dest[plain]] = logits[plain]
+        for j, (row, chain) in enumerate(zip(builder.sampler_rows, chains)):
+            if row is not None:
+                self._sampled[int(batch_idx[j])] = row.read(chain)
+
+    def _row_chains(self, ub) -> list | None:
+        """The chain to run in the graph for each output row of a ubatch (None: logits
+        leave); None when no row of the ubatch has one."""
         if not self._samplers or not ub.n_outputs:
-            return [None] * ub.n_outputs
+            return None
         chains = [self._samplers.get(int(s)) for s in ub.seq_id[ub.output]]
-        return [c if c is not None and c.backend_prefix() > 0 else None for c in chains]
+        chains = [c if c is not None and c.backend_prefix() > 0 else None for c in chains]
+        return chains if any(chains) else None
 
     # ---- backend sampling (llama_set_sampler) ------------------------------------------------
     def set_sampler(self, seq_id: int, chain) -> None:

@@ -52,14 +52,24 @@ class PerplexityResult:
 @njit(parallel=True, cache=True)
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log softmax(logits)[target] per row: float32 exp of logit - max summed in double,
-    as llama.cpp's log_softmax; rows in parallel, no temporaries beyond one row."""
-    out = np.empty(targets.shape[0], dtype=np.float64)
-    for r in prange(targets.shape[0]):
-        row = logits[r]
+    as llama.cpp's log_softmax; logits [n_seq, rows, n_vocab], targets [n_seq, rows];
+    rows in parallel, no temporaries beyond one row."""
+    n_seq, n_rows = targets.shape
+    out = np.empty((n_seq, n_rows), dtype=np.float64)
+    for r in prange(n_seq * n_rows):
+        s, i = r // n_rows, r % n_rows
+        row = logits[s, i]
         e = np.empty(row.shape[0], dtype=np.float32)
-        m, s = exp_sum(row, e)
-        out[r] = np.log(s) - (np.float64(row[targets[r]]) - np.float64(m))
+        m, total = exp_sum(row, e)
+        out[s, i] = np.log(total) - (np.float64(row[targets[s, i]]) - np.float64(m))
     return out
+
+
+def _batch_layout(n_seq: int, lo: int, hi: int, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions, sequence ids and output flags of a decode of positions [lo, hi) of n_seq chunks."""
+    pos = np.tile(np.arange(lo, hi, dtype=np.int32), n_seq)
+    seq = np.repeat(np.arange(n_seq, dtype=np.int32), hi - lo)
+    return pos, seq, pos >= first
 
 
 def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512,
@@ -92,31 +102,28 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
     num_batches = -(-n_ctx // n_batch)
     result = PerplexityResult()
 
+    layouts: dict[tuple[int, int], tuple] = {}  # (chunks, part) -> the decode's batch layout, reused
     for i in range(0, n_chunk, n_seq):
         n_seq_batch = min(n_seq, n_chunk - i)
         chunk = tokens[i * n_ctx:(i + n_seq_batch) * n_ctx].reshape(n_seq_batch, n_ctx)
         ctx.memory_clear()
-        nlls: list[list[np.ndarray]] = [[] for _ in range(n_seq_batch)]
+        nll = np.empty((n_seq_batch, n_scored))
         for j in range(num_batches):
             lo, hi = j * n_batch, min(n_ctx, (j + 1) * n_batch)
             part = chunk[:, lo:hi].copy()
             if j == 0 and bos is not None:
                 part[:, 0] = bos
-            pos = np.tile(np.arange(lo, hi, dtype=np.int32), n_seq_batch)
-            seq = np.repeat(np.arange(n_seq_batch, dtype=np.int32), hi - lo)
-            ctx.decode(Batch(part.reshape(-1), pos, seq, pos >= first))
-            scored = np.arange(max(lo, first), min(hi, n_ctx - 1))  # positions predicting a next token
-            if len(scored):
+            if (n_seq_batch, j) not in layouts:
+                layouts[n_seq_batch, j] = _batch_layout(n_seq_batch, lo, hi, first)
+            ctx.decode(Batch(part.reshape(-1), *layouts[n_seq_batch, j]))
+            s0, s1 = max(lo, first), min(hi, n_ctx - 1)  # positions predicting a next token
+            if s1 > s0:
                 # scored rows straight from the context's logits (no copy of [tokens, n_vocab])
                 logits = ctx.get_logits().reshape(n_seq_batch, -1, model.hparams.n_vocab)
-                rows = scored - max(lo, first)
-                for s in range(n_seq_batch):
-                    nlls[s].append(token_nll(logits[s, rows[0]:rows[-1] + 1], chunk[s, scored + 1]))
+                nll[:, s0 - first:s1 - first] = token_nll(logits[:, :s1 - s0], chunk[:, s0 + 1:s1 + 1])
         for s in range(n_seq_batch):
-            nll = np.concatenate(nlls[s])
-            assert len(nll) == n_scored
-            result.nll += float(nll.sum())
-            result.nll2 += float((nll * nll).sum())
+            result.nll += float(nll[s].sum())
+            result.nll2 += float((nll[s] * nll[s]).sum())
             result.count += n_scored
             result.n_chunks += 1
             result.running.append(result.ppl)

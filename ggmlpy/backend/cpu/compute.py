@@ -248,7 +248,7 @@ class RopeTable:
         self.sin = np.empty((n_pos, n_dims // 2), dtype=np.float32)
 
     def refresh(self, pos: np.ndarray, ff: np.ndarray, has_ff: bool) -> None:
-        if self.valid and np.array_equal(self.pos, pos) and np.array_equal(self.ff, ff):
+        if self.valid and K.same_values(self.pos, pos) and K.same_values(self.ff, ff):
             return
         K.rope_table(pos, ff, *self.args, has_ff, self.cos, self.sin)
         np.copyto(self.pos, pos)
