@@ -30,8 +30,10 @@ import math
 
 import numpy as np
 import pytest
+from numba import njit
 
 import ggmlpy as gg
+from ggmlpy import half
 from ggmlpy import GGMLType as T
 
 RTOL = 1e-6
@@ -808,14 +810,41 @@ def test_concat(rng, dim, layouts):
 
 
 # ---- half-precision bits in numba (the KV cache's writes and the attention's reads) -----------------
-def test_f16_bits_round_trip_as_numpy():
-    """Every half bit pattern decodes to numpy's value, and float32 values (ties, subnormals,
-    overflow, inf, NaN included) round to numpy's half bits."""
+@njit(cache=True)
+def _halves_to_f32_select(bits, out):
+    for i in range(bits.shape[0]):
+        out[i] = half.f16_bits_to_f32_select(bits[i])
+
+
+@njit(cache=True)
+def _f32_to_halves_select(x, out):
+    for i in range(x.shape[0]):
+        out[i] = half.f32_to_f16_bits_select(x[i])
+
+
+def _f16_kernels(path: str):
+    """(halves -> float32, float32 -> halves) through the kernels the backend runs, or
+    through the integer-select versions used on CPUs without conversion instructions."""
     from ggmlpy.backend.cpu import kernels as K
 
+    if path == "select":
+        return _halves_to_f32_select, _f32_to_halves_select
+
+    def to_halves(x, out):
+        src = x.reshape(1, 1, -1, 1)
+        K.set_rows_f16(src, np.arange(x.shape[0], dtype=np.int64).reshape(1, 1, -1), out.reshape(1, 1, -1, 1))
+    return K.f16_to_f32, to_halves
+
+
+@pytest.mark.parametrize("path", ["backend", "select"])
+def test_f16_bits_round_trip_as_numpy(path):
+    """Every half bit pattern decodes to numpy's value, and float32 values (ties, subnormals,
+    overflow, inf, NaN included) round to numpy's half bits (NaNs compared as NaN: the CPU's
+    conversion quietens signaling ones)."""
+    to_f32, to_halves = _f16_kernels(path)
     halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     got = np.empty(halves.shape, np.float32)
-    K.f16_to_f32(halves, got)
+    to_f32(halves, got)
     ref = halves.view(np.float16).astype(np.float32)
     nan = np.isnan(ref)
     assert np.array_equal(np.isnan(got), nan)
@@ -827,12 +856,12 @@ def test_f16_bits_round_trip_as_numpy():
     x = np.concatenate([
         rng.standard_normal(200_000).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 20, 200_000),
         (finite[:-1] + np.diff(finite) / 2).astype(np.float32),  # every tie between neighbouring halves
-        np.array([65504.0, 65520.0, 65519.99, 1e6, -1e6, np.inf, -np.inf, 0.0, -0.0, 2.0 ** -25, 2.0 ** -26],
+        np.array([65504.0, 65520.0, 65519.99, 1e6, -1e6, np.inf, -np.inf, 0.0, -0.0, 2.0 ** -25, 2.0 ** -26, np.nan],
                  np.float32)])
-    src = x.reshape(1, 1, -1, 1)
-    idx = np.arange(src.shape[2], dtype=np.int64).reshape(1, 1, -1)
-    bits = np.zeros((1, 1, src.shape[2], 1), np.uint16)
-    K.set_rows_f16(src, idx, bits)
-    with np.errstate(over="ignore"):  # numpy warns when it rounds to inf, as it should
+    bits = np.zeros(x.shape[0], np.uint16)
+    to_halves(x, bits)
+    with np.errstate(over="ignore", invalid="ignore"):  # numpy warns when it rounds to inf, as it should
         ref_bits = x.astype(np.float16).view(np.uint16)
-    assert np.array_equal(bits.reshape(-1), ref_bits)
+    nan = np.isnan(x)
+    assert np.array_equal(bits[~nan], ref_bits[~nan])
+    assert np.all(np.isnan(bits[nan].view(np.float16)))

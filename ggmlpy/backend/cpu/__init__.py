@@ -17,7 +17,7 @@ from .gemm import GRAIN
 # Below this much work an op runs on one thread: waking the other costs more. Work is
 # result elements, times the reduced dimension for products (which gemm.py cuts into
 # slices of GRAIN multiply-adds; with fewer than two slices a second thread idles).
-PARALLEL_MIN_ELEMENTS = 1 << 15
+PARALLEL_MIN_ELEMENTS = 1 << 13
 PARALLEL_MIN_MACS = 2 * GRAIN
 _PRODUCTS = (Op.MUL_MAT, Op.OUT_PROD)
 

@@ -62,16 +62,35 @@ def broadcast_views(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 _BINARY = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide}
+_BINARY_CODE = {Op.ADD: K.OP_ADD, Op.SUB: K.OP_SUB, Op.MUL: K.OP_MUL, Op.DIV: K.OP_DIV}
 
 
 @prepares(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
 def _binary(node: Tensor) -> Prepared:
+    """Rows of a with rows of b repeated over them (the layers' adds and norm weights) go
+    through a parallel numba kernel, split by rows as the products around them are, so each
+    thread finds its rows in its own cache; other broadcasts through numpy."""
     a, b = node.src
     _require_f32(node, a, b, node)
+    av, bv, dv = a.array(), b.array(), node.array()
+    n0 = av.shape[-1]
+    if all(x.flags.c_contiguous for x in (av, bv, dv)) and av.shape == dv.shape and bv.shape[-1] == n0 \
+            and _rows_repeat(av.shape, bv.shape):
+        a2, b2, d2 = av.reshape(-1, n0), bv.reshape(-1, n0), dv.reshape(-1, n0)
+        code = _BINARY_CODE[node.op]
+        return lambda: K.binary_rows_f32(a2, b2, d2, code)
     ufunc = _BINARY[node.op]
-    av, bv, shape = broadcast_views(a.array(), b.array())
-    dv = node.array().reshape(shape)
+    av, bv, shape = broadcast_views(av, bv)
+    dv = dv.reshape(shape)
     return lambda: ufunc(av, bv, out=dv)
+
+
+def _rows_repeat(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
+    """Whether ggml's repeat of b over a is row r of a meeting row r % rows(b) of b: b is
+    one row, or b's leading dims equal a's except for size-1 dims in front."""
+    lead_a, lead_b = a_shape[:-1], b_shape[:-1]
+    k = next((i for i, n in enumerate(lead_b) if n != 1), len(lead_b))
+    return lead_b[k:] == lead_a[k:]
 
 
 @prepares(Op.SCALE)

@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ...half import f16_bits_to_f32, f32_to_f16_bits
+
 F32 = np.float32
 
 
@@ -29,6 +31,31 @@ def rms_norm_f32(x, dst, eps):
         sc = F32(1.0) / np.sqrt(mean + F32(eps))
         for i0 in range(n0):
             dr[i0] = xr[i0] * sc
+
+
+OP_ADD, OP_SUB, OP_MUL, OP_DIV = 0, 1, 2, 3
+
+
+@njit(parallel=True, cache=True)
+def binary_rows_f32(a, b, dst, op):
+    """dst[r] = a[r] (op) b[r % rows(b)] for C-contiguous [rows, n0] arrays; one IEEE op per
+    element, as numpy's. Indexed without row views (a view per row costs as much as the row)."""
+    n1, n0 = a.shape
+    b1 = b.shape[0]
+    for r in prange(n1):
+        rb = r % b1
+        if op == OP_ADD:
+            for i in range(n0):
+                dst[r, i] = a[r, i] + b[rb, i]
+        elif op == OP_SUB:
+            for i in range(n0):
+                dst[r, i] = a[r, i] - b[rb, i]
+        elif op == OP_MUL:
+            for i in range(n0):
+                dst[r, i] = a[r, i] * b[rb, i]
+        else:
+            for i in range(n0):
+                dst[r, i] = a[r, i] / b[rb, i]
 
 
 @njit(parallel=True, cache=True)
@@ -73,35 +100,6 @@ def exp_f32(x):
     return F32(0.0) if x < F32(-87.0) else j * k + k
 
 
-@njit(cache=True, inline="always")
-def f32_to_f16_bits(x):
-    """IEEE half bits of x, round to nearest even (what F16C and numpy do), written with
-    selects only so that loops over it vectorise."""
-    f = np.float32(x).view(np.uint32)
-    sign = (f >> np.uint32(16)) & np.uint32(0x8000)
-    a = np.uint32(f & np.uint32(0x7FFFFFFF))
-    # normal halves: rebias the exponent, round the 13 dropped bits to nearest even
-    normal = (a + np.uint32(0xC8000FFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
-    # subnormal halves: adding 0.5 lets the float adder round the bits off
-    sub = np.float32(a.view(np.float32) + np.float32(0.5)).view(np.uint32) - np.uint32(0x3F000000)
-    special = np.uint32(0x7E00) if a > np.uint32(0x7F800000) else np.uint32(0x7C00)  # NaN, or inf/overflow
-    h = special if a >= np.uint32(0x477FF000) else (normal if a >= np.uint32(0x38800000) else sub)
-    return np.uint16(h | sign)
-
-
-@njit(cache=True, inline="always")
-def f16_bits_to_f32(h):
-    """float32 value of IEEE half bits h (exact), with selects only."""
-    h = np.uint32(h)
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    a = h & np.uint32(0x7FFF)
-    normal = (a << np.uint32(13)) + np.uint32(0x38000000)
-    special = (a << np.uint32(13)) | np.uint32(0x7F800000)  # inf, NaN with its payload
-    sub = np.float32(np.float32(a) * np.float32(2.0 ** -24)).view(np.uint32)  # exact: a < 2^10
-    bits = special if a >= np.uint32(0x7C00) else (normal if a >= np.uint32(0x0400) else sub)
-    return np.uint32(bits | sign).view(np.float32)
-
-
 @njit(cache=True)
 def f16_to_f32(src_bits, dst):
     """dst = the float32 values of the half bits in src_bits (1-D, so the loop vectorises)."""
@@ -117,9 +115,9 @@ def set_rows_f16(src, idx, dst_bits):
     c2, c1 = idx.shape[0], idx.shape[1]
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        d = dst_bits[i3, i2, idx[i3 % c2, i2 % c1, i1]]
+        row = idx[i3 % c2, i2 % c1, i1]
         for i0 in range(n0):
-            d[i0] = f32_to_f16_bits(src[i3, i2, i1, i0])
+            dst_bits[i3, i2, row, i0] = f32_to_f16_bits(src[i3, i2, i1, i0])
 
 
 @njit(cache=True)
@@ -476,28 +474,27 @@ def same_values(a, b):
 @njit(parallel=True, cache=True)
 def rope_f32(x, cos, sin, dst, n_dims, neox, sign):
     """Rotate pairs of each head by the token's row of cos/sin; `sign` -1 gives the inverse
-    rotation (rope_back)."""
+    rotation (rope_back). Pairs are (k, k + n_dims/2) in NEOX mode, (2k, 2k + 1) otherwise.
+    Indexed without row views (each costs about as much as rotating a short row)."""
     n3, n2, n1, n0 = x.shape
     half = n_dims // 2
+    sg = F32(sign)
     for r in prange(n3 * n2):
         i3 = r // n2
         i2 = r % n2
-        cs = cos[i2]
-        sn = sin[i2]
         for i1 in range(n1):
-            for k in range(half):
-                c = cs[k]
-                s = sn[k] * F32(sign)
-                if neox:
-                    j0 = k
-                    j1 = k + half
-                else:
-                    j0 = 2 * k
-                    j1 = 2 * k + 1
-                a = x[i3, i2, i1, j0]
-                b = x[i3, i2, i1, j1]
-                dst[i3, i2, i1, j0] = a * c - b * s
-                dst[i3, i2, i1, j1] = a * s + b * c
+            if neox:
+                for k in range(half):
+                    c, s = cos[i2, k], sin[i2, k] * sg
+                    a, b = x[i3, i2, i1, k], x[i3, i2, i1, k + half]
+                    dst[i3, i2, i1, k] = a * c - b * s
+                    dst[i3, i2, i1, k + half] = a * s + b * c
+            else:
+                for k in range(half):
+                    c, s = cos[i2, k], sin[i2, k] * sg
+                    a, b = x[i3, i2, i1, 2 * k], x[i3, i2, i1, 2 * k + 1]
+                    dst[i3, i2, i1, 2 * k] = a * c - b * s
+                    dst[i3, i2, i1, 2 * k + 1] = a * s + b * c
             for i0 in range(n_dims, n0):
                 dst[i3, i2, i1, i0] = x[i3, i2, i1, i0]
 
