@@ -18,7 +18,7 @@ from llamapy.errors import InputError
 from llamapy.opt import SGD, LRSchedule, TrainParams, param_filter_pattern
 from llamapy.perplexity import perplexity
 
-from conftest import REPO_ROOT, SHARED
+from conftest import REPO_ROOT, SHARED, shared_path
 
 N_CTX = 128
 
@@ -138,7 +138,8 @@ def test_warmup_leaves_no_trace_and_is_refused_while_training(stories):
         ctx.set_warmup(True)
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch):
+def test_readme_python_example_runs(tmp_path, monkeypatch, stories_path):
+    shared_path("data", "tinyshakespeare.txt")  # the example's text (skips where shared/ is absent)
     text = (REPO_ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     example = next(b for b in blocks if "opt_fit" in b)
