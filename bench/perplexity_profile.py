@@ -1,4 +1,5 @@
-"""Per-op time of perplexity on stories260K (the executor's profile option).
+"""Per-op time of perplexity on stories260K (the executor's profile option): seconds per op
+type, calls, and microseconds per call.
 
 Run by hand:  python bench/perplexity_profile.py [n_ubatch] [threads] [chunks]
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import llamapy
@@ -24,11 +26,18 @@ def main() -> None:
     tokens = model.vocab.tokenize((SHARED / "data" / "wiki.test.raw").read_text(encoding="utf-8"))
     perplexity(model, tokens, 128, 2048, n_ubatch, 32, threads)  # compile / warm caches
     profiles = []
+    calls: Counter[str] = Counter()
     original_init = context_module.Context.__init__
 
     def init_with_profile(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         profiles.append(self.backend.enable_profile())
+        run_plan = self.backend._run_plan
+
+        def counting_run_plan(plan):
+            calls.update(name for name, _, _ in plan)
+            run_plan(plan)
+        self.backend._run_plan = counting_run_plan
 
     context_module.Context.__init__ = init_with_profile
     t0 = time.perf_counter()
@@ -38,7 +47,7 @@ def main() -> None:
     print(f"-ub {n_ubatch} -t {threads}: {chunks * 128 / elapsed:,.0f} tokens/s; "
           f"compute {sum(prof.values()):.3f} s of {elapsed:.3f} s")
     for op, seconds in sorted(prof.items(), key=lambda kv: -kv[1]):
-        print(f"  {op:16s} {seconds:.3f} s")
+        print(f"  {op:16s} {seconds:.3f} s  {calls[op]:6d} calls  {seconds / calls[op] * 1e6:7.1f} us/call")
 
 
 if __name__ == "__main__":

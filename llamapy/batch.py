@@ -6,7 +6,7 @@ most n_ubatch tokens; that split never changes results beyond float rounding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -65,7 +65,6 @@ class UBatch:
     n_seq_tokens: int
     n_seqs: int
     stream0: int
-    _n_outputs: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:
@@ -73,9 +72,7 @@ class UBatch:
 
     @property
     def n_outputs(self) -> int:
-        if self._n_outputs is None:  # output flags are fixed once the ubatch is cut
-            self._n_outputs = int(self.output.sum())
-        return self._n_outputs
+        return int(self.output.sum())
 
 
 def _take(batch: Batch, idx: np.ndarray, n_seq_tokens: int, n_seqs: int, stream0: int) -> UBatch:

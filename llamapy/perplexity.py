@@ -102,7 +102,6 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
     num_batches = -(-n_ctx // n_batch)
     result = PerplexityResult()
 
-    layouts: dict[tuple[int, int], tuple] = {}  # (chunks, part) -> the decode's batch layout, reused
     for i in range(0, n_chunk, n_seq):
         n_seq_batch = min(n_seq, n_chunk - i)
         chunk = tokens[i * n_ctx:(i + n_seq_batch) * n_ctx].reshape(n_seq_batch, n_ctx)
@@ -113,9 +112,7 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
             part = chunk[:, lo:hi].copy()
             if j == 0 and bos is not None:
                 part[:, 0] = bos
-            if (n_seq_batch, j) not in layouts:
-                layouts[n_seq_batch, j] = _batch_layout(n_seq_batch, lo, hi, first)
-            ctx.decode(Batch(part.reshape(-1), *layouts[n_seq_batch, j]))
+            ctx.decode(Batch(part.reshape(-1), *_batch_layout(n_seq_batch, lo, hi, first)))
             s0, s1 = max(lo, first), min(hi, n_ctx - 1)  # positions predicting a next token
             if s1 > s0:
                 # scored rows straight from the context's logits (no copy of [tokens, n_vocab])

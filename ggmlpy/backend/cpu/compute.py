@@ -188,9 +188,7 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
         return _flash_attn_blas(node)
     scale, max_bias, softcap = node.op_params
     qv, dv = q.array(), node.array()
-    has_mask = len(node.src) > 3
-    mv = node.src[3].array() if has_mask else _EMPTY_F32
-    mask_type = node.src[3].type if has_mask else GGMLType.F32
+    has_mask, mv, mask_type = _attn_mask(node)
     dk_dims, dv_dims = (0,) * qv.shape[3], (0,) * dv.shape[3]
     k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
 
@@ -200,14 +198,19 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
     return run
 
 
+def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
+    """(has a mask, its array, its type) of a FLASH_ATTN_EXT node."""
+    if len(node.src) > 3:
+        return True, node.src[3].array(), node.src[3].type
+    return False, _EMPTY_F32, GGMLType.F32
+
+
 def _flash_attn_blas(node: Tensor) -> Prepared:
     q, k, v = node.src[:3]
     scale, max_bias, softcap = node.op_params
     qv, kv, vv, dv = q.array(), k.array(), v.array(), node.array()
     k_type, v_type = k.type, v.type
-    has_mask = len(node.src) > 3
-    mv = node.src[3].array() if has_mask else _EMPTY_F32
-    mask_type = node.src[3].type if has_mask else GGMLType.F32
+    has_mask, mv, mask_type = _attn_mask(node)
     n3, n_head, n_q, dk = qv.shape
     n_head_kv, n_kv = kv.shape[1], kv.shape[2]
     group = n_head // n_head_kv

@@ -36,26 +36,28 @@ def rms_norm_f32(x, dst, eps):
 OP_ADD, OP_SUB, OP_MUL, OP_DIV = 0, 1, 2, 3
 
 
+@njit(cache=True, inline="always")
+def _binary_op(x, y, op):
+    if op == OP_ADD:
+        return x + y
+    if op == OP_SUB:
+        return x - y
+    if op == OP_MUL:
+        return x * y
+    return x / y
+
+
 @njit(parallel=True, cache=True)
 def binary_rows_f32(a, b, dst, op):
     """dst[r] = a[r] (op) b[r % rows(b)] for C-contiguous [rows, n0] arrays; one IEEE op per
-    element, as numpy's. Indexed without row views (a view per row costs as much as the row)."""
+    element, as numpy's. Indexed without row views (a view per row costs as much as the row);
+    LLVM takes the op's branch out of the loop, which stays a vector loop."""
     n1, n0 = a.shape
     b1 = b.shape[0]
     for r in prange(n1):
         rb = r % b1
-        if op == OP_ADD:
-            for i in range(n0):
-                dst[r, i] = a[r, i] + b[rb, i]
-        elif op == OP_SUB:
-            for i in range(n0):
-                dst[r, i] = a[r, i] - b[rb, i]
-        elif op == OP_MUL:
-            for i in range(n0):
-                dst[r, i] = a[r, i] * b[rb, i]
-        else:
-            for i in range(n0):
-                dst[r, i] = a[r, i] / b[rb, i]
+        for i in range(n0):
+            dst[r, i] = _binary_op(a[r, i], b[rb, i], op)
 
 
 @njit(parallel=True, cache=True)
