@@ -1,6 +1,6 @@
 """ggmlpy: a Python twin of ggml: typed strided tensors, lazy graphs, planned memory,
 and a CPU backend of numba kernels and BLAS."""
-from . import opt
+from . import opt, rowops
 from .alloc import GraphAllocator
 from .backend.cpu import CpuBackend
 from .backward import NotDifferentiableError, build_backward_expand

@@ -1,13 +1,14 @@
-"""Ops for sampling inside a graph: top-k selection, cumulative sums, probability cuts
-and a categorical draw, so that a model graph can end in a chosen token.
+"""Ops for categorical sampling from rows of scores inside a graph: top-k selection,
+running sums, probability cuts, penalties by count and a categorical draw, so that a
+graph can end in the drawn index of each row.
 
-Rows are dimension 0 (one row of logits per output token). The cut ops keep the row's
-length and write -inf over the tokens they remove, so shapes stay static and a graph can
-be reused from step to step; removed tokens then have probability exactly 0.
+Rows are dimension 0 (one row of scores, e.g. logits, per draw). The cut ops keep the
+row's length and write -inf over the entries they remove, so shapes stay static and a
+graph can be reused from step to step; removed entries then have probability exactly 0.
 
-Numerics (shared with llamapy's CPU samplers, see backend/cpu/sampling_kernels.py):
-exp in float32, sums accumulated in double in row order. Tokens at -inf add exact zeros,
-so a masked row and the compacted candidate list it stands for give identical results.
+Numerics are those of ggmlpy.rowops, whose kernels compute these ops: exp in float32,
+sums accumulated in double in row order. Entries at -inf add exact zeros, so a masked
+row and the compacted list of the entries it keeps give identical results.
 """
 from __future__ import annotations
 
@@ -34,28 +35,28 @@ def cumsum(ctx: Context, a: Tensor) -> Tensor:
 
 
 def top_p_cut(ctx: Context, a: Tensor, p: float, min_keep: int = 1) -> Tensor:
-    """Logits rows sorted largest first: softmax, cumulative sum, and -inf after the first
-    token where the cumulative probability reaches p (keeping at least min_keep)."""
+    """Rows of scores sorted largest first: softmax, cumulative sum, and -inf after the first
+    entry where the cumulative probability reaches p (keeping at least min_keep)."""
     _check(a.type == GGMLType.F32, "TOP_P_CUT: F32 rows expected")
     return _node(ctx, Op.TOP_P_CUT, GGMLType.F32, a.ne, (a,), (float(p), int(min_keep)))
 
 
 def min_p_cut(ctx: Context, a: Tensor, p: float) -> Tensor:
-    """-inf over the tokens whose probability is below p times the row's largest."""
+    """-inf over the entries whose probability is below p times the row's largest."""
     _check(a.type == GGMLType.F32, "MIN_P_CUT: F32 rows expected")
     return _node(ctx, Op.MIN_P_CUT, GGMLType.F32, a.ne, (a,), (float(p),))
 
 
 def penalties(ctx: Context, a: Tensor, counts: Tensor, repeat: float, freq: float, present: float) -> Tensor:
-    """Repetition penalties from per-token counts (same shape as a): where count > 0, a logit
-    is divided by `repeat` if positive (multiplied if not), then count * freq + present is
-    subtracted (llama.cpp's penalties sampler)."""
+    """Penalties from per-entry counts (same shape as a): where count > 0, a score is
+    divided by `repeat` if positive (multiplied if not), then count * freq + present is
+    subtracted (the rule of llama.cpp's penalties sampler)."""
     _check(a.type == counts.type == GGMLType.F32 and a.ne == counts.ne, f"PENALTIES: counts {counts.ne} vs {a.ne}")
     return _node(ctx, Op.PENALTIES, GGMLType.F32, a.ne, (a, counts), (float(repeat), float(freq), float(present)))
 
 
 def sample_dist(ctx: Context, a: Tensor, u: Tensor, ids: Tensor | None = None) -> Tensor:
-    """A categorical draw per row of logits: softmax, then the first token whose running
+    """A categorical draw per row of scores: softmax, then the first entry whose running
     probability reaches u * total, u being each row's uniform number in [0, 1) (F64 [1, rows],
     set by the host). With `ids` (I32, a's shape), the drawn position is mapped to ids[position].
     Result: I32 [1, ne1]."""

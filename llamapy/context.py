@@ -20,6 +20,7 @@ from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVMemory
 from .model import Model
 from .opt import TrainParams
+from .outputs import Outputs
 
 MAX_CACHED_GRAPHS = 8
 
@@ -56,13 +57,8 @@ class Context:
         self.kv = KVMemory(hp, kv_size, n_seq_max, unified, type_k, type_v, self.n_ubatch)
         self.backend = CpuBackend(n_threads)
         self._graphs: OrderedDict[GraphShape, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()
-        self._logits = np.empty((0, hp.n_vocab), dtype=np.float32)
-        self._output_row = np.empty(0, dtype=np.int64)  # batch index -> logits row, -1 if none
-        self._n_outputs = 0
+        self.outputs = Outputs(hp.n_vocab)  # the last decode's
         self._samplers: dict[int, object] = {}  # seq id -> sampler chain run in the graph
-        self._sampled: dict[int, object] = {}   # batch index -> SampledRow of the last decode
-        self._n_batch_last = 0
-        self._out = self._logits  # where the last decode's logits are
         self._shift_graphs: dict[int, tuple] = {}  # cache index -> (graph, positions input, allocator)
         self.trainer = None  # set by opt_init
         self.adapters: list[tuple[object, float]] = []  # (LoraAdapter, scale), applied in every graph
@@ -82,18 +78,10 @@ class Context:
             self._apply_k_shift()
         ubatches = split_simple(batch, self.n_ubatch) if self.kv.unified else split_equal(batch, self.n_ubatch)
         slots = self._find_slots(ubatches)
-        self._output_row = np.where(batch.output, np.cumsum(batch.output) - 1, -1)
-        n_outputs = int(batch.output.sum())
-        # one ubatch in batch order without samplers: its logits are read in place from the
-        # compute buffer (valid until the next decode, as llama.cpp's); otherwise gathered
+        # one ubatch in batch order without samplers: its logits are read in place
         in_place = (len(ubatches) == 1 and not self._samplers
                     and bool(np.all(ubatches[0].idx == np.arange(len(batch)))))
-        if not in_place and self._logits.shape[0] < n_outputs:
-            self._logits = np.empty((n_outputs, self.n_vocab), dtype=np.float32)
-        self._out = self._logits
-        self._n_outputs = n_outputs
-        self._sampled = {}
-        self._n_batch_last = len(batch)
+        self.outputs.start(batch.output, in_place)
         for ub, rows in zip(ubatches, slots):
             for cache, r in zip(self.kv.caches, rows):
                 cache.apply(ub, r)
@@ -109,25 +97,21 @@ class Context:
                         row.fill_inputs(chain)
             self.backend.compute(builder.graph)
             if ub.n_outputs:
-                self._collect_outputs(ub, builder, chains, in_place)
+                self._collect_outputs(ub, builder, chains)
 
-    def _collect_outputs(self, ub, builder: GraphBuilder, chains: list | None, in_place: bool) -> None:
-        """Logits of the ubatch's output rows into the batch's order (or left in place), and
-        what the graph sampled for rows with a backend sampler chain."""
+    def _collect_outputs(self, ub, builder: GraphBuilder, chains: list | None) -> None:
+        """Logits of the ubatch's output rows, and what the graph sampled for rows with a
+        backend sampler chain, into the outputs."""
         logits = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
-        if in_place:
-            self._out = logits
-            return
         batch_idx = ub.idx[ub.output]
-        dest = self._output_row[batch_idx]
         if chains is None:
-            self._logits[dest] = logits
+            self.outputs.place(batch_idx, logits)
             return
         plain = np.array([r is None for r in builder.sampler_rows], dtype=bool)
-        self._logits[dest[plain]] = logits[plain]
+        self.outputs.place(batch_idx[plain], logits[plain])
         for j, (row, chain) in enumerate(zip(builder.sampler_rows, chains)):
             if row is not None:
-                self._sampled[int(batch_idx[j])] = row.read(chain)
+                self.outputs.record_sampled(int(batch_idx[j]), row.read(chain))
 
     def _row_chains(self, ub) -> list | None:
         """The chain to run in the graph for each output row of a ubatch (None: logits
@@ -152,9 +136,7 @@ class Context:
 
     def get_sampled_ith(self, i: int):
         """What the graph sampled for batch token i of the last decode (None if it did not)."""
-        if not self._sampled:
-            return None
-        return self._sampled.get(i % self._n_batch_last if i < 0 else i)
+        return self.outputs.sampled_ith(i)
 
     def get_sampled_token_ith(self, i: int) -> int:
         got = self.get_sampled_ith(i)
@@ -260,21 +242,11 @@ class Context:
     # ---- outputs ---------------------------------------------------------------------------
     def get_logits(self) -> np.ndarray:
         """Logits of the last decode's output tokens, in batch order: [n_outputs, n_vocab]."""
-        if self._sampled:
-            raise InputError("get_logits: some outputs of the last batch were sampled in the graph and their "
-                             "logits never left it (use get_logits_ith for the others)")
-        return self._out[: self._n_outputs]
+        return self.outputs.logits()
 
     def get_logits_ith(self, i: int) -> np.ndarray:
         """Logits of batch token i (negative i counts from the end)."""
-        row = self._output_row[i]
-        if self.get_sampled_ith(i) is not None:
-            raise InputError(f"token {i} of the last batch was sampled in the graph (a sampler chain is set for its "
-                             "sequence): its logits did not leave the graph; use the chain's sample() or "
-                             "get_sampled_token_ith")
-        if row < 0:
-            raise InputError(f"token {i} of the last batch did not request logits")
-        return self._out[row]
+        return self.outputs.logits_ith(i)
 
     # ---- memory (llama_memory_*) --------------------------------------------------------------
     def memory_clear(self) -> None:

@@ -102,10 +102,26 @@ class KVCache:
         return n
 
     def apply(self, ub: UBatch, rows: np.ndarray) -> None:
+        """The ubatch's tokens take cells `rows` (the K written there is roped at its position already)."""
+        self.place(rows, ub.pos, np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64)))
+
+    def place(self, rows: np.ndarray, pos: np.ndarray, seqs, shift: np.ndarray | None = None) -> None:
+        """Cells `rows` (global row indices) now hold positions `pos`, seen by the sequences
+        whose bits are in `seqs`; `shift` is the re-rope their K still awaits (None: none)."""
         streams, cells = np.divmod(rows, self.kv_size)
-        self.pos[streams, cells] = ub.pos
-        self.shift[streams, cells] = 0  # the K written there is roped at its position already
-        self.seqs[streams, cells] = np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64))
+        self.pos[streams, cells] = pos
+        self.seqs[streams, cells] = seqs
+        if shift is None:
+            self.shift[streams, cells] = 0
+        else:
+            self.shift[streams, cells] = shift
+            self.has_shift = self.has_shift or bool(np.any(shift))
+
+    def set_cells(self, pos: np.ndarray, seqs: np.ndarray, shift: np.ndarray) -> None:
+        """Replace every cell's position, sequence bits and pending shift ([n_stream, kv_size]
+        each), as a saved whole-cache state."""
+        self.pos[...], self.seqs[...], self.shift[...] = pos, seqs, shift
+        self.has_shift = bool(self.shift.any())
 
     def n_kv(self, ub: UBatch) -> int:
         """How many leading cells attention must span for this ubatch's streams."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit, prange
 
-from ggmlpy.backend.cpu.kernels import exp_sum
+from ggmlpy.rowops import exp_sum
 
 from .batch import Batch
 from .context import Context

@@ -107,22 +107,19 @@ def seq_set_data(ctx, seq: int, data: bytes) -> int:
         cells = free[:n]
         for a in _layers(cache):
             a[stream, cells] = r.take(a.dtype, (n,) + a.shape[2:])
-        cache.pos[stream, cells] = pos
-        cache.shift[stream, cells] = shift
-        cache.seqs[stream, cells] = np.uint64(1 << seq)
-        cache.has_shift = cache.has_shift or bool(shift.any())
+        cache.place(stream * cache.kv_size + cells, pos, np.uint64(1 << seq), shift)
     return len(data) - len(body) + r.at
 
 
 # ---- the whole context -------------------------------------------------------------------------
 def get_data(ctx) -> bytes:
-    n_out = ctx._n_outputs
-    header = {"shapes": [[c.n_stream, c.kv_size] for c in ctx.kv.caches], "n_outputs": n_out,
-              "n_batch_last": len(ctx._output_row), "n_vocab": ctx.n_vocab, **_cache_desc(ctx.kv)}
+    output_row, logits = ctx.outputs.to_state()
+    header = {"shapes": [[c.n_stream, c.kv_size] for c in ctx.kv.caches], "n_outputs": len(logits),
+              "n_batch_last": len(output_row), "n_vocab": ctx.n_vocab, **_cache_desc(ctx.kv)}
     arrays = []
     for cache in ctx.kv.caches:
         arrays += [cache.pos, cache.seqs, cache.shift, *_layers(cache)]
-    arrays += [ctx._output_row.astype(np.int64), ctx.get_logits()[:n_out] if n_out else np.empty(0, np.float32)]
+    arrays += [output_row, logits]
     return _pack(CTX_MAGIC, header, arrays)
 
 
@@ -135,21 +132,11 @@ def set_data(ctx, data: bytes) -> None:
     r = _Reader(body)
     for cache in ctx.kv.caches:
         shape = (cache.n_stream, cache.kv_size)
-        cache.pos[...] = r.take(np.int32, shape)
-        cache.seqs[...] = r.take(np.uint64, shape)
-        cache.shift[...] = r.take(np.int32, shape)
-        cache.has_shift = bool(cache.shift.any())
+        cache.set_cells(r.take(np.int32, shape), r.take(np.uint64, shape), r.take(np.int32, shape))
         for a in _layers(cache):
             a[...] = r.take(a.dtype, a.shape)
-    ctx._output_row = r.take(np.int64, (header["n_batch_last"],)).copy()
-    n_out = header["n_outputs"]
-    if ctx._logits.shape[0] < n_out:
-        ctx._logits = np.empty((n_out, ctx.n_vocab), dtype=np.float32)
-    ctx._logits[:n_out] = r.take(np.float32, (n_out, header["n_vocab"]))
-    ctx._out = ctx._logits
-    ctx._n_outputs = n_out
-    ctx._sampled = {}
-    ctx._n_batch_last = header["n_batch_last"]
+    output_row = r.take(np.int64, (header["n_batch_last"],))
+    ctx.outputs.from_state(output_row, r.take(np.float32, (header["n_outputs"], header["n_vocab"])))
 
 
 # ---- files (the state plus the tokens it holds) ----------------------------------------------------

@@ -7,7 +7,7 @@ samplers in order; `accept(token)` tells each sampler the token that was chosen.
 
 Every sampler here also says whether it has a *backend form* (`backend_ok`), ops that do
 the same inside the model graph (see backend.py). The sums, exps and sorts of both forms
-are the kernels of ggmlpy.backend.cpu.sampling_kernels, so both pick the same tokens.
+are the kernels of ggmlpy.rowops, so both pick the same tokens.
 
 Differences from llama.cpp, on purpose:
 - sorts are stable (ties keep the lower token first; std::partial_sort leaves them open);
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ggmlpy.backend.cpu import sampling_kernels as SK
+from ggmlpy import rowops
 
 from ..errors import InputError
 from .rng import DEFAULT_SEED, StdRng
@@ -56,7 +56,7 @@ class Candidates:
 
     def sort(self) -> None:
         if not self.sorted:
-            self.take(SK.sort_desc(self.logits), True)
+            self.take(rowops.sort_desc(self.logits), True)
 
     def softmax(self, do_sort: bool) -> None:
         """llama_sampler_softmax_impl: probabilities of the candidates (sorted first if asked)."""
@@ -65,7 +65,7 @@ class Candidates:
         if do_sort:
             self.sort()
         self.p = np.empty(len(self), dtype=np.float32)
-        SK.softmax(self.logits, self.p)
+        rowops.softmax(self.logits, self.p)
 
     @property
     def token(self) -> int:
@@ -144,8 +144,8 @@ class Dist(Sampler):
             raise InputError("dist: no candidates left")
         rnd = self.rng.uniform()
         cur.p = np.empty(len(cur), dtype=np.float32)
-        SK.softmax(cur.logits, cur.p)
-        cur.selected = int(SK.dist_select(cur.logits, rnd))
+        rowops.softmax(cur.logits, cur.p)
+        cur.selected = int(rowops.dist_select(cur.logits, rnd))
 
     def reset(self) -> None:
         self.rng.seed(self.seed)
@@ -173,7 +173,7 @@ class TopK(Sampler):
             return
         k = min(self.k, len(cur))
         if not cur.sorted:
-            order = SK.sort_desc(cur.logits)[:k]
+            order = rowops.sort_desc(cur.logits)[:k]
             cur.take(order, True)
         else:
             cur.take(np.arange(k))
@@ -201,7 +201,7 @@ class TopP(Sampler):
         if self.p >= 1.0:
             return
         cur.softmax(True)
-        keep = int(SK.top_p_keep(cur.logits, self.p, self.min_keep))
+        keep = int(rowops.top_p_keep(cur.logits, self.p, self.min_keep))
         cur.take(np.arange(keep))
 
     def backend_ok(self, state: BackendState) -> bool:
@@ -230,12 +230,12 @@ class MinP(Sampler):
         if self.p <= 0.0 or len(cur) == 0:
             return
         if not cur.sorted:
-            keep = cur.logits >= SK.min_p_threshold(cur.logits, self.p)
+            keep = cur.logits >= rowops.min_p_threshold(cur.logits, self.p)
             if keep.any() and keep.sum() >= self.min_keep:
                 cur.take(np.flatnonzero(keep))
                 return
         cur.sort()
-        threshold = SK.min_p_threshold(cur.logits, self.p)
+        threshold = rowops.min_p_threshold(cur.logits, self.p)
         i = 1
         while i < len(cur) and not (cur.logits[i] < threshold and i >= self.min_keep):
             i += 1
@@ -372,7 +372,7 @@ class Penalties(Sampler):
         if self.neutral:
             return
         counts = np.array([self.counts.get(int(t), 0) for t in cur.ids], dtype=np.float32)
-        cur.logits = SK.apply_penalties(cur.logits, counts, self.repeat, self.freq, self.present)
+        cur.logits = rowops.apply_penalties(cur.logits, counts, self.repeat, self.freq, self.present)
         cur.sorted = False
 
     def backend_ok(self, state: BackendState) -> bool:

@@ -1,13 +1,14 @@
 """Preparers for the sampling ops (TOP_K, CUMSUM, TOP_P_CUT, MIN_P_CUT, PENALTIES, SAMPLE_DIST).
 
-Each works row by row: sampling graphs carry one row per output token, so there are few.
+Each works row by row with the kernels of ggmlpy.rowops: these graphs carry one row
+per draw, so there are few.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ... import rowops
 from ...tensor import Op, Tensor
-from . import sampling_kernels as SK
 from .compute import Prepared, _require_f32, prepares
 
 
@@ -28,7 +29,7 @@ def _top_k(node: Tensor) -> Prepared:
 
     def run() -> None:
         for src, dst in _row_iter(av, dv):
-            dst[:] = SK.sort_desc(src)[:k]
+            dst[:] = rowops.sort_desc(src)[:k]
     return run
 
 
@@ -40,7 +41,7 @@ def _cumsum(node: Tensor) -> Prepared:
 
     def run() -> None:
         for src, dst in _row_iter(av, dv):
-            SK.cumsum(src, dst)
+            rowops.cumsum(src, dst)
     return run
 
 
@@ -53,7 +54,7 @@ def _top_p_cut(node: Tensor) -> Prepared:
 
     def run() -> None:
         for src, dst in _row_iter(av, dv):
-            keep = SK.top_p_keep(src, p, min_keep)
+            keep = rowops.top_p_keep(src, p, min_keep)
             dst[:keep] = src[:keep]
             dst[keep:] = -np.inf
     return run
@@ -68,7 +69,7 @@ def _min_p_cut(node: Tensor) -> Prepared:
 
     def run() -> None:
         for src, dst in _row_iter(av, dv):
-            threshold = SK.min_p_threshold(src, p)
+            threshold = rowops.min_p_threshold(src, p)
             dst[:] = np.where(src >= threshold, src, np.float32(-np.inf))
     return run
 
@@ -79,7 +80,7 @@ def _penalties(node: Tensor) -> Prepared:
     _require_f32(node, a, counts)
     av, cv, dv = a.array(), counts.array(), node.array()
     repeat, freq, present = node.op_params
-    return lambda: np.copyto(dv, SK.apply_penalties(av, cv, repeat, freq, present))
+    return lambda: np.copyto(dv, rowops.apply_penalties(av, cv, repeat, freq, present))
 
 
 @prepares(Op.SAMPLE_DIST)
@@ -91,6 +92,6 @@ def _sample_dist(node: Tensor) -> Prepared:
 
     def run() -> None:
         for r in range(av.shape[0]):
-            i = SK.dist_select(av[r], uv[r])
+            i = rowops.dist_select(av[r], uv[r])
             dv[r] = i if idv is None else idv[r, i]
     return run

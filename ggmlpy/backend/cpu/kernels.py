@@ -180,16 +180,6 @@ def exp_shifted(v, shift):
         v[i] = exp_f32(v[i] - shift)
 
 
-@njit(cache=True)
-def exp_sum(row, scratch):
-    """(max, sum(exp(row - max))) with scratch = exp(row - max), as ggml's log-softmax:
-    float exp, double sum."""
-    scratch[:] = row
-    m = max_f32(row)
-    exp_shifted(scratch, m)
-    return m, sum_f64(scratch)
-
-
 SPAN_MULTIPLE = 32  # 8 float lanes x 4 interleaved: one iteration of LLVM's vector loop
 
 

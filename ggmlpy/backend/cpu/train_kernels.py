@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ...rowops import exp_sum
 from .kernels import (
     _EXP_MAX,
     GELU_COEF_A,
@@ -15,7 +16,6 @@ from .kernels import (
     _row_index,
     dot_f64,
     exp_f32,
-    exp_sum,
     sum_f64,
 )
 

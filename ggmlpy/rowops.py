@@ -1,8 +1,10 @@
-"""Row kernels for sampling, shared by the graph ops (ops_sampling) and llamapy's CPU samplers.
+"""Kernels over one row of scores (1-D float32): softmax, running sums, sorting, the cuts
+that keep a row's likeliest entries, penalties by count, a categorical draw, and the
+max and exp-sum of a log-softmax.
 
-One implementation for both paths is what makes a sampler chain in the graph pick the
-same tokens as the chain on the CPU: every sum runs in double in row order, every exp is
-the same float32 exp, so a removed token (-inf, probability 0) changes no sum.
+The CPU backend's ops (ops_sampling, cross entropy) run these same kernels on a graph's
+rows, so code that calls them directly on host arrays gets bit-identical results. Every
+sum runs in double in row order, so an entry at -inf (probability 0) changes no sum.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .kernels import max_f32
+from .backend.cpu.kernels import exp_shifted, max_f32, sum_f64
 
 F32 = np.float32
 
@@ -44,8 +46,8 @@ def cumsum(x, out):
 
 @njit(cache=True)
 def top_p_keep(x_sorted, p, min_keep):
-    """How many leading tokens of a row sorted largest first top-p keeps (llama.cpp's rule:
-    up to and including the first where the running probability reaches p, at least min_keep)."""
+    """How many leading entries of a row sorted largest first top-p keeps: up to and
+    including the first where the running probability reaches p, at least min_keep."""
     n = x_sorted.shape[0]
     probs = np.empty(n, dtype=np.float32)
     softmax(x_sorted, probs)
@@ -59,14 +61,15 @@ def top_p_keep(x_sorted, p, min_keep):
 
 @njit(cache=True)
 def min_p_threshold(x, p):
-    """Logits below this have probability below p times the largest."""
+    """Scores below this have probability below p times the largest."""
     return max_f32(x) + F32(math.log(F32(p)))
 
 
 @njit(cache=True)
 def dist_select(x, rnd):
-    """llama.cpp's dist sampler: probabilities exp(x - max) summed in double; the first
-    position where the running sum reaches rnd * total (never a zero-probability one)."""
+    """A categorical draw with uniform rnd in [0, 1): probabilities exp(x - max) summed in
+    double; the first position where the running sum reaches rnd * total (never a
+    zero-probability one)."""
     n = x.shape[0]
     m = max_f32(x)
     total = 0.0
@@ -86,8 +89,19 @@ def dist_select(x, rnd):
     return last
 
 
+@njit(cache=True)
+def exp_sum(row, scratch):
+    """(max, sum(exp(row - max))) with scratch = exp(row - max), as ggml's log-softmax:
+    float exp, double sum."""
+    scratch[:] = row
+    m = max_f32(row)
+    exp_shifted(scratch, m)
+    return m, sum_f64(scratch)
+
+
 def apply_penalties(x: np.ndarray, counts: np.ndarray, repeat: float, freq: float, present: float) -> np.ndarray:
-    """Penalized copy of logits x given each token's count in the recent window."""
+    """Penalized copy of scores x given each entry's count: where count > 0, divided by
+    repeat if positive (multiplied if not), minus count * freq + present."""
     x = np.asarray(x, dtype=np.float32)
     counts = np.asarray(counts, dtype=np.float32)
     seen = counts > 0

@@ -1,0 +1,90 @@
+"""What the last decode produced: its output tokens' logits, in batch order, and what a
+graph sampled for tokens whose sequence has a sampler chain in the graph.
+
+The logits are gathered into a buffer the context keeps, or, for a batch computed as one
+ubatch in batch order, read in place from the compute buffer (valid until the next
+decode, as llama.cpp's).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InputError
+
+
+class Outputs:
+    """Owned by a Context: decode fills it, the get_* methods and saved states read it."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self._buffer = np.empty((0, n_vocab), dtype=np.float32)  # grows to the largest batch's outputs
+        self._row = np.empty(0, dtype=np.int64)  # batch index -> logits row, -1 if none
+        self._n = 0
+        self._in_place = False
+        self._logits = self._buffer  # where the rows are: the buffer or the compute buffer
+        self._sampled: dict[int, object] = {}  # batch index -> SampledRow
+
+    # ---- filled by decode ----------------------------------------------------------------
+    def start(self, output: np.ndarray, in_place: bool) -> None:
+        """A new batch whose tokens with `output` set give a row; with `in_place`, its
+        single ubatch's rows will be read where the graph left them."""
+        self._row = np.where(output, np.cumsum(output) - 1, -1)
+        self._n = int(output.sum())
+        self._in_place = in_place
+        if not in_place and self._buffer.shape[0] < self._n:
+            self._buffer = np.empty((self._n, self.n_vocab), dtype=np.float32)
+        self._logits = self._buffer
+        self._sampled = {}
+
+    def place(self, batch_idx: np.ndarray, logits: np.ndarray) -> None:
+        """The logits of batch tokens batch_idx (one row each, from a ubatch's graph)."""
+        if self._in_place:
+            self._logits = logits
+        else:
+            self._buffer[self._row[batch_idx]] = logits
+
+    def record_sampled(self, i: int, sampled) -> None:
+        """What the graph sampled for batch token i (its logits never leave the graph)."""
+        self._sampled[i] = sampled
+
+    # ---- read ------------------------------------------------------------------------------
+    def logits(self) -> np.ndarray:
+        if self._sampled:
+            raise InputError("get_logits: some outputs of the last batch were sampled in the graph and their "
+                             "logits never left it (use get_logits_ith for the others)")
+        return self._logits[: self._n]
+
+    def logits_ith(self, i: int) -> np.ndarray:
+        row = self._row[i]
+        if self.sampled_ith(i) is not None:
+            raise InputError(f"token {i} of the last batch was sampled in the graph (a sampler chain is set for its "
+                             "sequence): its logits did not leave the graph; use the chain's sample() or "
+                             "get_sampled_token_ith")
+        if row < 0:
+            raise InputError(f"token {i} of the last batch did not request logits")
+        return self._logits[row]
+
+    def sampled_ith(self, i: int):
+        if not self._sampled:
+            return None
+        return self._sampled.get(i % len(self._row) if i < 0 else i)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def to_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """(batch index -> row, -1 if none; the rows): what a saved context keeps. Refused when
+        some rows were sampled in the graph, since their logits never left it."""
+        return self._row.astype(np.int64), self.logits()
+
+    def from_state(self, row: np.ndarray, logits: np.ndarray) -> None:
+        """The outputs of a saved context (as to_state gave them); nothing sampled."""
+        if logits.shape[1] != self.n_vocab:
+            raise InputError(f"state has logits of {logits.shape[1]} tokens; this model has {self.n_vocab}")
+        n = logits.shape[0]
+        if self._buffer.shape[0] < n:
+            self._buffer = np.empty((n, self.n_vocab), dtype=np.float32)
+        self._buffer[:n] = logits
+        self._row = row.copy()
+        self._n = n
+        self._in_place = False
+        self._logits = self._buffer
+        self._sampled = {}
