@@ -12,18 +12,17 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import numpy as np
 import typer
 
 from llamapy.context import Context, validation_windows
-from llamapy.dataset import token_windows
+from llamapy.dataset import text_windows
 from llamapy.defaults import default_model_path, demo_corpus
 from llamapy.errors import InputError
+from llamapy.lora import DEFAULT_MODULES
 from llamapy.model import load_model
-from llamapy.lora import DEFAULT_MODULES, LoraAdapter
-from llamapy.opt import SGD, AdamW, LRSchedule, TrainParams, param_filter_all, param_filter_lora
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
+from llamapy.train_params import SGD, AdamW, LRSchedule, TrainParams
 
 from .common import default_threads, guarded, log, read_text
 
@@ -70,43 +69,37 @@ def run(
     model = model or default_model_path(log)
     m = load_model(model)
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
-    modules = [x.strip() for x in lora_modules.split(",") if x.strip()]
-    if lora_rank is None and _has_quantized(m, modules):
-        lora_rank = DEFAULT_QUANTIZED_RANK
-        log(f"finetune: the model's weights are quantized: training a LoRA adapter of rank {lora_rank}")
-    for path in ([lora_out] if lora_rank else [output]) + ([plot] if plot else []):
-        _check_writable(path)
     try:
-        lr = lr if lr is not None else (DEFAULT_LORA_LR if lora_rank else DEFAULT_LR)
-        schedule = LRSchedule(lr0=lr, lr_min=lr_min, decay_epochs=decay_epochs, half_life=lr_half,
-                              halvings=lr_halvings, epochs=epochs)
-        params = TrainParams(optimizer=AdamW(wd=wd) if opt_name == "adamw" else SGD(wd=wd), schedule=schedule,
-                             param_filter=param_filter_lora if lora_rank else param_filter_all)
+        schedule = LRSchedule(**({"lr0": lr} if lr is not None else {}), lr_min=lr_min, decay_epochs=decay_epochs,
+                              half_life=lr_half, halvings=lr_halvings, epochs=epochs)
+        params = TrainParams.for_model(
+            m, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_modules=[x.strip() for x in lora_modules.split(",") if x.strip()],
+            seed=seed, window_bos=window_bos, schedule=schedule, optimizer=AdamW(wd=wd) if opt_name == "adamw" else SGD(wd=wd))
     except ValueError as e:
         raise InputError(_first_error(e)) from None
-    adapter = LoraAdapter.new(m, lora_rank, lora_alpha, modules, seed) if lora_rank else None
-    if adapter:
-        log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices ({', '.join(modules)})")
+    lora = params.lora
+    if lora is not None and lora_rank is None:
+        log(f"finetune: the model's weights are quantized: training a LoRA adapter of rank {lora.rank}")
+    for path in ([lora_out] if lora else [output]) + ([plot] if plot else []):
+        _check_writable(path)
     if file is None:
         text = demo_corpus()[:demo_chars]
         log(f"text: no -f given: the first {len(text)} characters of the Python documentation "
             f"(pydoc_data.topics; --demo-chars to change, -f for your own text)")
     else:
         text = read_text(file)
-    bos_windows = m.arch.bos_in_every_window if window_bos is None else window_bos
-    bos = m.vocab.bos_id if bos_windows else None
-    tokens = m.vocab.tokenize(text, add_special=not bos_windows)
-    dataset = token_windows(tokens, ctx_size, bos=bos)
+    dataset = text_windows(m.vocab, text, ctx_size, params.window_bos)
     n_batch = batch_size or ctx_size
     n_val = validation_windows(dataset.ndata, val_split)
-    log(f"dataset: {len(tokens)} tokens, {dataset.ndata} windows of {ctx_size} (stride {max(ctx_size // 2, 1)}), "
+    log(f"dataset: {dataset.n_tokens} tokens, {dataset.ndata} windows of {ctx_size} (stride {dataset.stride}), "
         f"{dataset.ndata - n_val} for training, {n_val} for validation")
-    log(f"training: {opt_name}, lr {lr:g}, {n_batch} tokens per step, ubatch {min(ubatch_size, ctx_size)}, "
+    log(f"training: {opt_name}, lr {params.schedule.lr0:g}, {n_batch} tokens per step, ubatch {min(ubatch_size, ctx_size)}, "
         f"{epochs} epochs")
     ctx = Context(m, n_ctx=ctx_size, n_batch=n_batch, n_ubatch=ubatch_size, n_threads=threads or default_threads())
-    if adapter:
-        ctx.attach_lora(adapter)
     ctx.opt_init(params)
+    adapter = ctx.trainer.adapter
+    if adapter:
+        log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices ({', '.join(lora.modules)})")
     start = time.perf_counter()
     try:
         history = ctx.opt_fit(dataset, epochs=epochs, val_split=val_split, seed=seed)
@@ -131,20 +124,8 @@ def run(
         save_model_to_file(m, output)
         log(f"finetune: saved the trained model to {output}")
     if plot:
-        _plot(history, ctx.trainer.opt_period, plot)
+        _plot(history, plot)
         log(f"finetune: wrote the loss curves to {plot}")
-
-
-DEFAULT_QUANTIZED_RANK = 8
-DEFAULT_LR = 1e-5        # llama.cpp's
-DEFAULT_LORA_LR = 3e-4   # adapters start at zero (B = 0); 1e-3 overfits the demo slice by epoch 2
-
-
-def _has_quantized(model, modules: list[str]) -> bool:
-    """True when a matrix LoRA would adapt is block-quantized (and so cannot train directly)."""
-    from ggmlpy import traits
-    return any(traits(t.type).is_quantized for name, t in model.tensors.items()
-               if name.startswith("blk.") and name.split(".")[2] in modules)
 
 
 def _check_writable(path: Path) -> None:
@@ -163,7 +144,7 @@ def _first_error(e: ValueError) -> str:
     return str(e)
 
 
-def _plot(history, opt_period: int, path: Path) -> None:
+def _plot(history, path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -172,15 +153,11 @@ def _plot(history, opt_period: int, path: Path) -> None:
         raise InputError("--plot needs matplotlib: pip install 'llamapy[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     steps, train_loss, val_x, val_loss = [], [], [], []
-    done = 0
     for h in history:
-        losses = np.asarray(h.train.losses, dtype=np.float64) * opt_period
-        per_step = losses[: len(losses) // opt_period * opt_period].reshape(-1, opt_period).mean(axis=1)
-        steps += list(range(done + 1, done + 1 + len(per_step)))
-        train_loss += list(per_step)
-        done += len(per_step)
+        train_loss += h.train.steps
+        steps = list(range(1, len(train_loss) + 1))
         if h.val.losses:
-            val_x.append(done)
+            val_x.append(len(train_loss))
             val_loss.append(h.val.loss()[0])
     ax.plot(steps, train_loss, lw=0.8, label="train (per step)")
     if val_loss:

@@ -1,23 +1,38 @@
-"""Optimization (the twin of ggml-opt): datasets, losses, AdamW/SGD as graph ops, epochs, fit.
+"""Optimization (the twin of ggml-opt): datasets, optimizers, training graphs, epochs, fit.
 
-The model is a graph from `inputs` to `outputs`. `OptContext` adds the loss, builds
-three graphs that share their nodes - forward (gf), forward+backward (gb_grad) and
-forward+backward+optimizer step (gb_opt) - and plans memory once for the largest: the
-others are prefixes of it, so any of them runs in that one allocation. Gradients
-accumulate over `opt_period` physical batches before each optimizer step. Optimizer
-hyper-parameters come from a callback on every step, so schedules are user code.
+One mechanism serves any model, from a linear regression to a language model:
+
+- `Optimizer` owns what training keeps for a set of parameter tensors: a gradient
+  accumulator per param, the optimizer state (AdamW's m and v, the step count) as an
+  explicit object that can be saved and loaded, and the update step as a graph of
+  `opt_step_*` ops whose hyper-parameters are a host-filled tensor (so schedules change
+  values without rebuilding anything).
+- `TrainGraph` is one model graph prepared for training: the forward graph (the loss
+  and what is recorded), the backward graph that adds the param gradients into the
+  optimizer's accumulators, and one planned allocation for both (the forward graph is a
+  prefix of the backward one).
+- `OptContext` evaluates training graphs and takes optimizer steps: one static graph
+  built from `inputs`/`outputs` and a loss type (ggml_opt_fit's case), or graphs the
+  caller builds per evaluation (a language model's ubatches). A `BatchFeeder` says how a
+  physical batch of the dataset is evaluated; `OptContext` itself feeds its static graph.
+- `opt_epoch` is the one epoch loop and `fit_epochs` the one fit loop: gradients are
+  zeroed at the start of each optimizer step, accumulated over `opt_period` evaluations
+  and applied by `OptContext.step`, which refuses a step whose losses are not finite.
+
+Optimizer hyper-parameters are pydantic models (`AdamW`, `SGD`), validated once, here.
 """
 from __future__ import annotations
 
 import math
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Any, TextIO
+from typing import Annotated, Any, Literal, Protocol, TextIO
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from . import ops as O
 from . import ops_train as OT
@@ -77,7 +92,36 @@ class Dataset:
         return (shards[:, None] * self.ndata_shard + np.arange(self.ndata_shard)).reshape(-1)
 
 
-# ---- optimizer parameters --------------------------------------------------------------------------
+# ---- optimizer hyper-parameters (the one definition) ------------------------------------------------
+class AdamW(BaseModel):
+    """AdamW with decoupled weight decay (`wd`, a fraction of alpha per step)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["adamw"] = "adamw"
+    alpha: float = Field(1e-3, gt=0)
+    beta1: float = Field(0.9, ge=0, le=1)
+    beta2: float = Field(0.999, ge=0, le=1)
+    eps: float = Field(1e-8, ge=0)
+    wd: float = Field(0.0, ge=0, le=1)
+
+
+class SGD(BaseModel):
+    """Plain SGD with decoupled weight decay; keeps no state."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["sgd"] = "sgd"
+    alpha: float = Field(1e-3, gt=0)
+    wd: float = Field(0.0, ge=0, le=1)
+
+
+OptimizerParams = Annotated[AdamW | SGD, Field(discriminator="kind")]
+
+
+def with_alpha(pars: AdamW | SGD, alpha: float) -> AdamW | SGD:
+    """The same optimizer with another learning rate (validated, unlike model_copy)."""
+    return type(pars)(**{**pars.model_dump(), "alpha": alpha})
+
+
 class LossType(Enum):
     MEAN = "mean"
     SUM = "sum"
@@ -85,65 +129,21 @@ class LossType(Enum):
     MEAN_SQUARED_ERROR = "mean_squared_error"
 
 
-class OptimizerType(Enum):
-    ADAMW = "adamw"
-    SGD = "sgd"
-
-
 class BuildType(IntEnum):
-    FORWARD = 1
-    GRAD = 2
-    OPT = 3
+    FORWARD = 1  # evaluation only
+    GRAD = 2     # gradients, no optimizer state
+    OPT = 3      # gradients and optimizer steps
 
 
-@dataclass
-class AdamWParams:
-    alpha: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    wd: float = 0.0  # decoupled weight decay, a fraction of alpha per step
-
-
-@dataclass
-class SGDParams:
-    alpha: float = 1e-3
-    wd: float = 0.0
-
-
-@dataclass
-class OptimizerParams:
-    adamw: AdamWParams = field(default_factory=AdamWParams)
-    sgd: SGDParams = field(default_factory=SGDParams)
-
-
-def default_optimizer_params(userdata: Any = None) -> OptimizerParams:
-    return OptimizerParams()
-
-
-GetOptPars = Callable[[Any], OptimizerParams]
-
-
-@dataclass
-class OptParams:
-    """What `OptContext` needs: the model graph's ends and how to train it."""
-
-    ctx_compute: Context
-    inputs: Tensor
-    outputs: Tensor
-    loss_type: LossType = LossType.MEAN
-    optimizer: OptimizerType = OptimizerType.ADAMW
-    build_type: BuildType = BuildType.OPT
-    opt_period: int = 1  # physical batches per optimizer step
-    get_opt_pars: GetOptPars = default_optimizer_params
-    get_opt_pars_ud: Any = None
-    n_threads: int | None = None
-    seed: int = 0
+class TrainingDivergedError(ArithmeticError):
+    """A loss was NaN or infinite: the step was refused (and the weights put back to the
+    last ones that gave a finite loss when the context keeps them)."""
 
 
 # ---- results ---------------------------------------------------------------------------------------
 class Result:
-    """Loss per physical batch, predictions and correct count of one pass over data."""
+    """One pass over data: the loss of each evaluated batch, predictions, the correct count,
+    and the mean loss of each optimizer step taken (for loss curves)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -151,9 +151,9 @@ class Result:
     def reset(self) -> None:
         self.ndata = 0
         self.losses: list[float] = []
+        self.steps: list[float] = []
         self.preds: list[int] = []
         self.ncorrect = 0
-        self.opt_period = 1
         self.loss_per_datapoint = False
 
     def loss(self) -> tuple[float, float]:
@@ -161,24 +161,21 @@ class Result:
         n = len(self.losses)
         if n == 0:
             return 0.0, math.nan
-        scaled = np.asarray(self.losses, dtype=np.float32).astype(np.float64)
-        if self.loss_per_datapoint:
-            scaled = scaled * self.opt_period
-        mean = scaled.sum() / n
-        loss = mean if self.loss_per_datapoint else scaled.sum()
+        values = np.asarray(self.losses, dtype=np.float32).astype(np.float64)
+        mean = values.sum() / n
+        loss = mean if self.loss_per_datapoint else values.sum()
         if n < 2:
             return float(loss), math.nan
-        sample_var = max((scaled ** 2).sum() / n - mean * mean, 0.0) * n / (n - 1)
+        sample_var = max((values ** 2).sum() / n - mean * mean, 0.0) * n / (n - 1)
         # standard error of the mean; for a summed loss, of the sum (n times the mean).
         # (ggml reports the sample standard deviation for sums, without the sqrt(n).)
         unc = math.sqrt(sample_var / n) if self.loss_per_datapoint else math.sqrt(sample_var * n)
         return float(loss), unc
 
-    def add_batch(self, ndata: int, loss: float, preds, ncorrect: int | None, opt_period: int,
-                  loss_per_datapoint: bool) -> None:
-        """Record one physical batch (ncorrect None: no accuracy for this loss)."""
+    def add_batch(self, ndata: int, loss: float, preds, ncorrect: int | None, loss_per_datapoint: bool) -> None:
+        """Record one evaluated batch (ncorrect None: no accuracy for this loss)."""
         if self.ndata == 0:
-            self.loss_per_datapoint, self.opt_period = loss_per_datapoint, opt_period
+            self.loss_per_datapoint = loss_per_datapoint
         self.ndata += ndata
         self.losses.append(loss)
         if ncorrect is None:
@@ -197,202 +194,395 @@ class Result:
         return acc, unc
 
 
-# ---- the optimization context ---------------------------------------------------------------------------
-def _own_memory(t: Tensor, fill: float = 0.0) -> Tensor:
-    """Give `t` zeroed memory of its own: it lives outside the graph arena (state, results)."""
-    t.bind(np.full(max(t.nbytes(), 1), 0, dtype=np.uint8))
-    if fill:
-        t.array()[...] = fill
-    return t
+# ---- the optimizer ------------------------------------------------------------------------------------
+class OptimizerState:
+    """What an optimizer keeps between steps: how many steps it took and, for AdamW, the
+    first and second moments of every param. `to_arrays`/`load_arrays` give and take it
+    as named arrays (for checkpoints)."""
+
+    def __init__(self, kind: str, names: list[str], moments: list[tuple[Tensor, Tensor]]) -> None:
+        self.kind = kind
+        self.names = names
+        self.moments = moments
+        self.n_steps = 0
+
+    def tensors(self) -> list[Tensor]:
+        return [t for pair in self.moments for t in pair]
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        out = {"opt.n_steps": np.array([self.n_steps], dtype=np.int64)}
+        for name, (m, v) in zip(self.names, self.moments):
+            out[f"opt.m.{name}"], out[f"opt.v.{name}"] = m.numpy(), v.numpy()
+        return out
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore a state saved by `to_arrays` for the same params (shapes checked)."""
+        expected = set(self.to_arrays())
+        if set(arrays) != expected:
+            missing, extra = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+            raise ValueError(f"optimizer state does not match the params (missing {missing[:3]}, unexpected {extra[:3]})")
+        for name, (m, v) in zip(self.names, self.moments):
+            for t, key in ((m, f"opt.m.{name}"), (v, f"opt.v.{name}")):
+                if arrays[key].size != t.nelements():
+                    raise ValueError(f"optimizer state {key}: {arrays[key].size} values, the param has {t.nelements()}")
+                t.set(arrays[key])
+        self.n_steps = int(np.asarray(arrays["opt.n_steps"]).reshape(-1)[0])
+
+    def reset(self) -> None:
+        for t in self.tensors():
+            t.array()[...] = 0
+        self.n_steps = 0
+
+
+class Optimizer:
+    """Gradient accumulators, optimizer state and the update step of a set of F32 params."""
+
+    def __init__(self, params: Sequence[Tensor], hparams: AdamW | SGD, backend: CpuBackend,
+                 with_steps: bool = True) -> None:
+        if not params:
+            raise ValueError("opt: no parameter to optimize")
+        self.params = list(params)
+        self.hparams = hparams
+        self.backend = backend
+        names = [p.name or f"param{i}" for i, p in enumerate(self.params)]
+        if len(set(names)) != len(names):
+            raise ValueError("opt: parameter names must be unique (they key the optimizer state)")
+        mem = self.memory = Context(no_alloc=False)  # zeroed memory of their own, outside every arena
+        self.grad_accs = {id(p): mem.new_tensor(GGMLType.F32, p.ne, f"{n} grad") for p, n in zip(self.params, names)}
+        adamw = isinstance(hparams, AdamW) and with_steps
+        self.step_params = mem.new_tensor_1d(GGMLType.F32, OT.ADAMW_PARAMS if adamw else OT.SGD_PARAMS,
+                                             f"{hparams.kind} params")
+        moments, steps = [], []
+        for p, n in zip(self.params, names):
+            grad = self.grad_accs[id(p)]
+            if adamw:
+                m = mem.new_tensor(GGMLType.F32, p.ne, f"AdamW m for {n}")
+                v = mem.new_tensor(GGMLType.F32, p.ne, f"AdamW v for {n}")
+                moments.append((m, v))
+                steps.append(OT.opt_step_adamw(mem, p, grad, m, v, self.step_params))
+            else:
+                steps.append(OT.opt_step_sgd(mem, p, grad, self.step_params))
+        self.state = OptimizerState(hparams.kind, names, moments)
+        self.step_graph = new_graph(*steps) if with_steps else None
+
+    def grad(self, param: Tensor) -> Tensor:
+        """The accumulated gradient of `param` (sum over the evaluations since zero_grad)."""
+        return self.grad_accs[id(param)]
+
+    def zero_grad(self) -> None:
+        for acc in self.grad_accs.values():
+            acc.array()[...] = 0
+
+    def step(self, hparams: AdamW | SGD | None = None) -> None:
+        """Apply the accumulated gradients with `hparams` (the optimizer's own when None)."""
+        if self.step_graph is None:
+            raise ValueError("opt: this optimizer computes gradients only")
+        pars = hparams or self.hparams
+        if pars.kind != self.hparams.kind:
+            raise ValueError(f"opt: {pars.kind} parameters for an {self.hparams.kind} optimizer")
+        values = self.step_params.array().reshape(-1)
+        if isinstance(pars, AdamW):
+            t = self.state.n_steps + 1  # AdamW's bias correction counts from 1
+            beta1h = 1.0 / (1.0 - np.float32(pars.beta1) ** t)
+            beta2h = 1.0 / (1.0 - np.float32(pars.beta2) ** t)
+            values[:] = (pars.alpha, pars.beta1, pars.beta2, pars.eps, pars.wd, beta1h, beta2h)
+        else:
+            values[:] = (pars.alpha, pars.wd)
+        self.backend.compute(self.step_graph)
+        self.state.n_steps += 1
+
+
+# ---- training graphs -----------------------------------------------------------------------------------
+class TrainGraph:
+    """A model graph prepared for training (ggml_opt_build for one graph).
+
+    `objective` is the tensor differentiated (flagged loss); `loss` is what is recorded per
+    evaluation, `loss_scale` what the objective's loss was multiplied by (1 / opt_period
+    for per-datapoint losses, so that accumulated gradients are the step's mean gradient),
+    so recorded losses are unscaled. `pred`/`ncorrect` give accuracy when present.
+    """
+
+    def __init__(self, ctx: Context, objective: Tensor, loss: Tensor, *, grad_accs: dict[int, Tensor] | None,
+                 inputs: Tensor | None = None, pred: Tensor | None = None, ncorrect: Tensor | None = None,
+                 outputs: Sequence[Tensor] = (), loss_scale: float = 1.0, loss_per_datapoint: bool = True) -> None:
+        self.inputs, self.loss, self.pred, self.ncorrect = inputs, loss, pred, ncorrect
+        # predictions per evaluation (ggml counts the outputs' rows)
+        self.ndata = pred.nelements() if pred is not None else (outputs[0].ne[1] if outputs else 1)
+        self.loss_scale, self.loss_per_datapoint = loss_scale, loss_per_datapoint
+        recorded = [t for t in (loss, pred, ncorrect) if t is not None]
+        for t in (*recorded, *outputs):
+            t.set_output()
+        objective.set_loss()
+        self.forward = new_graph(objective, *recorded, *outputs)
+        self.backward = None
+        if grad_accs is not None:
+            self.backward = self.forward.copy()
+            build_backward_expand(ctx, self.backward, grad_accs)
+        self.allocator = GraphAllocator()
+        self.allocator.alloc_graph(self.backward or self.forward)
+
+    def record(self, result: Result | None) -> float:
+        """The evaluation's unscaled loss, added to `result` with its predictions."""
+        loss = float(self.loss.array().reshape(-1)[0]) / self.loss_scale
+        if result is not None:
+            has_acc = self.pred is not None
+            result.add_batch(self.ndata, loss, self.pred.array().reshape(-1) if has_acc else (),
+                             int(self.ncorrect.array().reshape(-1)[0]) if has_acc else None, self.loss_per_datapoint)
+        return loss
+
+
+# ---- the optimization context -----------------------------------------------------------------------------
+class BatchFeeder(Protocol):
+    """How one physical batch of a dataset is evaluated: `run_batch` evaluates (train: with
+    gradients) the datapoints of batch `ibatch`, records into `result` and calls `tick()`
+    after each of its `evals_per_batch` evaluations (the progress counter)."""
+
+    datapoints_per_batch: int
+    evals_per_batch: int
+
+    def run_batch(self, dataset: Dataset, ibatch: int, train: bool, result: Result | None,
+                  tick: Callable[[], None]) -> None: ...
+
+
+GetOptPars = Callable[[Any], AdamW | SGD]
+
+
+@dataclass
+class OptParams:
+    """What `OptContext` needs. With `inputs` and `outputs` it builds one static graph and
+    its loss from `loss_type` (its params: the tensors of that graph flagged param);
+    without them the caller passes `params` and prepares graphs with `train_graph`."""
+
+    ctx_compute: Context | None = None
+    inputs: Tensor | None = None
+    outputs: Tensor | None = None
+    loss_type: LossType = LossType.MEAN
+    optimizer: AdamW | SGD | None = None  # AdamW() when None
+    build_type: BuildType = BuildType.OPT
+    opt_period: int = 1                   # evaluations whose gradients make one optimizer step
+    get_opt_pars: GetOptPars | None = None  # hyper-parameters per step (a schedule); `optimizer` when None
+    get_opt_pars_ud: Any = None
+    n_threads: int | None = None
+    seed: int = 0
+    params: Sequence[Tensor] | None = None
+    keep_last_good: bool = False          # copy the params before each step, to restore after a NaN loss
+    backend: CpuBackend | None = None
+    feeder: BatchFeeder | None = None     # the static graph's own feeder when None
 
 
 class OptContext:
-    """ggml_opt_context: one model graph with its loss, gradients and optimizer step."""
+    """ggml_opt_context: the optimizer, the training graphs, evaluation and steps."""
 
     def __init__(self, params: OptParams) -> None:
         if params.opt_period < 1:
             raise ValueError("opt_period must be at least 1")
         self.params = params
-        self.ctx = params.ctx_compute
-        self.inputs, self.outputs = params.inputs, params.outputs
         self.opt_period = params.opt_period
-        self.optimizer = params.optimizer
         self.rng = np.random.default_rng(params.seed)
-        self.backend = CpuBackend(params.n_threads)
-        self.iter = 1   # optimizer steps taken + 1 (AdamW's bias correction)
-        self.opt_i = 0  # physical batch within the current optimizer step
-        self.grad_accs: dict[int, Tensor] = {}
-        self.momenta: dict[int, tuple[Tensor, Tensor]] = {}
-        self.opt_step_params: Tensor | None = None
-        self._graph: Graph | None = None
-        self._build()
+        self.backend = params.backend or CpuBackend(params.n_threads)
+        self.labels: Tensor | None = None
+        self.static: TrainGraph | None = None
+        self.inputs, self.outputs = params.inputs, params.outputs
+        trained = list(params.params or [])
+        if self.inputs is not None and self.outputs is not None and params.params is None:
+            trained = self._static_params()
+        self.optimizer = None
+        if params.build_type != BuildType.FORWARD:
+            self.optimizer = Optimizer(trained, params.optimizer or AdamW(), self.backend,
+                                       with_steps=params.build_type == BuildType.OPT)
+        if self.inputs is not None and self.outputs is not None:
+            self.static = self._build_static()
+        self.feeder: BatchFeeder = params.feeder or _StaticFeeder(self)
+        self._graph: TrainGraph | None = None
+        self._backward = False
+        self._last_graph = self.static
+        self._step_losses: list[float] = []
+        self._last_good: list[np.ndarray] | None = None
 
-    # -- building ------------------------------------------------------------------------
-    def _build(self) -> None:
-        ctx, p = self.ctx, self.params
+    # -- the static graph (ggml_opt_fit's model) --------------------------------------------------
+    def _static_params(self) -> list[Tensor]:
+        trained = [t for t in new_graph(self.outputs).nodes if t.flags & Flag.PARAM]
+        if not trained and self.params.build_type != BuildType.FORWARD:
+            raise ValueError("opt: no tensor of the model graph is flagged param")
+        return trained
+
+    def _build_static(self) -> TrainGraph:
+        ctx, p, outputs = self.params.ctx_compute, self.params, self.outputs
         if not self.inputs.has_data:
             _own_memory(self.inputs)
         self.inputs.set_input()
-        self.outputs.set_output()
-        self.labels = None
-        self.loss_per_datapoint = p.loss_type != LossType.SUM
-        n_out = self.outputs.nelements()
+        per_datapoint = p.loss_type != LossType.SUM
+        scale = 1.0 / self.opt_period if per_datapoint else 1.0
+        n_out = outputs.nelements()
+        pred = ncorrect = None
         if p.loss_type in (LossType.MEAN, LossType.SUM):
-            loss = O.sum(ctx, self.outputs)
+            loss = O.sum(ctx, outputs)
             if p.loss_type == LossType.MEAN:
-                loss = O.scale(ctx, loss, 1.0 / (self.opt_period * n_out))
+                loss = O.scale(ctx, loss, scale / n_out)
         else:
-            self.labels = _own_memory(ctx.new_tensor(GGMLType.F32, self.outputs.ne, "labels")).set_input()
+            self.labels = _own_memory(ctx.new_tensor(GGMLType.F32, outputs.ne, "labels")).set_input()
             if p.loss_type == LossType.CROSS_ENTROPY:
-                loss = OT.cross_entropy_loss(ctx, self.outputs, self.labels)
-                if self.opt_period > 1:
-                    loss = O.scale(ctx, loss, 1.0 / self.opt_period)
+                loss = OT.cross_entropy_loss(ctx, outputs, self.labels)
+                if scale != 1.0:
+                    loss = O.scale(ctx, loss, scale)
+                pred = _own_memory(O.argmax(ctx, outputs)).set_name("pred")
+                ncorrect = _own_memory(O.count_equal(ctx, pred, O.argmax(ctx, self.labels)))
             else:
-                diff = O.sub(ctx, self.outputs, self.labels)
-                loss = O.scale(ctx, O.sum(ctx, O.sqr(ctx, diff)), 1.0 / (self.opt_period * n_out))
-        self.loss = _own_memory(loss).set_output().set_loss().set_name("loss")
-        results = [self.loss]
-        self.pred = self.ncorrect = None
-        if p.loss_type == LossType.CROSS_ENTROPY:
-            self.pred = _own_memory(O.argmax(ctx, self.outputs)).set_output().set_name("pred")
-            self.ncorrect = _own_memory(O.count_equal(ctx, self.pred, O.argmax(ctx, self.labels))).set_output()
-            results += [self.pred, self.ncorrect]
+                diff = O.sub(ctx, outputs, self.labels)
+                loss = O.scale(ctx, O.sum(ctx, O.sqr(ctx, diff)), scale / n_out)
+        loss = _own_memory(loss).set_name("loss")
+        return self.train_graph(ctx, loss, inputs=self.inputs, pred=pred, ncorrect=ncorrect, outputs=(outputs,),
+                                loss_scale=scale, loss_per_datapoint=per_datapoint)
 
-        self.gf = new_graph(*results)
-        self.gb_grad = self.gb_opt = None
-        if p.build_type == BuildType.FORWARD:
-            self._allocate(self.gf)
-            return
-        self.params_trained = [t for t in self.gf.nodes if t.flags & Flag.PARAM]
-        if not self.params_trained:
-            raise ValueError("opt: no tensor of the model graph is flagged param")
-        accumulate = p.build_type == BuildType.GRAD or self.opt_period > 1
-        if accumulate:
-            self.grad_accs = {id(t): _own_memory(ctx.new_tensor(GGMLType.F32, t.ne, f"{t.name} grad acc"))
-                              for t in self.params_trained}
-        self.gb_grad = self.gf.copy()
-        build_backward_expand(ctx, self.gb_grad, self.grad_accs)
-        if p.build_type == BuildType.GRAD:
-            self._allocate(self.gb_grad)
-            return
-
-        self.gb_opt = self.gb_grad.copy()
-        adamw = self.optimizer == OptimizerType.ADAMW
-        n_pars = OT.ADAMW_PARAMS if adamw else OT.SGD_PARAMS
-        self.opt_step_params = _own_memory(ctx.new_tensor_1d(GGMLType.F32, n_pars, f"{self.optimizer.value} params"))
-        for t in self.params_trained:
-            grad = self.gb_opt.get_grad(t)
-            if grad is None:
-                continue
-            if adamw:
-                m = _own_memory(ctx.new_tensor(GGMLType.F32, t.ne, f"AdamW m for {t.name}"))
-                v = _own_memory(ctx.new_tensor(GGMLType.F32, t.ne, f"AdamW v for {t.name}"))
-                self.momenta[id(t)] = (m, v)
-                step = OT.opt_step_adamw(ctx, t, grad, m, v, self.opt_step_params)
-            else:
-                step = OT.opt_step_sgd(ctx, t, grad, self.opt_step_params)
-            self.gb_opt.visit(step.set_name(f"{self.optimizer.value} step for {t.name}"))
-        self._allocate(self.gb_opt)
-
-    def _allocate(self, largest: Graph) -> None:
-        """One plan for the largest graph: the smaller ones are its prefixes."""
-        self.allocator = GraphAllocator()
-        self.allocator.alloc_graph(largest)
+    def train_graph(self, ctx: Context, objective: Tensor, loss: Tensor | None = None, **kwargs) -> TrainGraph:
+        """A graph prepared for training with this context's optimizer (see TrainGraph)."""
+        accs = self.optimizer.grad_accs if self.optimizer is not None else None
+        return TrainGraph(ctx, objective, objective if loss is None else loss, grad_accs=accs, **kwargs)
 
     @property
     def batch_size(self) -> int:
-        """Datapoints per physical batch (what the progress counter counts in)."""
-        return self.inputs.ne[1]
+        """Datapoints per evaluation (what the progress counter counts in): ggml_opt_inputs' ne[1]."""
+        g = self._last_graph
+        return g.inputs.ne[1] if g is not None and g.inputs is not None else 1
 
-    # -- state ------------------------------------------------------------------------------
-    def optimizer_state(self) -> list[Tensor]:
-        """The tensors the optimizer keeps between steps (AdamW: m and v per param; SGD: none)."""
-        return [t for pair in self.momenta.values() for t in pair]
+    @property
+    def iter(self) -> int:
+        """Optimizer steps taken + 1 (ggml's count, AdamW's bias-correction step)."""
+        return (self.optimizer.state.n_steps if self.optimizer else 0) + 1
 
     def grad_acc(self, t: Tensor) -> Tensor | None:
-        return self.grad_accs.get(id(t))
+        return self.optimizer.grad_accs.get(id(t)) if self.optimizer else None
+
+    def optimizer_state(self) -> list[Tensor]:
+        """The tensors the optimizer keeps between steps (AdamW: m and v per param; SGD: none)."""
+        return self.optimizer.state.tensors() if self.optimizer else []
 
     def reset(self, optimizer: bool) -> None:
-        """Zero accumulated gradients; with `optimizer`, also the momenta and the step count."""
-        for acc in self.grad_accs.values():
-            acc.array()[...] = 0
-        self.opt_i = 0
+        """Zero accumulated gradients; with `optimizer`, also the moments and the step count."""
+        if self.optimizer is None:
+            return
+        self.zero_grad()
         if optimizer:
-            for m, v in self.momenta.values():
-                m.array()[...] = 0
-                v.array()[...] = 0
-            self.iter = 1
+            self.optimizer.state.reset()
 
-    # -- evaluation ---------------------------------------------------------------------------
-    def alloc(self, backward: bool) -> None:
-        """Choose the graph for the next eval (ggml_opt_alloc): forward only, or with gradients,
-        and with the optimizer step when this physical batch ends an accumulation period."""
-        if backward and self.gb_grad is None:
-            raise ValueError("opt: this context was built for forward passes only")
-        if backward and self.opt_i == 0:
-            for acc in self.grad_accs.values():
-                acc.array()[...] = 0
-        if not backward:
-            self._graph = self.gf
-        elif (self.opt_i + 1) % self.opt_period == 0 and self.gb_opt is not None:
-            self._graph = self.gb_opt
-        else:
-            self._graph = self.gb_grad
+    # -- evaluation --------------------------------------------------------------------------------
+    def alloc(self, backward: bool, graph: TrainGraph | None = None) -> None:
+        """Choose the graph for the next eval (ggml_opt_alloc): `graph` or the static one,
+        forward only or with gradients (added into the accumulators)."""
+        graph = graph or self.static
+        if graph is None:
+            raise ValueError("opt: no graph to evaluate (this context has no static graph)")
+        if backward and graph.backward is None:
+            raise ValueError("opt: this graph was built for forward passes only")
+        self._graph, self._backward = graph, backward
 
-    def eval(self, result: Result | None) -> None:
-        """Compute the chosen graph and record loss, predictions and correct count (ggml_opt_eval)."""
+    def eval(self, result: Result | None) -> float:
+        """Compute the chosen graph and record its loss (ggml_opt_eval); returns the loss."""
         graph = self._graph
         if graph is None:
             raise RuntimeError("opt: call alloc() before eval()")
-        if graph is self.gb_opt:
-            self._set_step_params()
-        self.backend.compute(graph)
-        if graph is not self.gf:
-            self.iter += graph is self.gb_opt
-            self.opt_i = (self.opt_i + 1) % self.opt_period
-        self._graph = None
-        if result is not None:
-            has_acc = self.pred is not None
-            result.add_batch(self.outputs.ne[1], float(self.loss.array().reshape(-1)[0]),
-                             self.pred.array().reshape(-1) if has_acc else (),
-                             int(self.ncorrect.array().reshape(-1)[0]) if has_acc else None,
-                             self.opt_period, self.loss_per_datapoint)
+        self.backend.compute(graph.backward if self._backward else graph.forward)
+        self._graph, self._last_graph = None, graph
+        loss = graph.record(result)
+        if self._backward:
+            self._step_losses.append(loss)
+        return loss
 
-    def _set_step_params(self) -> None:
-        pars = self.params.get_opt_pars(self.params.get_opt_pars_ud)
-        write_step_params(self.opt_step_params, self.optimizer, pars, self.iter)
+    # -- optimizer steps ---------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Start an optimizer step: zero the accumulators and the step's losses."""
+        self.optimizer.zero_grad()
+        self._step_losses = []
+
+    def step(self, result: Result | None = None) -> None:
+        """Apply the gradients accumulated since zero_grad, with the hyper-parameters of
+        `get_opt_pars` (or the optimizer's own); records the step's mean loss in `result`.
+
+        A step whose losses are not all finite is refused with TrainingDivergedError; with
+        `keep_last_good` the params are first put back to the copy taken before the last
+        step (the last weights that gave finite losses)."""
+        if self.optimizer is None or self.params.build_type != BuildType.OPT:
+            raise ValueError("opt: this context was built without an optimizer step")
+        losses = self._step_losses
+        if not all(math.isfinite(x) for x in losses):
+            step = self.optimizer.state.n_steps + 1
+            if self._last_good is not None:
+                for p, saved in zip(self.optimizer.params, self._last_good):
+                    np.copyto(p.array(), saved)
+            raise TrainingDivergedError(
+                f"training: the loss became {sum(losses)} at optimizer step {step}"
+                + ("; the weights are back to the last ones that gave a finite loss" if self.params.keep_last_good else ""))
+        if self.params.keep_last_good:
+            self._keep_last_good()
+        p = self.params
+        self.optimizer.step(p.get_opt_pars(p.get_opt_pars_ud) if p.get_opt_pars else None)
+        if result is not None and losses:
+            result.steps.append(float(np.mean(losses)))
+        self._step_losses = []
+
+    def _keep_last_good(self) -> None:
+        if self._last_good is None:
+            self._last_good = [np.array(p.array()) for p in self.optimizer.params]
+        else:
+            for p, saved in zip(self.optimizer.params, self._last_good):
+                np.copyto(saved, p.array())
 
 
-def write_step_params(params: Tensor, optimizer: OptimizerType, pars: OptimizerParams, iteration: int) -> None:
-    """Fill an opt_step_* params tensor for step `iteration` (1-based: AdamW's bias correction)."""
-    values = params.array().reshape(-1)
-    if optimizer == OptimizerType.ADAMW:
-        a = pars.adamw
-        if not (a.alpha > 0 and 0 <= a.beta1 <= 1 and 0 <= a.beta2 <= 1 and a.eps >= 0 and 0 <= a.wd <= 1):
-            raise ValueError(f"opt: invalid AdamW parameters {a}")
-        beta1h = 1.0 / (1.0 - np.float32(a.beta1) ** iteration)
-        beta2h = 1.0 / (1.0 - np.float32(a.beta2) ** iteration)
-        values[:] = (a.alpha, a.beta1, a.beta2, a.eps, a.wd, beta1h, beta2h)
-    else:
-        s = pars.sgd
-        if not (s.alpha > 0 and 0 <= s.wd <= 1):
-            raise ValueError(f"opt: invalid SGD parameters {s}")
-        values[:] = (s.alpha, s.wd)
+class _StaticFeeder:
+    """A physical batch of the static graph: copy it into the inputs, evaluate once."""
+
+    evals_per_batch = 1
+
+    def __init__(self, opt_ctx: OptContext) -> None:
+        self.opt_ctx = opt_ctx
+
+    @property
+    def datapoints_per_batch(self) -> int:
+        return self.opt_ctx.inputs.ne[1]
+
+    def run_batch(self, dataset: Dataset, ibatch: int, train: bool, result: Result | None,
+                  tick: Callable[[], None]) -> None:
+        o = self.opt_ctx
+        o.alloc(backward=train)
+        dataset.get_batch(o.inputs, o.labels, ibatch)
+        o.eval(result)
+        tick()
 
 
-def opt_init(params: OptParams) -> OptContext:
-    return OptContext(params)
+def _own_memory(t: Tensor) -> Tensor:
+    """Give `t` zeroed memory of its own: it lives outside the graph arena (results, inputs)."""
+    t.bind(np.zeros(max(t.nbytes(), 1), dtype=np.uint8))
+    return t
 
 
 # ---- epochs and fit ------------------------------------------------------------------------------
 EpochCallback = Callable[[bool, OptContext, Dataset, Result, int, int, float], None]
 
 
+class _Ticks:
+    """Calls an epoch callback after each evaluation with ggml's (ibatch, ibatch_max, t_start)."""
+
+    def __init__(self, callback: EpochCallback | None, train: bool, opt_ctx: OptContext, dataset: Dataset,
+                 result: Result | None, total: int) -> None:
+        self.callback, self.train, self.opt_ctx, self.dataset, self.result = callback, train, opt_ctx, dataset, result
+        self.total, self.count, self.t_start = total, 0, time.perf_counter()
+
+    def __call__(self) -> None:
+        self.count += 1
+        if self.callback:
+            self.callback(self.train, self.opt_ctx, self.dataset, self.result, self.count, self.total, self.t_start)
+
+
 def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None, result_eval: Result | None,
               idata_split: int, callback_train: EpochCallback | None = None,
               callback_eval: EpochCallback | None = None) -> None:
-    """Train on datapoints [0, idata_split), then evaluate on the rest (ggml_opt_epoch)."""
-    batch = opt_ctx.inputs.ne[1]
+    """Train on datapoints [0, idata_split), then evaluate on the rest (ggml_opt_epoch).
+
+    Training takes whole optimizer steps of `opt_period` evaluations: datapoints of an
+    incomplete last step are skipped (neither trained on nor evaluated).
+    """
+    feeder = opt_ctx.feeder
+    batch = feeder.datapoints_per_batch
     ndata = dataset.ndata
     if ndata % batch:
         raise ValueError(f"opt: {ndata} datapoints do not divide into batches of {batch}")
@@ -400,20 +590,19 @@ def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None
     if idata_split % batch:
         raise ValueError(f"opt: the split at {idata_split} is not a multiple of the batch size {batch}")
     nbatches, ibatch_split = ndata // batch, idata_split // batch
-    t_start = time.perf_counter()
-    for ibatch in range(ibatch_split):
-        opt_ctx.alloc(backward=True)
-        dataset.get_batch(opt_ctx.inputs, opt_ctx.labels, ibatch)
-        opt_ctx.eval(result_train)
-        if callback_train:
-            callback_train(True, opt_ctx, dataset, result_train, ibatch + 1, ibatch_split, t_start)
-    t_start = time.perf_counter()
+    per_step = max(1, opt_ctx.opt_period // feeder.evals_per_batch)
+    n_train = ibatch_split - ibatch_split % per_step if opt_ctx.optimizer is not None else 0
+    ticks = _Ticks(callback_train, True, opt_ctx, dataset, result_train, n_train * feeder.evals_per_batch)
+    for ibatch in range(n_train):
+        if ibatch % per_step == 0:
+            opt_ctx.zero_grad()
+        feeder.run_batch(dataset, ibatch, True, result_train, ticks)
+        if (ibatch + 1) % per_step == 0 and opt_ctx.params.build_type == BuildType.OPT:
+            opt_ctx.step(result_train)
+    ticks = _Ticks(callback_eval, False, opt_ctx, dataset, result_eval,
+                   (nbatches - ibatch_split) * feeder.evals_per_batch)
     for ibatch in range(ibatch_split, nbatches):
-        opt_ctx.alloc(backward=False)
-        dataset.get_batch(opt_ctx.inputs, opt_ctx.labels, ibatch)
-        opt_ctx.eval(result_eval)
-        if callback_eval:
-            callback_eval(False, opt_ctx, dataset, result_eval, ibatch + 1 - ibatch_split, nbatches - ibatch_split, t_start)
+        feeder.run_batch(dataset, ibatch, False, result_eval, ticks)
 
 
 _BLOCKS = " ▏▎▍▌▋▊▉█"
@@ -451,9 +640,9 @@ def progress_bar(train: bool, opt_ctx: OptContext, dataset: Dataset, result: Res
 
 @dataclass
 class FitState:
-    """Passed to `get_opt_pars` by opt_fit, so a schedule can depend on the epoch."""
+    """The position in a fit, passed to `get_opt_pars` by opt_fit so a schedule can use it."""
 
-    epoch: int = 1
+    epoch: int = 0   # 0-based
     nepoch: int = 1
 
 
@@ -464,9 +653,32 @@ class EpochResult:
     val: Result
 
 
+def fit_epochs(opt_ctx: OptContext, dataset: Dataset, nepoch: int, idata_split: int, *,
+               shuffle: np.random.Generator | None = None, callback_train: EpochCallback | None = None,
+               callback_eval: EpochCallback | None = None, state: FitState | None = None,
+               before_epoch: Callable[[int], None] | None = None,
+               on_epoch: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
+    """The fit loop: `nepoch` epochs of opt_epoch (shuffling the training part first when
+    `shuffle` is given); `state.epoch` follows the loop for schedules. Returns per-epoch results."""
+    history = []
+    for epoch in range(nepoch):
+        if state is not None:
+            state.epoch, state.nepoch = epoch, nepoch
+        if shuffle is not None:
+            dataset.shuffle(shuffle, idata_split)
+        if before_epoch:
+            before_epoch(epoch)
+        train, val = Result(), Result()
+        opt_epoch(opt_ctx, dataset, train, val, idata_split, callback_train, callback_eval)
+        history.append(EpochResult(epoch, train, val))
+        if on_epoch:
+            on_epoch(history[-1])
+    return history
+
+
 def opt_fit(ctx_compute: Context, inputs: Tensor, outputs: Tensor, dataset: Dataset,
-            loss_type: LossType = LossType.MEAN, optimizer: OptimizerType = OptimizerType.ADAMW,
-            get_opt_pars: GetOptPars = default_optimizer_params, nepoch: int = 1, nbatch_logical: int | None = None,
+            loss_type: LossType = LossType.MEAN, optimizer: AdamW | SGD | None = None,
+            get_opt_pars: GetOptPars | None = None, nepoch: int = 1, nbatch_logical: int | None = None,
             val_split: float = 0.0, silent: bool = False, seed: int = 0, n_threads: int | None = None,
             callback_train: EpochCallback | None = None, callback_eval: EpochCallback | None = None,
             stream: TextIO | None = None) -> list[EpochResult]:
@@ -475,6 +687,7 @@ def opt_fit(ctx_compute: Context, inputs: Tensor, outputs: Tensor, dataset: Data
     `nbatch_logical` datapoints make one optimizer step; the batch dimension of `inputs`
     is the physical batch, and gradients accumulate over the difference. The data is
     shuffled once (train and validation) and the training part again every epoch.
+    `get_opt_pars(FitState)` may change the hyper-parameters per step (a schedule).
     """
     stream = stream or sys.stderr
     t0 = time.perf_counter()
@@ -486,28 +699,26 @@ def opt_fit(ctx_compute: Context, inputs: Tensor, outputs: Tensor, dataset: Data
     if not 0.0 <= val_split < 1.0:
         raise ValueError(f"opt_fit: val_split must be in [0, 1), got {val_split}")
     opt_period = nbatch_logical // nbatch_physical
-    nbatches_logical = ndata // nbatch_logical
-    ibatch_split = int((1.0 - val_split) * nbatches_logical) * opt_period
-    idata_split = ibatch_split * nbatch_physical
+    idata_split = int((1.0 - val_split) * (ndata // nbatch_logical)) * nbatch_logical
 
-    state = FitState(1, nepoch)
+    state = FitState(0, nepoch)
     opt_ctx = OptContext(OptParams(ctx_compute, inputs, outputs, loss_type, optimizer, BuildType.OPT, opt_period,
                                    get_opt_pars, state, n_threads, seed))
     if nbatch_logical < ndata:
         dataset.shuffle(opt_ctx.rng, -1)
     bar = None if silent else (lambda *a: progress_bar(*a, stream=stream))
-    history = []
-    for epoch in range(1, nepoch + 1):
-        state.epoch = epoch
-        if nbatch_logical < idata_split:
-            dataset.shuffle(opt_ctx.rng, idata_split)
-        train, val = Result(), Result()
+
+    def header(epoch: int) -> None:
         if not silent:
-            stream.write(f"opt_fit: epoch {epoch:04d}/{nepoch:04d}:\n")
-        opt_epoch(opt_ctx, dataset, train, val, idata_split, callback_train or bar, callback_eval or bar)
+            stream.write(f"opt_fit: epoch {epoch + 1:04d}/{nepoch:04d}:\n")
+
+    def footer(_: EpochResult) -> None:
         if not silent:
             stream.write("\n")
-        history.append(EpochResult(epoch, train, val))
+    history = fit_epochs(opt_ctx, dataset, nepoch, idata_split,
+                         shuffle=opt_ctx.rng if nbatch_logical < idata_split else None,
+                         callback_train=callback_train or bar, callback_eval=callback_eval or bar, state=state,
+                         before_epoch=header, on_epoch=footer)
     if not silent:
         stream.write(f"opt_fit: training took {_hms(time.perf_counter() - t0)}\n")
     return history

@@ -7,19 +7,21 @@ requested logits. Graphs are cached by shape, so a run of equal-shaped ubatches
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 import numpy as np
 
 import ggmlpy as gg
 from ggmlpy import CpuBackend, GGMLType, GraphAllocator
+from ggmlpy.opt import EpochResult, fit_epochs, opt_epoch, progress_bar
 
 from .batch import Batch, split_equal, split_simple
 from .errors import InputError
 from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVMemory
 from .model import Model
-from .opt import TrainParams
+from .train_params import TrainParams
 from .outputs import Outputs
 
 MAX_CACHED_GRAPHS = 8
@@ -56,7 +58,7 @@ class Context:
         kv_size = self.n_ctx if unified else self.n_ctx // n_seq_max
         self.kv = KVMemory(hp, kv_size, n_seq_max, unified, type_k, type_v, self.n_ubatch)
         self.backend = CpuBackend(n_threads)
-        self._graphs: OrderedDict[GraphShape, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()
+        self._graphs: OrderedDict[tuple, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()  # (shape, deps)
         self.outputs = Outputs(hp.n_vocab)  # the last decode's
         self._samplers: dict[int, object] = {}  # seq id -> sampler chain run in the graph
         self._shift_graphs: dict[int, tuple] = {}  # cache index -> (graph, positions input, allocator)
@@ -219,25 +221,26 @@ class Context:
         return batch
 
     def _graph(self, shape: GraphShape, chains: list | None = None) -> GraphBuilder:
-        if shape in self._graphs:
-            self._graphs.move_to_end(shape)
-            return self._graphs[shape][0]
-        builder = GraphBuilder(self.model, self.kv, shape, self.flash_attn, self.adapters)
-        builder.logits = self.model.arch.build(builder, self.model)
+        """The graph for a ubatch of this shape, built on the model's current tensors and the
+        adapters attached now: graphs built on others are dropped, never reused."""
+        deps = (self.model.revision, tuple((id(a), s) for a, s in self.adapters))
+        key = (shape, deps)
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key][0]
+        for stale in [k for k in self._graphs if k[1] != deps]:
+            del self._graphs[stale]
+        builder = GraphBuilder.for_cache(self.model, self.kv, shape, self.flash_attn, self.adapters)
+        self.model.arch.build(builder, self.model)
         if chains and any(chains):
             from .sampling.backend import build_rows
             builder.sampler_rows = build_rows(builder, chains)
         allocator = GraphAllocator()
         allocator.alloc_graph(builder.graph)
-        self._graphs[shape] = (builder, allocator)
+        self._graphs[key] = (builder, allocator)
         if len(self._graphs) > MAX_CACHED_GRAPHS:
             self._graphs.popitem(last=False)
         return builder
-
-    @property
-    def compute_buffer_bytes(self) -> int:
-        """Planned arena bytes of the graphs held (the compute buffer)."""
-        return sum(a.peak_bytes for _, a in self._graphs.values())
 
     # ---- outputs ---------------------------------------------------------------------------
     def get_logits(self) -> np.ndarray:
@@ -272,12 +275,10 @@ class Context:
     def attach_lora(self, adapter, scale: float = 1.0) -> None:
         """Apply `adapter` (a llamapy.lora.LoraAdapter) with `scale` in every graph from now on."""
         self.adapters = [(a, s) for a, s in self.adapters if a is not adapter] + [(adapter, float(scale))]
-        self._graphs.clear()
 
     def detach_lora(self, adapter=None) -> None:
         """Stop applying `adapter` (all adapters when None)."""
         self.adapters = [] if adapter is None else [(a, s) for a, s in self.adapters if a is not adapter]
-        self._graphs.clear()
 
     # ---- state (llama_state_*) ------------------------------------------------------------------
     def state_get_data(self) -> bytes:
@@ -341,31 +342,40 @@ class Context:
 
     # ---- training (llama_opt_*) --------------------------------------------------------------------
     def opt_init(self, params: TrainParams | None = None) -> None:
-        """Mark the tensors the filter selects as trainable and create the optimizer state."""
+        """Mark the tensors the filter selects as trainable and create the optimizer state.
+        With `params.lora`, a new LoRA adapter is attached first and trains instead of the
+        weights (`trainer.adapter`)."""
+        from .lora import LoraAdapter
         from .train import Trainer
-        self.trainer = Trainer(self, params or TrainParams())
+        params = params or TrainParams()
+        adapter = None
+        if params.lora is not None:
+            lo = params.lora
+            adapter = LoraAdapter.new(self.model, lo.rank, lo.alpha, lo.modules, lo.seed)
+            self.attach_lora(adapter)
+        self.trainer = Trainer(self, params)
+        self.trainer.adapter = adapter
 
     def opt_epoch(self, dataset, result_train=None, result_eval=None, idata_split: int = -1,
                   callback_train=None, callback_eval=None) -> None:
         """One pass: train on windows [0, idata_split), evaluate on the rest (llama_opt_epoch)."""
         if self.trainer is None:
             raise InputError("opt_epoch: call opt_init first")
-        self.trainer.epoch_pass(dataset, result_train, result_eval, idata_split, callback_train, callback_eval)
+        self.trainer.check_dataset(dataset)
+        opt_epoch(self.trainer.opt, dataset, result_train, result_eval, idata_split, callback_train, callback_eval)
 
     def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
-                silent: bool = False, stream=None, on_epoch=None, seed: int | None = None) -> list:
+                silent: bool = False, stream=None, on_epoch=None, seed: int | None = None) -> list[EpochResult]:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
         Returns one `ggmlpy.opt.EpochResult` per epoch. `on_epoch(epoch_result)` runs after each.
         With `seed`, the training windows are shuffled at the start of every epoch.
         """
-        import sys
-
-        from ggmlpy.opt import EpochResult, Result, progress_bar
         if self.trainer is None or params is not None:
             self.opt_init(params)
         trainer = self.trainer
+        trainer.check_dataset(dataset)
         epochs = epochs or trainer.params.schedule.epochs
         if not 0.0 <= val_split < 1.0:
             raise InputError(f"val_split must be in [0, 1), got {val_split}")
@@ -375,22 +385,16 @@ class Context:
                              f"one optimizer step after holding out {val_split:.0%} for validation")
         stream = stream or sys.stderr
         tty = hasattr(stream, "isatty") and stream.isatty()
-        rng = np.random.default_rng(seed) if seed is not None else None
-        history = []
-        for epoch in range(epochs):
-            trainer.epoch = epoch
-            if rng is not None:
-                dataset.shuffle(rng, idata_split)
-            train, val = Result(), Result()
-            prefix = {True: f"epoch {epoch}: ", False: " " * len(f"epoch {epoch}: ")}
 
-            def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
-                if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
-                    return
-                stream.write(prefix[is_train])
-                progress_bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start, stream=stream)
-            trainer.epoch_pass(dataset, train, val, idata_split, bar, bar)
-            history.append(EpochResult(epoch, train, val))
-            if on_epoch:
-                on_epoch(history[-1])
-        return history
+        def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
+            if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
+                return
+            prefix = f"epoch {trainer.epoch}: "
+            stream.write(prefix if is_train else " " * len(prefix))
+            progress_bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start, stream=stream)
+
+        def start(epoch: int) -> None:
+            trainer.epoch = epoch
+        return fit_epochs(trainer.opt, dataset, epochs, idata_split,
+                          shuffle=np.random.default_rng(seed) if seed is not None else None,
+                          callback_train=bar, callback_eval=bar, before_epoch=start, on_epoch=on_epoch)

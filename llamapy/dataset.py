@@ -20,8 +20,17 @@ def window_count(n_tokens: int, n_ctx: int, stride: int) -> int:
     return 0 if n_tokens < n_ctx + 1 else (n_tokens - n_ctx - 1) // stride + 1
 
 
-def token_windows(tokens, n_ctx: int, stride: int | None = None, bos: int | None = None) -> Dataset:
-    """A ggmlpy Dataset of I32 windows (data) and next-token windows (labels)."""
+class TokenWindows(Dataset):
+    """A ggmlpy Dataset of I32 windows (data) and next-token windows (labels), with where
+    they came from: the token count, the window length and the stride."""
+
+    def __init__(self, n_tokens: int, n_ctx: int, stride: int, ndata: int) -> None:
+        super().__init__(n_ctx, n_ctx, ndata, 1, GGMLType.I32, GGMLType.I32)
+        self.n_tokens, self.n_ctx, self.stride = n_tokens, n_ctx, stride
+
+
+def token_windows(tokens, n_ctx: int, stride: int | None = None, bos: int | None = None) -> TokenWindows:
+    """Windows of n_ctx tokens every `stride` tokens (default n_ctx / 2) and their labels."""
     tokens = np.asarray(tokens, dtype=np.int32)
     stride = stride or max(n_ctx // 2, 1)
     if n_ctx < 2 or stride < 1:
@@ -31,7 +40,7 @@ def token_windows(tokens, n_ctx: int, stride: int | None = None, bos: int | None
     if n == 0:
         raise InputError(f"the text has {len(tokens)} tokens; one training window of n_ctx={n_ctx} "
                          f"needs at least {text_per_window + 1}")
-    ds = Dataset(n_ctx, n_ctx, n, 1, GGMLType.I32, GGMLType.I32)
+    ds = TokenWindows(len(tokens), n_ctx, stride, n)
     starts = np.arange(n) * stride
     idx = starts[:, None] + np.arange(text_per_window + 1)[None, :]
     chunk = tokens[idx]
@@ -42,3 +51,10 @@ def token_windows(tokens, n_ctx: int, stride: int | None = None, bos: int | None
         ds.data[:, 1:] = chunk[:, :-1]
         ds.labels[:] = chunk
     return ds
+
+
+def text_windows(vocab, text: str, n_ctx: int, window_bos: bool = False, stride: int | None = None) -> TokenWindows:
+    """The training windows of a text: tokenized with BOS first, or, with `window_bos`,
+    with BOS at the start of every window instead (TrainParams.window_bos)."""
+    tokens = vocab.tokenize(text, add_special=not window_bos)
+    return token_windows(tokens, n_ctx, stride, vocab.bos_id if window_bos else None)

@@ -1,11 +1,17 @@
-"""Building one ubatch's compute graph: inputs, attention over the KV cache, outputs.
+"""Building one ubatch's compute graph: inputs, attention, outputs.
 
 This is llama.cpp's llm_graph_context: the parts every architecture shares. An
-architecture module only says how its layers combine these pieces.
+architecture module only says how its layers combine these pieces. Attention reads its
+keys and values through an *attention input*, as llama.cpp's llm_graph_input_attn_*:
+`KVCacheInput` writes the ubatch's K/V into the KV cache and attends over the cells in
+use (inference); `WindowInput` attends over the earlier K/V of a training window, given
+as graph inputs that receive gradients, and the ubatch's own (training, no cache). The
+attention itself is the same code for both.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +19,9 @@ import numpy as np
 import ggmlpy as gg
 from ggmlpy import GGMLType, Tensor
 
-from .kv_cache import KVMemory
+from .batch import UBatch
+from .hparams import HParams
+from .kv_cache import KVMemory, fill_kq_mask
 
 
 @dataclass(frozen=True)
@@ -29,47 +37,144 @@ class GraphShape:
     samplers: tuple = ()  # per output row: the backend signature of its sampler chain, or None
 
 
+class _AttentionInput:
+    """What both attention inputs share: one mask input per (cache, sliding window)."""
+
+    def __init__(self, ctx: gg.Context, hp: HParams, shape: GraphShape) -> None:
+        self.ctx, self.hp, self.shape = ctx, hp, shape
+        self.masks: dict[tuple[int, int], Tensor] = {}
+
+    def cache_of(self, il: int) -> int:
+        return 0
+
+    def mask(self, il: int, n_swa: int) -> Tensor:
+        """The KQ mask of layer il's cache: [n_kv, n_seq_tokens, 1, n_seqs], 0 or -inf."""
+        key = (self.cache_of(il), n_swa)
+        if key not in self.masks:
+            s = self.shape
+            self.masks[key] = self.ctx.new_tensor_4d(GGMLType.F32, s.n_kv[key[0]], s.n_seq_tokens, 1, s.n_seqs,
+                                                     f"kq_mask{key[0]}_swa{n_swa}").set_input()
+        return self.masks[key]
+
+
+class KVCacheInput(_AttentionInput):
+    """Attention over the KV cache: the ubatch's K and V rows are written into cells found
+    for them (one row index input per cache) and attention spans the first n_kv cells."""
+
+    def __init__(self, ctx: gg.Context, hp: HParams, shape: GraphShape, kv: KVMemory) -> None:
+        super().__init__(ctx, hp, shape)
+        self.kv = kv
+        self.k_rows = [ctx.new_tensor_1d(GGMLType.I64, shape.n_tokens, f"inp_k_rows{i}").set_input()
+                       for i in range(len(kv.caches))]
+
+    def cache_of(self, il: int) -> int:
+        return self.kv.cache_index[il]
+
+    def keys_values(self, graph: gg.Graph, il: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        c, hp, s = self.ctx, self.hp, self.shape
+        ci = self.cache_of(il)
+        cache, n_kv = self.kv.caches[ci], s.n_kv[ci]
+        cache_k, cache_v = cache.k[il], cache.v[il]
+        # write this ubatch's K and V rows (ordered before the reads below)
+        rows_k = gg.reshape(c, cache_k, hp.n_embd_k_gqa, cache.kv_size * cache.n_stream)
+        rows_v = gg.reshape(c, cache_v, hp.n_embd_v_gqa, cache.kv_size * cache.n_stream)
+        graph.visit(gg.set_rows(c, rows_k, gg.reshape(c, k, hp.n_embd_k_gqa, s.n_tokens), self.k_rows[ci]))
+        graph.visit(gg.set_rows(c, rows_v, gg.reshape(c, v, hp.n_embd_v_gqa, s.n_tokens), self.k_rows[ci]))
+        views = []
+        for t, d in ((cache_k, hp.n_embd_head_k), (cache_v, hp.n_embd_head_v)):
+            stream = t.nb[2]
+            views.append(gg.view_4d(c, t, d, n_kv, hp.n_head_kv, s.n_seqs, t.nb[1], d * t.nb[0], stream,
+                                    s.stream0 * stream))
+        return views[0], views[1]
+
+    def set_inputs(self, ub: UBatch, k_rows: list[np.ndarray]) -> None:
+        for inp, rows in zip(self.k_rows, k_rows):
+            inp.array().reshape(-1)[:] = rows
+        for (cache, n_swa), mask in self.masks.items():
+            self.kv.caches[cache].fill_mask(ub, self.shape.n_kv[cache], mask.array(), n_swa)
+
+
+class WindowInput(_AttentionInput):
+    """Attention inside a training window without a cache: the K and V of the window's
+    n_prev earlier tokens are graph inputs flagged param (so their gradients can be
+    carried back to the ubatches that made them); this ubatch's own K and V are outputs."""
+
+    def __init__(self, ctx: gg.Context, hp: HParams, shape: GraphShape, n_prev: int) -> None:
+        super().__init__(ctx, hp, shape)
+        self.n_prev = n_prev
+        self.k_prev: list[Tensor] = []
+        self.v_prev: list[Tensor] = []
+        self.k_cur: list[Tensor] = []
+        self.v_cur: list[Tensor] = []
+        for il in range(hp.n_layer if n_prev else 0):
+            for name, store, dim in (("k", self.k_prev, hp.n_embd_head_k), ("v", self.v_prev, hp.n_embd_head_v)):
+                t = ctx.new_tensor_3d(GGMLType.F32, dim, hp.n_head_kv, n_prev, f"{name}_prev.{il}")
+                store.append(t.set_input().set_param())
+
+    def keys_values(self, graph: gg.Graph, il: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        c = self.ctx
+        self.k_cur.append(k)
+        self.v_cur.append(v)
+        if self.n_prev:
+            k = gg.concat(c, self.k_prev[il], k, 2)
+            v = gg.concat(c, self.v_prev[il], v, 2)
+        # [head_dim, n_head_kv, n_kv] -> [head_dim, n_kv, n_head_kv], as the cache's views
+        return gg.permute(c, k, 0, 2, 1, 3), gg.permute(c, v, 0, 2, 1, 3)
+
+    def set_inputs(self, ub: UBatch, k_rows=None) -> None:
+        n_kv = self.shape.n_kv[0]
+        cell_pos = (ub.pos[0] - self.n_prev + np.arange(n_kv, dtype=np.int32))[None, :]
+        cell_seqs = np.ones((1, n_kv), dtype=np.uint64)
+        tok_bits = np.ones(ub.n_tokens, dtype=np.uint64)
+        for (_, n_swa), mask in self.masks.items():
+            fill_kq_mask(cell_pos, cell_seqs, ub.pos, tok_bits, n_swa, mask.array())
+
+
 class GraphBuilder:
-    def __init__(self, model, kv: KVMemory, shape: GraphShape, flash_attn: bool = True, adapters=()) -> None:
+    """One ubatch's graph. Built through `for_cache` (inference) or `for_window` (training)."""
+
+    def __init__(self, model, shape: GraphShape, attention_input: Callable[[gg.Context], _AttentionInput],
+                 flash_attn: bool = True, adapters=(), logits_out: bool = True) -> None:
         self.model = model
         self.adapters = tuple(adapters)  # (LoraAdapter, scale) pairs applied by mm()
         self.flash_attn = flash_attn
+        self.logits_out = logits_out
         self.hp = model.hparams
-        self.kv = kv
         self.shape = shape
         self.ctx = gg.Context()
         self.graph = gg.Graph()
         c = self.ctx
         self.inp_tokens = c.new_tensor_1d(GGMLType.I32, shape.n_tokens, "inp_tokens").set_input()
         self.inp_pos = c.new_tensor_1d(GGMLType.I32, shape.n_tokens, "inp_pos").set_input()
-        # where this ubatch's K/V rows go, per cache
-        self.inp_k_rows = [c.new_tensor_1d(GGMLType.I64, shape.n_tokens, f"inp_k_rows{i}").set_input()
-                           for i in range(len(kv.caches))]
-        self.inp_masks: dict[tuple[int, int], Tensor] = {}  # (cache, sliding window or 0) -> mask
+        self.attn = attention_input(c)
         self.inp_out_ids = None
         self.sampler_rows: list = [None] * shape.n_outputs  # backend samplers per output row
         if shape.n_outputs < shape.n_tokens:
             self.inp_out_ids = c.new_tensor_1d(GGMLType.I32, shape.n_outputs, "inp_out_ids").set_input()
+        self.logits: Tensor | None = None
+
+    @classmethod
+    def for_cache(cls, model, kv: KVMemory, shape: GraphShape, flash_attn: bool = True, adapters=()) -> "GraphBuilder":
+        """An inference ubatch: K/V through the KV cache, the logits an output of the graph."""
+        return cls(model, shape, lambda c: KVCacheInput(c, model.hparams, shape, kv), flash_attn, adapters)
+
+    @classmethod
+    def for_window(cls, model, n_prev: int, n_tokens: int, adapters=()) -> "GraphBuilder":
+        """A training ubatch after n_prev tokens of its window: logits for every token, kept
+        inside the graph (the loss is computed from them); attention as matrix products,
+        which have gradients."""
+        shape = GraphShape(n_tokens, n_tokens, 1, 0, (n_prev + n_tokens,), n_tokens)
+        return cls(model, shape, lambda c: WindowInput(c, model.hparams, shape, n_prev), False, adapters,
+                   logits_out=False)
 
     # ---- inputs ----------------------------------------------------------------------
     def token_embeddings(self, tok_embd: Tensor) -> Tensor:
         return gg.get_rows(self.ctx, tok_embd, self.inp_tokens)
 
-    def kq_mask(self, cache: int = 0, n_swa: int = 0) -> Tensor:
-        key = (cache, n_swa)
-        if key not in self.inp_masks:
-            s = self.shape
-            self.inp_masks[key] = self.ctx.new_tensor_4d(
-                GGMLType.F32, s.n_kv[cache], s.n_seq_tokens, 1, s.n_seqs, f"kq_mask{cache}_swa{n_swa}").set_input()
-        return self.inp_masks[key]
-
-    def set_inputs(self, ub, k_rows: list[np.ndarray]) -> None:
+    def set_inputs(self, ub: UBatch, k_rows: list[np.ndarray] | None = None) -> None:
         self.inp_tokens.array().reshape(-1)[:] = ub.tokens
         self.inp_pos.array().reshape(-1)[:] = ub.pos
-        for inp, rows in zip(self.inp_k_rows, k_rows):
-            inp.array().reshape(-1)[:] = rows
-        for (cache, n_swa), mask in self.inp_masks.items():
-            self.kv.caches[cache].fill_mask(ub, self.shape.n_kv[cache], mask.array(), n_swa)
+        self.attn.set_inputs(ub, k_rows)
         if self.inp_out_ids is not None:
             self.inp_out_ids.array().reshape(-1)[:] = np.flatnonzero(ub.output)
 
@@ -100,44 +205,31 @@ class GraphBuilder:
 
     def attention(self, il: int, q: Tensor, k: Tensor, v: Tensor, kq_scale: float | None = None,
                   n_swa: int = 0) -> Tensor:
-        """Store k, v for this ubatch in the cache and attend over the cache.
+        """softmax(q k^T * scale + mask) v over the keys and values the attention input gives.
 
         q: [head_dim, n_head, n_tokens], k/v: [head_dim, n_head_kv, n_tokens]; returns
         [n_head * head_dim_v, n_tokens].
         """
         c, hp, s = self.ctx, self.hp, self.shape
-        ci = self.kv.cache_index[il]
-        kv, n_kv, k_rows = self.kv.caches[ci], s.n_kv[ci], self.inp_k_rows[ci]
-        cache_k, cache_v = kv.k[il], kv.v[il]
-        # write this ubatch's K and V rows (ordered before the reads below)
-        rows_k = gg.reshape(c, cache_k, hp.n_embd_k_gqa, kv.kv_size * kv.n_stream)
-        rows_v = gg.reshape(c, cache_v, hp.n_embd_v_gqa, kv.kv_size * kv.n_stream)
-        self.graph.visit(gg.set_rows(c, rows_k, gg.reshape(c, k, hp.n_embd_k_gqa, s.n_tokens), k_rows))
-        self.graph.visit(gg.set_rows(c, rows_v, gg.reshape(c, v, hp.n_embd_v_gqa, s.n_tokens), k_rows))
-
+        keys, values = self.attn.keys_values(self.graph, il, k, v)  # [head_dim, n_kv, n_head_kv, n_seqs]
         hk, hv = hp.n_embd_head_k, hp.n_embd_head_v
-        stream_k, stream_v = cache_k.nb[2], cache_v.nb[2]
-        kview = gg.view_4d(c, cache_k, hk, n_kv, hp.n_head_kv, s.n_seqs,
-                           cache_k.nb[1], hk * cache_k.nb[0], stream_k, s.stream0 * stream_k)
         q = gg.reshape(c, q, hk, hp.n_head, s.n_seq_tokens, s.n_seqs)
         q = gg.permute(c, q, 0, 2, 1, 3)  # [head_dim, n_seq_tokens, n_head, n_seqs]
         scale = 1.0 / math.sqrt(hk) if kq_scale is None else kq_scale
-        mask = self.kq_mask(ci, n_swa)
+        mask = self.attn.mask(il, n_swa)
         if self.flash_attn:
-            vview = gg.view_4d(c, cache_v, hv, n_kv, hp.n_head_kv, s.n_seqs,
-                               cache_v.nb[1], hv * cache_v.nb[0], stream_v, s.stream0 * stream_v)
-            out = gg.flash_attn_ext(c, q, kview, vview, mask, scale)  # [head_dim, n_head, n_seq_tokens, n_seqs]
+            out = gg.flash_attn_ext(c, q, keys, values, mask, scale)  # [head_dim, n_head, n_seq_tokens, n_seqs]
             return gg.reshape(c, out, hv * hp.n_head, s.n_tokens)
-        vview = gg.view_4d(c, cache_v, hv, hp.n_head_kv, n_kv, s.n_seqs,
-                           hv * cache_v.nb[0], cache_v.nb[1], stream_v, s.stream0 * stream_v)
-        vview = gg.permute(c, vview, 1, 2, 0, 3)  # [n_kv, head_dim, n_head_kv, n_seqs]
-        kq = gg.mul_mat(c, kview, q)      # [n_kv, n_seq_tokens, n_head, n_seqs]
+        kq = gg.mul_mat(c, keys, q)      # [n_kv, n_seq_tokens, n_head, n_seqs]
         kq = gg.soft_max_ext(c, kq, mask, scale, 0.0)
-        kqv = gg.mul_mat(c, vview, kq)    # [head_dim, n_seq_tokens, n_head, n_seqs]
+        kqv = gg.mul_mat(c, gg.transpose(c, values), kq)  # [head_dim, n_seq_tokens, n_head, n_seqs]
         cur = gg.permute(c, kqv, 0, 2, 1, 3)
         return gg.cont(c, cur, hv * hp.n_head, s.n_tokens)
 
     def finish(self, logits: Tensor) -> Tensor:
-        logits.set_name("result_output").set_output()
-        self.graph.visit(logits)
+        logits.set_name("result_output")
+        if self.logits_out:
+            logits.set_output()
+            self.graph.visit(logits)
+        self.logits = logits
         return logits

@@ -139,7 +139,7 @@ class KVCache:
         """
         streams = slice(ub.stream0, ub.stream0 + ub.n_seqs)
         tok_bits = np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64))
-        _fill_mask(self.pos[streams, :n_kv], self.seqs[streams, :n_kv], ub.pos, tok_bits, n_swa, mask)
+        fill_kq_mask(self.pos[streams, :n_kv], self.seqs[streams, :n_kv], ub.pos, tok_bits, n_swa, mask)
 
     # ---- sequence operations (llama_memory_seq_*) -----------------------------------------
     def _range(self, p0: int, p1: int) -> np.ndarray:
@@ -304,8 +304,11 @@ class KVMemory:
 
 
 @njit(parallel=True, cache=True)
-def _fill_mask(cell_pos, cell_seqs, tok_pos, tok_bits, n_swa, mask):
-    """mask[j, 0, i, c] for token i of the ubatch's sequence j and cell c of its stream."""
+def fill_kq_mask(cell_pos, cell_seqs, tok_pos, tok_bits, n_swa, mask):
+    """mask[j, 0, i, c] = 0 where token i of stream j (position tok_pos, sequence bit
+    tok_bits) may attend to cell c of that stream (position cell_pos, sequence bits
+    cell_seqs), -inf elsewhere: the cell holds one of the token's sequences at an earlier
+    or equal position, less than n_swa back when n_swa > 0."""
     n_seqs, n_tok, n_kv = mask.shape[0], mask.shape[2], cell_pos.shape[1]
     for t in prange(n_seqs * n_tok):
         j, i = t // n_tok, t % n_tok

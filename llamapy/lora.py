@@ -161,5 +161,5 @@ def merge_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]], outt
             raise InputError(f"cannot store merged {name} as {target.name}")
         merged = Tensor(target, w.ne, name=name)
         merged.bind(np.ascontiguousarray(data).reshape(-1).view(np.uint8).copy())
-        model.tensors[name] = merged
+        model.set_tensor(name, merged)
     return names

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from ggmlpy import Tensor
 
@@ -19,19 +21,34 @@ class Model:
         self.arch = arch
         self.hparams = hparams
         self.vocab = vocab
-        self.tensors: dict[str, Tensor] = file.tensors
+        self._tensors: dict[str, Tensor] = dict(file.tensors)
+        self.revision = 0  # changes whenever a tensor is replaced: graphs built before are stale
+
+    @property
+    def tensors(self) -> Mapping[str, Tensor]:
+        """The weights by GGUF name (read-only: replace one with `set_tensor`)."""
+        return MappingProxyType(self._tensors)
+
+    def set_tensor(self, name: str, tensor: Tensor) -> None:
+        """Replace weight `name` (same shape): contexts rebuild their graphs on the new one."""
+        old = self._tensors[name]
+        if tensor.ne != old.ne:
+            raise ValueError(f"set_tensor {name}: shape {tensor.ne} differs from {old.ne}")
+        tensor.name = name
+        self._tensors[name] = tensor
+        self.revision += 1
 
     @property
     def path(self) -> Path:
         return self.file.path
 
     def weight(self, name: str) -> Tensor:
-        return self.tensors[name]
+        return self._tensors[name]
 
     @property
     def output_weight(self) -> Tensor:
         """The output projection, or the token embeddings when the model ties them."""
-        return self.tensors.get("output.weight") or self.tensors["token_embd.weight"]
+        return self._tensors.get("output.weight") or self._tensors["token_embd.weight"]
 
     @property
     def n_params(self) -> int:

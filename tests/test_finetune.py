@@ -15,7 +15,7 @@ import llamapy
 from ggmlpy import GGMLType
 from llamapy.dataset import token_windows
 from llamapy.errors import InputError
-from llamapy.opt import SGD, LRSchedule, TrainParams, param_filter_pattern
+from llamapy.train_params import SGD, LRSchedule, TrainParams, param_filter_pattern
 from llamapy.perplexity import perplexity
 
 from conftest import REPO_ROOT, SHARED, shared_path
@@ -43,15 +43,15 @@ def trainer_for(stories, n_ubatch: int, params: TrainParams | None = None):
 
 def grads(ctx) -> dict[str, np.ndarray]:
     tr = ctx.trainer
-    return {name: tr.grad_accs[id(t)].numpy().copy() for name, t in tr.trained.items()}
+    return {name: tr.grad(name).copy() for name in tr.trained}
 
 
 @pytest.mark.parametrize("n_ubatch", [32, 64])
 def test_first_step_loss_and_gradients_do_not_depend_on_n_ubatch(stories, wiki_tokens, n_ubatch):
     ds = token_windows(wiki_tokens, N_CTX)
     whole, split = trainer_for(stories, N_CTX), trainer_for(stories, n_ubatch)
-    loss_whole = sum(whole.trainer.window(ds.data[0], ds.labels[0], True, None))
-    loss_split = sum(split.trainer.window(ds.data[0], ds.labels[0], True, None))
+    loss_whole = np.mean(whole.trainer.window(ds.data[0], ds.labels[0], True, None))
+    loss_split = np.mean(split.trainer.window(ds.data[0], ds.labels[0], True, None))
     assert loss_split == pytest.approx(loss_whole, rel=1e-6)
     g_whole, g_split = grads(whole), grads(split)
     for name in g_whole:
@@ -69,7 +69,7 @@ def test_training_loss_equals_inference_cross_entropy(stories, wiki_tokens):
     inf = llamapy.Context(model, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, type_k=GGMLType.F32,
                           type_v=GGMLType.F32, flash_attn=False, n_threads=1)
     for i in range(3):
-        loss = sum(ctx.trainer.window(ds.data[i], ds.labels[i], False, None))
+        loss = np.mean(ctx.trainer.window(ds.data[i], ds.labels[i], False, None))
         inf.memory_clear()
         inf.decode(llamapy.Batch.from_tokens(ds.data[i], all_outputs=True))
         logits = inf.get_logits().astype(np.float64)
@@ -89,14 +89,14 @@ def test_gradient_matches_finite_differences_through_split_windows(stories, wiki
     rng = np.random.default_rng(0)
     for name in ("blk.0.attn_k.weight", "blk.2.ffn_norm.weight"):
         t = tr.trained[name]
-        g = tr.grad_accs[id(t)].numpy().astype(np.float64).reshape(t.array().shape)
+        g = tr.grad(name).astype(np.float64).reshape(t.array().shape)
         d = rng.standard_normal(g.shape)
         w0 = np.array(t.array())
         h = 1e-2 * np.abs(w0).mean() / np.abs(d).mean()
         vals = []
         for sign in (1, -1):
             t.array()[...] = (w0 + sign * h * d).astype(np.float32)
-            vals.append(sum(tr.window(ds.data[1], ds.labels[1], False, None)))
+            vals.append(np.mean(tr.window(ds.data[1], ds.labels[1], False, None)))
         t.array()[...] = w0
         fd = (vals[0] - vals[1]) / (2 * h)
         assert fd == pytest.approx(float((g * d).sum()), rel=2e-2), name

@@ -15,7 +15,7 @@ from ggmlpy import GGMLType
 from llamapy.dataset import token_windows
 from llamapy.errors import ModelLoadError
 from llamapy.lora import DEFAULT_MODULES, LoraAdapter, merge_adapters
-from llamapy.opt import LRSchedule, TrainParams, param_filter_lora
+from llamapy.train_params import LRSchedule, TrainParams, param_filter_lora
 
 from conftest import REPO_ROOT
 

@@ -32,17 +32,12 @@ def regression_model(batch: int):
     return ctx, x, f, a, b
 
 
-@pytest.mark.parametrize("optimizer,alpha", [(opt.OptimizerType.ADAMW, 0.05), (opt.OptimizerType.SGD, 0.2)])
+@pytest.mark.parametrize("optimizer,alpha", [(opt.AdamW, 0.05), (opt.SGD, 0.2)])
 def test_linear_regression_reaches_least_squares_solution(optimizer, alpha):
     ds, x, y = regression_dataset()
     slope, intercept = np.polyfit(x.astype(np.float64), y.astype(np.float64), 1)
     ctx, inputs, outputs, a, b = regression_model(batch=32)
-
-    def pars(_):
-        p = opt.OptimizerParams()
-        p.adamw.alpha = p.sgd.alpha = alpha
-        return p
-    opt.opt_fit(ctx, inputs, outputs, ds, opt.LossType.MEAN_SQUARED_ERROR, optimizer, pars, nepoch=60,
+    opt.opt_fit(ctx, inputs, outputs, ds, opt.LossType.MEAN_SQUARED_ERROR, optimizer(alpha=alpha), nepoch=60,
                 silent=True, seed=1)
     assert abs(a.numpy()[0] - slope) < 5e-3 and abs(b.numpy()[0] - intercept) < 5e-3, (a.numpy(), b.numpy(), slope, intercept)
 
@@ -75,13 +70,8 @@ def xor_blobs(ndata: int, seed: int = 0) -> opt.Dataset:
 def test_mlp_fit_reaches_95_percent_validation_accuracy_and_prints_progress():
     ds = xor_blobs(2000)
     ctx, inputs, outputs, _ = mlp(batch=50, n_in=2, n_hidden=16, n_out=2)
-
-    def pars(_):
-        p = opt.OptimizerParams()
-        p.adamw.alpha = 0.02
-        return p
     stream = io.StringIO()
-    history = opt.opt_fit(ctx, inputs, outputs, ds, opt.LossType.CROSS_ENTROPY, opt.OptimizerType.ADAMW, pars,
+    history = opt.opt_fit(ctx, inputs, outputs, ds, opt.LossType.CROSS_ENTROPY, opt.AdamW(alpha=0.02),
                           nepoch=6, val_split=0.1, seed=3, stream=stream)
     acc, _ = history[-1].val.accuracy()
     assert acc > 0.95
@@ -97,8 +87,8 @@ def test_mlp_fit_reaches_95_percent_validation_accuracy_and_prints_progress():
 def _fit_steps(batch: int, opt_period: int, ndata: int = 256):
     ds = xor_blobs(ndata, seed=5)
     ctx, inputs, outputs, params = mlp(batch, 2, 8, 2, seed=7)
-    opt_ctx = opt.OptContext(opt.OptParams(ctx, inputs, outputs, opt.LossType.CROSS_ENTROPY, opt.OptimizerType.ADAMW,
-                                           opt_period=opt_period, get_opt_pars=lambda _: opt.OptimizerParams()))
+    opt_ctx = opt.OptContext(opt.OptParams(ctx, inputs, outputs, opt.LossType.CROSS_ENTROPY, opt.AdamW(),
+                                           opt_period=opt_period))
     result = opt.Result()
     opt.opt_epoch(opt_ctx, ds, result, None, -1)
     return [p.numpy() for p in params], result, opt_ctx
@@ -150,36 +140,38 @@ def test_result_statistics_match_numpy():
     assert summed.loss()[0] == 7.0 and summed.loss()[1] == pytest.approx(np.std([1, 2, 4], ddof=1) * math.sqrt(3))
 
 
-def _state_tensors(opt_ctx: opt.OptContext, params) -> list[gg.Tensor]:
-    """Tensors with memory of their own that the optimizer created (not params, data, results)."""
-    skip = {id(t) for t in params} | {id(opt_ctx.inputs), id(opt_ctx.labels), id(opt_ctx.loss), id(opt_ctx.pred),
-                                      id(opt_ctx.ncorrect), id(opt_ctx.opt_step_params)}
-    arena = opt_ctx.allocator.arena
-    return [t for t in opt_ctx.ctx.tensors if t.has_data and t.view_src is None and t.op == gg.Op.NONE
-            and id(t) not in skip and t.buffer is not arena and not t.name.endswith("grad seed")]
+def _state_tensors(opt_ctx: opt.OptContext) -> list[gg.Tensor]:
+    """Tensors with memory of their own that the optimizer created, beside the gradient
+    accumulators every optimizer has and its step's hyper-parameters."""
+    o = opt_ctx.optimizer
+    skip = {id(t) for t in o.grad_accs.values()} | {id(o.step_params)}
+    arena = opt_ctx.static.allocator.arena
+    return [t for t in o.memory.tensors if t.has_data and t.view_src is None and t.op == gg.Op.NONE
+            and id(t) not in skip and t.buffer is not arena]
 
 
-@pytest.mark.parametrize("optimizer", [opt.OptimizerType.SGD, opt.OptimizerType.ADAMW])
+@pytest.mark.parametrize("optimizer", [opt.SGD(), opt.AdamW()])
 def test_optimizer_state_memory(optimizer):
     ctx, inputs, outputs, params = mlp(batch=8, n_in=4, n_hidden=6, n_out=3)
     opt_ctx = opt.OptContext(opt.OptParams(ctx, inputs, outputs, opt.LossType.CROSS_ENTROPY, optimizer))
-    state = _state_tensors(opt_ctx, params)
-    if optimizer == opt.OptimizerType.SGD:
+    state = _state_tensors(opt_ctx)
+    if optimizer.kind == "sgd":
         assert state == [] and opt_ctx.optimizer_state() == []
     else:
         assert len(state) == 2 * len(params)
         for p in params:
             shaped = [t for t in state if t.ne == p.ne and p.name in t.name]
             assert len(shaped) == 2 and all(t.nbytes() == p.nbytes() for t in shaped)
-    assert opt_ctx.allocator.peak_bytes > 0
+    assert opt_ctx.static.allocator.peak_bytes > 0
 
 
 def test_backward_graph_reuses_memory_and_keeps_param_gradients():
     ctx, inputs, outputs, params = mlp(batch=64, n_in=32, n_hidden=64, n_out=10)
     opt_ctx = opt.OptContext(opt.OptParams(ctx, inputs, outputs, opt.LossType.SUM, build_type=opt.BuildType.GRAD))
-    graph = opt_ctx.gb_grad
-    planned = sum(t.nbytes() for t in graph.nodes if t.view_src is None and t.buffer is opt_ctx.allocator.arena)
-    assert opt_ctx.allocator.peak_bytes < planned  # lifetimes overlap less than everything at once
+    graph = opt_ctx.static.backward
+    allocator = opt_ctx.static.allocator
+    planned = sum(t.nbytes() for t in graph.nodes if t.view_src is None and t.buffer is allocator.arena)
+    assert allocator.peak_bytes < planned  # lifetimes overlap less than everything at once
     inputs.set(np.random.default_rng(0).standard_normal((64, 32)))
     opt_ctx.alloc(backward=True)
     opt_ctx.eval(None)

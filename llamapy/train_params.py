@@ -1,0 +1,151 @@
+"""Training parameters (pydantic models), parameter filters and llamapy's training policy.
+
+A parameter filter decides, per model tensor, whether it trains. Built-ins: every F32
+tensor, tensors whose names match a pattern, and LoRA adapter tensors. Learning-rate
+schedules follow llama.cpp's flags (-lr, -lr-min, -decay-epochs) plus halving (-lr-half,
+-lr-halvings). The optimizer's other hyper-parameters are ggmlpy's `AdamW` / `SGD`
+models; the schedule sets their learning rate (alpha) for each epoch.
+
+`TrainParams.for_model` is the policy a user gets by default, in Python and on the
+command line alike: LoRA when the model's matrices are quantized (they cannot train
+directly), a learning rate that suits what trains, BOS in every window for the
+architectures that need it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ggmlpy import GGMLType, Tensor, traits
+from ggmlpy.opt import SGD, AdamW, with_alpha
+
+from .lora import DEFAULT_MODULES as DEFAULT_LORA_MODULES
+
+ParamFilter = Callable[[str, Tensor], bool]
+
+DEFAULT_LR = 1e-5         # llama.cpp's finetune
+DEFAULT_LORA_LR = 3e-4    # adapters start at zero (B = 0); 1e-3 overfits the demo slice by epoch 2
+DEFAULT_QUANTIZED_RANK = 8
+
+__all__ = ["SGD", "AdamW", "LRSchedule", "LoraParams", "TrainParams", "param_filter_all", "param_filter_lora",
+           "param_filter_pattern"]
+
+
+def param_filter_all(name: str, tensor: Tensor) -> bool:
+    """Every F32 tensor of the model trains (norms, projections, embeddings)."""
+    return tensor.type == GGMLType.F32
+
+
+def param_filter_pattern(pattern: str) -> ParamFilter:
+    """F32 tensors whose name matches the regular expression `pattern` (re.search)."""
+    regex = re.compile(pattern)
+    return lambda name, tensor: tensor.type == GGMLType.F32 and regex.search(name) is not None
+
+
+def param_filter_lora(name: str, tensor: Tensor) -> bool:
+    """Only LoRA adapter tensors (`<base tensor>.lora_a` / `.lora_b`) train."""
+    return name.endswith((".lora_a", ".lora_b"))
+
+
+class LRSchedule(BaseModel):
+    """Learning rate per epoch (0-based).
+
+    lr_min > 0: exponential decay from lr0 to lr_min over decay_epochs (all epochs when
+    unset), then lr_min (llama.cpp's -lr-min / -decay-epochs). half_life: halve every
+    half_life epochs, at most `halvings` times (-lr-half / -lr-halvings).
+    """
+
+    lr0: float = Field(DEFAULT_LR, gt=0)
+    lr_min: float = Field(0.0, ge=0)
+    decay_epochs: float = -1.0
+    half_life: float | None = Field(None, gt=0)
+    halvings: int | None = Field(None, ge=0)
+    epochs: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _one_kind_of_decay(self) -> "LRSchedule":
+        if self.half_life is not None and self.lr_min > 0:
+            raise ValueError("choose either halving (-lr-half) or decay to a minimum (-lr-min), not both")
+        return self
+
+    def lr(self, epoch: int) -> float:
+        if self.half_life is not None:
+            n = epoch / self.half_life
+            if self.halvings is not None:
+                n = min(n, self.halvings)
+            return self.lr0 * 0.5 ** math.floor(n)
+        if 0 < self.lr_min < self.lr0:
+            span = self.decay_epochs if 0 < self.decay_epochs < self.epochs else self.epochs
+            if epoch >= span:
+                return self.lr_min
+            return self.lr0 * 0.5 ** (epoch * math.log2(self.lr0 / self.lr_min) / span)
+        return self.lr0
+
+
+class LoraParams(BaseModel):
+    """A LoRA adapter to create and train instead of the weights (opt_init attaches it)."""
+
+    rank: int = Field(ge=1)
+    alpha: float | None = None  # None: the rank (scale 1)
+    modules: tuple[str, ...] = DEFAULT_LORA_MODULES
+    seed: int = 0
+
+
+class TrainParams(BaseModel):
+    """What Context.opt_init needs. n_ctx_train 0 means the context's n_ctx."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    n_ctx_train: int = Field(0, ge=0)
+    optimizer: Annotated[AdamW | SGD, Field(discriminator="kind")] = Field(default_factory=AdamW)
+    schedule: LRSchedule = Field(default_factory=LRSchedule)
+    param_filter: ParamFilter = param_filter_all
+    lora: LoraParams | None = None
+    window_bos: bool = False  # training windows start with BOS (see dataset.text_windows)
+
+    @field_validator("optimizer")
+    @classmethod
+    def _rate_from_schedule(cls, optimizer: AdamW | SGD) -> AdamW | SGD:
+        if "alpha" in optimizer.model_fields_set:
+            raise ValueError("set the learning rate with schedule=LRSchedule(lr0=...), not the optimizer's alpha")
+        return optimizer
+
+    @model_validator(mode="after")
+    def _lora_trains_adapters(self) -> "TrainParams":
+        if self.lora is not None and self.param_filter is param_filter_all:
+            self.param_filter = param_filter_lora
+        return self
+
+    def optimizer_params(self, epoch: int) -> AdamW | SGD:
+        """The optimizer's hyper-parameters in one epoch of this schedule."""
+        return with_alpha(self.optimizer, self.schedule.lr(epoch))
+
+    @classmethod
+    def for_model(cls, model, *, lora_rank: int | None = None, lora_alpha: float | None = None,
+                  lora_modules: Iterable[str] = DEFAULT_LORA_MODULES, seed: int = 0,
+                  window_bos: bool | None = None, **fields) -> "TrainParams":
+        """llamapy's defaults for `model`: a LoRA adapter of rank DEFAULT_QUANTIZED_RANK when a
+        matrix it would adapt is quantized (unless `lora_rank` says otherwise), the learning
+        rate for what trains (DEFAULT_LORA_LR or DEFAULT_LR) unless `schedule` sets lr0, BOS
+        in every window when the architecture expects it. `fields` are TrainParams fields."""
+        modules = tuple(lora_modules)
+        if lora_rank is None and has_quantized_matrices(model, modules):
+            lora_rank = DEFAULT_QUANTIZED_RANK
+        lora = LoraParams(rank=lora_rank, alpha=lora_alpha, modules=modules, seed=seed) if lora_rank else None
+        schedule = fields.pop("schedule", None) or LRSchedule()
+        if "lr0" not in schedule.model_fields_set:
+            schedule = LRSchedule(**{**schedule.model_dump(exclude_unset=True),
+                                     "lr0": DEFAULT_LORA_LR if lora else DEFAULT_LR})
+        bos = model.arch.bos_in_every_window if window_bos is None else window_bos
+        return cls(schedule=schedule, lora=lora, window_bos=bos, **fields)
+
+
+def has_quantized_matrices(model, modules: Iterable[str]) -> bool:
+    """Whether a layer matrix of one of `modules` is block-quantized (and so cannot train directly)."""
+    modules = set(modules)
+    return any(traits(t.type).is_quantized for name, t in model.tensors.items()
+               if name.startswith("blk.") and name.split(".")[2] in modules)
