@@ -162,3 +162,25 @@ def test_gemma3_lora_finetune_lowers_loss_and_perplexity(gemma3_path, wiki_path,
     base = ppl()
     assert ppl("--lora", str(adapter)) < base
     assert ppl("--lora-scaled", str(adapter), "0") == base
+
+
+def test_training_policy_for_a_model(model, stories_path):
+    """TrainParams.for_model decides what a user gets by default (the CLI uses it too): full
+    finetune at llama.cpp's rate on F32 weights, a rank-8 adapter at 3e-4 on quantized ones."""
+    from llamapy.train_params import AdamW, param_filter_all
+    full = TrainParams.for_model(model)
+    assert full.lora is None and full.schedule.lr0 == 1e-5 and full.param_filter is param_filter_all
+    assert not full.window_bos and TrainParams.for_model(model, window_bos=True).window_bos
+    quantized = llamapy.load_model(stories_path)
+    merge_adapters(quantized, [(LoraAdapter.new(quantized, rank=1, modules=["ffn_up"]), 1.0)], GGMLType.Q8_0)
+    params = TrainParams.for_model(quantized)
+    assert params.lora.rank == 8 and params.schedule.lr0 == 3e-4 and params.param_filter is param_filter_lora
+    mine = TrainParams.for_model(quantized, schedule=LRSchedule(lr0=1e-3, epochs=3))
+    assert mine.schedule.lr0 == 1e-3 and mine.schedule.epochs == 3
+    with pytest.raises(ValueError, match="lr0"):
+        TrainParams(optimizer=AdamW(alpha=1e-3))
+    ctx = llamapy.Context(quantized, n_ctx=64, n_threads=1)
+    ctx.opt_init(params)
+    adapter = ctx.trainer.adapter
+    assert [a for a, _ in ctx.adapters] == [adapter]
+    assert set(ctx.trainer.trained) == set(adapter.named_tensors())

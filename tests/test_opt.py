@@ -179,3 +179,69 @@ def test_backward_graph_reuses_memory_and_keeps_param_gradients():
     # the gradients of a SUM loss w.r.t. the output bias is the batch size for every class
     np.testing.assert_allclose(grads["b2"], np.full(10, 64.0), rtol=1e-6)
     assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in grads.values())
+
+
+def test_optimizer_state_saved_and_loaded_continues_exactly():
+    """Two steps, save the state, two more; a fresh optimizer loaded with the saved state and
+    params takes the same two steps bit for bit (what resuming from a checkpoint needs)."""
+    ds = xor_blobs(128, seed=2)
+
+    def context():
+        ctx, inputs, outputs, params = mlp(batch=32, n_in=2, n_hidden=8, n_out=2, seed=1)
+        oc = opt.OptContext(opt.OptParams(ctx, inputs, outputs, opt.LossType.CROSS_ENTROPY, opt.AdamW(alpha=0.01)))
+        return oc, params
+
+    def two_steps(oc, first):
+        for ibatch in (first, first + 1):
+            oc.zero_grad()
+            oc.alloc(backward=True)
+            ds.get_batch(oc.inputs, oc.labels, ibatch)
+            oc.eval(None)
+            oc.step()
+
+    a, params_a = context()
+    two_steps(a, 0)
+    saved_state = a.optimizer.state.to_arrays()
+    saved_params = [p.numpy().copy() for p in params_a]
+    two_steps(a, 2)
+
+    b, params_b = context()
+    for p, values in zip(params_b, saved_params):
+        p.set(values)
+    b.optimizer.state.load_arrays(saved_state)
+    assert b.iter == 3
+    two_steps(b, 2)
+    for pa, pb in zip(params_a, params_b):
+        assert np.array_equal(pa.numpy(), pb.numpy())
+    with pytest.raises(ValueError, match="does not match"):
+        b.optimizer.state.load_arrays({k: v for k, v in saved_state.items() if ".m." not in k})
+
+
+def test_non_finite_loss_refuses_the_step_and_restores_the_last_good_weights():
+    ds, _, _ = regression_dataset(96)
+    ctx, inputs, outputs, a, b = regression_model(batch=32)
+    oc = opt.OptContext(opt.OptParams(ctx, inputs, outputs, opt.LossType.MEAN_SQUARED_ERROR, opt.SGD(alpha=0.1),
+                                      keep_last_good=True))
+    weights = []
+    ds.labels[64:] = np.inf  # the third batch's loss is not finite
+    for ibatch in range(3):
+        weights.append((a.numpy().copy(), b.numpy().copy()))
+        oc.zero_grad()
+        oc.alloc(backward=True)
+        ds.get_batch(oc.inputs, oc.labels, ibatch)
+        oc.eval(None)
+        if ibatch < 2:
+            oc.step()
+    with pytest.raises(opt.TrainingDivergedError, match="loss became inf at optimizer step 3"):
+        oc.step()
+    assert oc.iter == 3  # the step was refused
+    # back to the weights before step 2: step 2 made the weights whose loss was not finite
+    assert np.array_equal(a.numpy(), weights[1][0]) and np.array_equal(b.numpy(), weights[1][1])
+
+
+def test_optimizer_hyper_parameters_are_validated_once():
+    with pytest.raises(ValueError):
+        opt.AdamW(beta1=1.5)
+    with pytest.raises(ValueError):
+        opt.SGD(alpha=-1.0)
+    assert opt.with_alpha(opt.AdamW(wd=0.1), 0.5) == opt.AdamW(alpha=0.5, wd=0.1)
