@@ -332,6 +332,8 @@ class Context:
             raise InputError("warmup is refused while parameters are marked trainable (after opt_init)")
         vocab = self.model.vocab
         tokens = [t for t in (vocab.bos_id, vocab.eos_id) if t is not None and t >= 0] or [0]
+        if self.kv.has_shift:  # re-ropes K in place: done for good now, or restoring would ask for it again
+            self._apply_k_shift()
         saved = self.kv.snapshot()
         samplers, self._samplers = self._samplers, {}  # a warmup must not draw from a sampler's RNG
         try:

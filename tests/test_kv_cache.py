@@ -466,6 +466,23 @@ def test_k_shift_matches_fresh_decode(model, cache_type, atol):
     assert np.abs(unshifted.get_logits()[0] - fresh).max() > 100 * atol
 
 
+def test_warmup_between_a_shift_and_the_next_decode_shifts_once(model):
+    """A warmup applies the pending K shift for good: the next decode must not shift again."""
+    tokens = prompts(1, seed=6, lo=21, hi=22)[0]
+    results = []
+    for warmup in (False, True):
+        ctx = llamapy.Context(model, n_ctx=64, **F32_KV)
+        ctx.decode(Batch.from_tokens(tokens[:20], pos0=10))
+        ctx.memory_seq_add(0, -1, -1, -10)
+        if warmup:
+            ctx.set_warmup(True)
+        ctx.decode(Batch.from_tokens(tokens[20:], pos0=20))
+        ctx.memory_seq_add(0, -1, -1, -5)  # a second shift moves every cell by 5 only
+        ctx.decode(Batch.from_tokens(tokens[:1], pos0=16))
+        results.append(ctx.get_logits()[0].copy())
+    np.testing.assert_array_equal(results[1], results[0])
+
+
 def test_k_shift_partial_range_layer0_keys(model):
     """llama.cpp's context shift: drop cells [5, 10) and move [10, 20) back by 5.
 
