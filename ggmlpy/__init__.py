@@ -9,6 +9,7 @@ from .graph import Graph, build_forward_expand, new_graph
 from .ops import *  # noqa: F403  (the op functions are the public API, as in ggml.h)
 from .ops_train import *  # noqa: F403
 from .ops_sampling import *  # noqa: F403
+from .registry import OPS, OpInfo, OpKind
 from .tensor import Flag, Op, Tensor
 from .types import GGMLType, row_size, traits
 
@@ -20,7 +21,10 @@ __all__ = [
     "Graph",
     "GraphAllocator",
     "NotDifferentiableError",
+    "OPS",
     "Op",
+    "OpInfo",
+    "OpKind",
     "Tensor",
     "build_backward_expand",
     "build_forward_expand",

@@ -1,6 +1,7 @@
 """Graph allocator (ggml's gallocr): every intermediate tensor of a graph gets a place in
 one arena, planned from tensor lifetimes so that memory is reused as soon as the last
-consumer of a tensor has run. Element-wise ops may write over a dying operand in place.
+consumer of a tensor has run. Ops the registry marks `inplace` may write over a dying
+operand of their shape.
 
 The plan is made once per graph; `peak_bytes` is known before anything is computed.
 """
@@ -11,13 +12,10 @@ import bisect
 import numpy as np
 
 from .graph import Graph
+from .registry import OPS
 from .tensor import Flag, Op, Tensor
 
 ALIGNMENT = 64
-
-# Ops whose result may overwrite a same-shaped operand that is not needed afterwards.
-INPLACE_OPS = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.SCALE, Op.SQR, Op.SQRT, Op.LOG, Op.EXP,
-                         Op.SILU, Op.GELU, Op.SWIGLU, Op.GEGLU, Op.RMS_NORM, Op.SOFT_MAX, Op.ROPE})
 
 
 def _aligned(n: int) -> int:
@@ -129,7 +127,7 @@ class GraphAllocator:
 
     @staticmethod
     def _inplace_donor(node, owned, children, views, pinned, pinned_bases=frozenset()) -> Tensor | None:
-        if node.op not in INPLACE_OPS:
+        if not OPS[node.op].inplace:
             return None
         for s in node.src:
             if (id(s) in owned and s.view_src is None and children.get(id(s)) == 1 and views.get(id(s), 0) == 0

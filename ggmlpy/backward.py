@@ -3,8 +3,9 @@
 Gradients flow from the tensor flagged `loss` (seeded with ones) back to every tensor
 flagged `param`. Only nodes that both depend on a param and feed the loss get a
 gradient, so nothing is computed for the rest. A tensor feeding several nodes sums
-their contributions. Each op's rule lives in `RULES`; an op input that has no gradient
-(indices, masks, positions) is listed in `NOT_DIFFERENTIABLE` and refused by name.
+their contributions. Each differentiable op's rule lives in `RULES`; the op registry
+(registry.py) says which ops and inputs (indices, masks, positions) have no gradient, and
+why, so a graph asking for one is refused by name.
 """
 from __future__ import annotations
 
@@ -16,25 +17,13 @@ from . import ops as O
 from . import ops_train as OT
 from .context import Context
 from .graph import Graph
+from .registry import OPS
 from .tensor import Flag, Op, Tensor
 from .types import GGMLType, traits
 
 Contribs = list[Tensor | None]
 Rule = Callable[[Context, Tensor, Tensor, tuple[bool, ...]], Contribs]
-RULES: dict[Op, Rule] = {}
-
-NOT_DIFFERENTIABLE: dict[tuple[Op, int], str] = {
-    (Op.GET_ROWS, 1): "row indices",
-    (Op.SET_ROWS, 2): "row indices",
-    (Op.ROPE, 1): "positions",
-    (Op.ROPE, 2): "frequency factors",
-    (Op.SOFT_MAX, 1): "the mask",
-    (Op.CROSS_ENTROPY_LOSS, 1): "the labels",
-    (Op.CPY, 1): "the destination (it is overwritten)",
-    (Op.ARGMAX, 0): "an index result",
-    (Op.COUNT_EQUAL, 0): "an integer result",
-    (Op.COUNT_EQUAL, 1): "an integer result",
-}
+RULES: dict[Op, Rule] = {}  # exactly the registry's differentiable ops (tests check)
 
 
 class NotDifferentiableError(ValueError):
@@ -73,20 +62,13 @@ def build_backward_expand(ctx: Context, graph: Graph, grad_accs: dict[int, Tenso
 
     for node in reversed(graph.nodes):
         g = grads.get(id(node))
-        if g is None or node.op == Op.NONE:
+        if g is None:
             continue
         wants = tuple(id(s) in needs and id(s) in feeds for s in node.src)
-        if not any(wants):
+        if not any(wants):  # leafs (no sources) included
             continue
-        for i, want in enumerate(wants):
-            if want and (node.op, i) in NOT_DIFFERENTIABLE:
-                raise NotDifferentiableError(
-                    f"{node.op.name} is not differentiable with respect to {NOT_DIFFERENTIABLE[node.op, i]}")
-        try:
-            fn = RULES[node.op]
-        except KeyError:
-            raise NotDifferentiableError(f"{node.op.name} has no backward rule") from None
-        for src, want, contrib in zip(node.src, wants, fn(ctx, node, g, wants)):
+        _check_differentiable(node.op, wants)
+        for src, want, contrib in zip(node.src, wants, RULES[node.op](ctx, node, g, wants)):
             if not want or contrib is None:
                 continue
             prev = grads.get(id(src))
@@ -108,6 +90,15 @@ def build_backward_expand(ctx: Context, graph: Graph, grad_accs: dict[int, Tenso
         graph.grads[id(p)] = g
         graph.visit(g)
     return graph
+
+
+def _check_differentiable(op: Op, wants: tuple[bool, ...]) -> None:
+    info = OPS[op]
+    if not info.differentiable:
+        raise NotDifferentiableError(f"{op.name} is not differentiable: {info.forward_only}")
+    for i, want in enumerate(wants):
+        if want and i in info.no_grad:
+            raise NotDifferentiableError(f"{op.name} is not differentiable with respect to {info.no_grad[i]}")
 
 
 def _depends_on_params(graph: Graph) -> set[int]:

@@ -29,11 +29,6 @@ class Graph:
     def get_grad(self, tensor: Tensor) -> Tensor | None:
         return self.grads.get(id(tensor))
 
-    def reset(self) -> None:
-        """Zero the gradient accumulators: the start of a new accumulation (ggml_graph_reset)."""
-        for acc in self.grad_accs.values():
-            acc.array()[...] = 0
-
     def __len__(self) -> int:
         return len(self.nodes)
 

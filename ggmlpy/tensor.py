@@ -18,7 +18,9 @@ MAX_DIMS = 4
 
 
 class Op(IntEnum):
-    """Graph operations (ggml's `enum ggml_op`; unary and GLU variants flattened)."""
+    """Graph operations (ggml's `enum ggml_op`; unary and GLU variants flattened).
+
+    What each one means to the allocator and to autodiff is in registry.py."""
 
     NONE = 0
     DUP = auto()
@@ -75,10 +77,6 @@ class Op(IntEnum):
     MIN_P_CUT = auto()
     PENALTIES = auto()
     SAMPLE_DIST = auto()
-
-
-# Ops whose result shares its source's memory: nothing to compute, nothing to allocate.
-VIEW_OPS = frozenset({Op.RESHAPE, Op.VIEW, Op.PERMUTE, Op.TRANSPOSE})
 
 
 class Flag(IntFlag):
@@ -164,9 +162,6 @@ class Tensor:
 
     def is_transposed(self) -> bool:
         return self.nb[0] > self.nb[1]
-
-    def same_shape(self, other: "Tensor") -> bool:
-        return self.ne == other.ne
 
     # ---- flags ----------------------------------------------------------------------
     def set_flag(self, flag: Flag) -> "Tensor":

@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 from .errors import UnsupportedModelError
 from .gguf_file import GGUFFile
 
-ROPE_TYPE_NORM = 0
-ROPE_TYPE_NEOX = 2
-
 
 @dataclass
 class HParams:
@@ -26,7 +23,7 @@ class HParams:
     norm_rms_eps: float
     rope_freq_base: float
     rope_freq_scale: float
-    rope_type: int
+    rope_type: int  # ggmlpy.ROPE_TYPE_NORM or ROPE_TYPE_NEOX
     # per-layer sliding window (0: full attention); architectures without SWA leave it empty
     swa_layers: list[bool] = field(default_factory=list)
     n_swa: int = 0

@@ -59,7 +59,7 @@ def evaluate(outputs: list[gg.Tensor], overrides: dict[int, np.ndarray] | None =
             values[id(node)] = overrides[id(node)]
         elif node.op == Op.NONE:
             values[id(node)] = leaf_value(node)
-        elif node.view_src is not None and node.op in gg.tensor.VIEW_OPS:
+        elif gg.OPS[node.op].kind is gg.OpKind.VIEW:
             values[id(node)] = _window(values[id(node.view_src)], node.view_src, node)
         else:
             values[id(node)] = _op(node, [values[id(s)] for s in node.src])

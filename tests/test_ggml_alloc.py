@@ -17,7 +17,7 @@ import pytest
 
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
-from ggmlpy.alloc import ALIGNMENT, INPLACE_OPS, FreeList, GraphAllocator
+from ggmlpy.alloc import ALIGNMENT, FreeList, GraphAllocator
 from ggmlpy.tensor import Flag, Op
 
 MB = 1 << 20
@@ -66,7 +66,7 @@ def assert_no_live_overlap(alloc: GraphAllocator, graph: gg.Graph) -> None:
             continue  # disjoint lifetimes
         for a, b, (a_s, a_e), (b_s, b_e) in ((t, u, life[id(t)], life[id(u)]), (u, t, life[id(u)], life[id(t)])):
             # b written at the step where a is read for the last time, in place
-            if (a_e == b_s and b.op in INPLACE_OPS and any(s is a for s in b.src)
+            if (a_e == b_s and gg.OPS[b.op].inplace and any(s is a for s in b.src)
                     and alloc.offsets[id(a)] == alloc.offsets[id(b)] and a.nbytes() == b.nbytes()):
                 break
         else:

@@ -17,7 +17,7 @@ import numpy as np
 import ggmlpy as gg
 
 from ..errors import UnsupportedModelError
-from ..hparams import ROPE_TYPE_NEOX, HParams, read_common
+from ..hparams import HParams, read_common
 from .base import Architecture, register
 
 SWA_PATTERN = 6          # every sixth layer attends to the whole context
@@ -32,7 +32,7 @@ class Gemma3(Architecture):
                      "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
 
     def read_hparams(self, f, n_vocab: int) -> HParams:
-        hp = read_common(f, self.name, n_vocab, ROPE_TYPE_NEOX)
+        hp = read_common(f, self.name, n_vocab, gg.ROPE_TYPE_NEOX)
         hp.n_swa = int(f.get(f"{self.name}.attention.sliding_window", 0))
         if hp.n_swa > 0:
             hp.set_swa_pattern(SWA_PATTERN)

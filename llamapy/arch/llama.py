@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ggmlpy as gg
 
-from ..hparams import ROPE_TYPE_NORM, HParams, read_common
+from ..hparams import HParams, read_common
 from .base import Architecture, register
 
 
@@ -12,7 +12,7 @@ class Llama(Architecture):
     name = "llama"
 
     def read_hparams(self, f, n_vocab: int) -> HParams:
-        return read_common(f, self.name, n_vocab, ROPE_TYPE_NORM)
+        return read_common(f, self.name, n_vocab, gg.ROPE_TYPE_NORM)
 
     layer_tensors = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                      "ffn_down")

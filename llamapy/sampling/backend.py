@@ -112,7 +112,7 @@ class BackendRow:
         if self.ids is None:  # nothing narrowed: the candidates are every token
             self.ids = c.new_tensor_2d(GGMLType.I32, self.vals.ne[0], 1, f"{self.name}.all_ids").set_input()
             self.inputs.append((-1, "all_ids", self.ids))
-        self.vals = gg.cont(c, self.vals) if self.vals.op in gg.tensor.VIEW_OPS else self.vals
+        self.vals = gg.cont(c, self.vals) if gg.OPS[self.vals.op].kind is gg.OpKind.VIEW else self.vals
         self.probs = gg.soft_max(c, self.vals)
         self.vals.set_name(f"{self.name}.logits")
         self.ids.set_name(f"{self.name}.ids")

@@ -7,19 +7,9 @@ from collections import defaultdict
 import numba
 import numpy as np
 
-from ...alloc import GraphAllocator
 from ...graph import Graph
-from ...tensor import VIEW_OPS, Op
-from . import compute_sampling, compute_train, matmul  # noqa: F401  (register their ops)
-from .compute import prepare
-from .gemm import GRAIN
-
-# Below this much work an op runs on one thread: waking the other costs more. Work is
-# result elements, times the reduced dimension for products (which gemm.py cuts into
-# slices of GRAIN multiply-adds; with fewer than two slices a second thread idles).
-PARALLEL_MIN_ELEMENTS = 1 << 13
-PARALLEL_MIN_MACS = 2 * GRAIN
-_PRODUCTS = (Op.MUL_MAT, Op.OUT_PROD)
+from ...registry import OPS, OpKind
+from . import dispatch
 
 
 def _thread_setter():
@@ -32,12 +22,6 @@ def _thread_setter():
 
 
 _set_threads = _thread_setter()
-
-
-def _parallel(node) -> bool:
-    if node.op in _PRODUCTS:
-        return node.nelements() * node.src[0].ne[0 if node.op == Op.MUL_MAT else 1] >= PARALLEL_MIN_MACS
-    return node.nelements() >= PARALLEL_MIN_ELEMENTS
 
 
 class CpuBackend:
@@ -56,17 +40,10 @@ class CpuBackend:
         """Threads for numba's pool, which runs every kernel and product (BLAS included)."""
         self.n_threads = max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS))
 
-    def supports_op(self, op: Op) -> bool:
-        from .compute import PREPARE
-        return op in PREPARE or op in VIEW_OPS or op == Op.NONE
-
-    def new_allocator(self) -> GraphAllocator:
-        return GraphAllocator()
-
     def compute(self, graph: Graph) -> None:
         if graph.plan is None:
-            graph.plan = [(node.op.name, prepare(node), _parallel(node))
-                          for node in graph.nodes if node.op not in VIEW_OPS and node.op != Op.NONE]
+            graph.plan = [(node.op.name, dispatch.prepare(node), dispatch.parallel(node))
+                          for node in graph.nodes if OPS[node.op].kind is OpKind.COMPUTE]
         with np.errstate(all="ignore"):  # inf/nan are results here (as in ggml), not warnings
             self._run_plan(graph.plan)
 

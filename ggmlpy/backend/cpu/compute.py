@@ -11,37 +11,16 @@ from collections.abc import Callable
 import numpy as np
 
 from ... import convert
+from ...ops import ROPE_TYPE_NEOX
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import kernels as K
 from .gemm import matmul
+from .kernel_table import KernelTable, Prepared, require_f32
 from .qmatmul import shared_scratch
 
-Prepared = Callable[[], None]
-PREPARE: dict[Op, Callable[[Tensor], Prepared]] = {}
+KERNELS = KernelTable()
 _EMPTY_F32 = np.zeros((1, 1, 1, 1), dtype=np.float32)
-
-
-def prepares(*ops: Op):
-    def register(fn):
-        for op in ops:
-            PREPARE[op] = fn
-        return fn
-    return register
-
-
-def prepare(node: Tensor) -> Prepared:
-    try:
-        fn = PREPARE[node.op]
-    except KeyError:
-        raise NotImplementedError(f"CPU backend has no kernel for {node.op.name}") from None
-    return fn(node)
-
-
-def _require_f32(node: Tensor, *tensors: Tensor) -> None:
-    for t in tensors:
-        if t.type != GGMLType.F32:
-            raise NotImplementedError(f"{node.op.name} on {t.type.name} operand {t.name!r} is not supported")
 
 
 def broadcast_views(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
@@ -65,13 +44,13 @@ _BINARY = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.
 _BINARY_CODE = {Op.ADD: K.OP_ADD, Op.SUB: K.OP_SUB, Op.MUL: K.OP_MUL, Op.DIV: K.OP_DIV}
 
 
-@prepares(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
+@KERNELS.register(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
 def _binary(node: Tensor) -> Prepared:
     """Rows of a with rows of b repeated over them (the layers' adds and norm weights) go
     through a parallel numba kernel, split by rows as the products around them are, so each
     thread finds its rows in its own cache; other broadcasts through numpy."""
     a, b = node.src
-    _require_f32(node, a, b, node)
+    require_f32(node, a, b, node)
     av, bv, dv = a.array(), b.array(), node.array()
     n0 = av.shape[-1]
     if all(x.flags.c_contiguous for x in (av, bv, dv)) and av.shape == dv.shape and bv.shape[-1] == n0 \
@@ -93,10 +72,10 @@ def _rows_repeat(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
     return lead_b[k:] == lead_a[k:]
 
 
-@prepares(Op.SCALE)
+@KERNELS.register(Op.SCALE)
 def _scale(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     s, b = np.float32(node.op_params[0]), np.float32(node.op_params[1])
     if b == 0:
@@ -111,10 +90,10 @@ def _scale(node: Tensor) -> Prepared:
 _UNARY_NUMPY = {Op.SQR: np.square, Op.SQRT: np.sqrt, Op.LOG: np.log, Op.EXP: np.exp}
 
 
-@prepares(Op.SQR, Op.SQRT, Op.LOG, Op.EXP)
+@KERNELS.register(Op.SQR, Op.SQRT, Op.LOG, Op.EXP)
 def _unary_numpy(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     ufunc = _UNARY_NUMPY[node.op]
     av, dv = a.array(), node.array()
     return lambda: ufunc(av, out=dv)
@@ -123,10 +102,10 @@ def _unary_numpy(node: Tensor) -> Prepared:
 _UNARY_NUMBA = {Op.SILU: K.silu_f32, Op.GELU: K.gelu_f32}
 
 
-@prepares(Op.SILU, Op.GELU)
+@KERNELS.register(Op.SILU, Op.GELU)
 def _unary_numba(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     kernel = _UNARY_NUMBA[node.op]
     av, dv = a.array(), node.array()
     return lambda: kernel(av, dv)
@@ -135,28 +114,28 @@ def _unary_numba(node: Tensor) -> Prepared:
 _GLU = {Op.SWIGLU: K.swiglu_f32, Op.GEGLU: K.geglu_f32}
 
 
-@prepares(Op.SWIGLU, Op.GEGLU)
+@KERNELS.register(Op.SWIGLU, Op.GEGLU)
 def _glu(node: Tensor) -> Prepared:
     a, b = node.src
-    _require_f32(node, a, b)
+    require_f32(node, a, b)
     kernel = _GLU[node.op]
     av, bv, dv = a.array(), b.array(), node.array()
     return lambda: kernel(av, bv, dv)
 
 
-@prepares(Op.RMS_NORM, Op.NORM)
+@KERNELS.register(Op.RMS_NORM, Op.NORM)
 def _norm(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     kernel = K.rms_norm_f32 if node.op == Op.RMS_NORM else K.norm_f32
     av, dv, eps = a.array(), node.array(), np.float32(node.op_params[0])
     return lambda: kernel(av, dv, eps)
 
 
-@prepares(Op.SOFT_MAX)
+@KERNELS.register(Op.SOFT_MAX)
 def _soft_max(node: Tensor) -> Prepared:
     a = node.src[0]
-    _require_f32(node, a)
+    require_f32(node, a)
     scale, max_bias = node.op_params
     av, dv = a.array(), node.array()
     if len(node.src) > 1:
@@ -173,7 +152,7 @@ def _soft_max(node: Tensor) -> Prepared:
 UNROLLED_HEAD_DIM = 64  # numba takes head sizes up to this as compile-time constants
 
 
-@prepares(Op.FLASH_ATTN_EXT)
+@KERNELS.register(Op.FLASH_ATTN_EXT)
 def _flash_attn_ext(node: Tensor) -> Prepared:
     """The numerics of ggml's tiled CPU kernel: float32 scores and outputs, the softmax sum
     in double. (ggml's one-chunk kernel, which it picks for ubatches under 64 rows,
@@ -183,7 +162,7 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
     the cells some query of a tile sees, so n_ubatch changes no bit. Wide heads (Gemma's 256)
     are products big enough for BLAS: scores and outputs as whole GEMMs per head."""
     q, k, v = node.src[:3]
-    _require_f32(node, q)
+    require_f32(node, q)
     if max(q.ne[0], node.ne[0]) > UNROLLED_HEAD_DIM:
         return _flash_attn_blas(node)
     scale, max_bias, softcap = node.op_params
@@ -292,17 +271,17 @@ def _rope_table(pos: np.ndarray, ff: np.ndarray, args: tuple) -> RopeTable:
     return _ROPE_TABLES[key]
 
 
-@prepares(Op.ROPE, Op.ROPE_BACK)
+@KERNELS.register(Op.ROPE, Op.ROPE_BACK)
 def _rope(node: Tensor) -> Prepared:
     a, pos = node.src[0], node.src[1]
-    _require_f32(node, a)
+    require_f32(node, a)
     ffv = node.src[2].array().reshape(-1) if len(node.src) > 2 else _NO_FREQ_FACTORS
     has_ff = len(node.src) > 2
     av, pv, dv = a.array(), pos.array().reshape(-1), node.array()
     n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = node.op_params
     corr0, corr1 = K.rope_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
     table = _rope_table(pv, ffv, (n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1))
-    neox, sign = mode == 2, 1.0 if node.op == Op.ROPE else -1.0
+    neox, sign = mode == ROPE_TYPE_NEOX, 1.0 if node.op == Op.ROPE else -1.0
 
     def run() -> None:
         table.refresh(pv, ffv, has_ff)
@@ -310,7 +289,7 @@ def _rope(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.GET_ROWS)
+@KERNELS.register(Op.GET_ROWS)
 def _get_rows(node: Tensor) -> Prepared:
     a, b = node.src
     idx = b.array()[0]  # (ne12, ne11, ne10)
@@ -348,10 +327,10 @@ def _get_rows_quantized(a: Tensor, idx: np.ndarray, dv: np.ndarray) -> Prepared:
     return run
 
 
-@prepares(Op.SET_ROWS)
+@KERNELS.register(Op.SET_ROWS)
 def _set_rows(node: Tensor) -> Prepared:
     dst_t, src_t, idx_t = node.src
-    _require_f32(node, src_t)
+    require_f32(node, src_t)
     dv, sv, iv = node.array(), src_t.array(), idx_t.array()[0]
     n3, n2 = sv.shape[0], sv.shape[1]
     c2, c1 = iv.shape[0], iv.shape[1]
@@ -383,7 +362,7 @@ def _set_rows(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.CPY, Op.CONT, Op.DUP)
+@KERNELS.register(Op.CPY, Op.CONT, Op.DUP)
 def _copy(node: Tensor) -> Prepared:
     src = node.src[0]
     if (traits(src.type).is_quantized or traits(node.type).is_quantized) and src.type != node.type:

@@ -9,7 +9,9 @@ import numpy as np
 
 from ... import rowops
 from ...tensor import Op, Tensor
-from .compute import Prepared, _require_f32, prepares
+from .kernel_table import KernelTable, Prepared, require_f32
+
+KERNELS = KernelTable()
 
 
 def _row_iter(*arrays: np.ndarray):
@@ -20,10 +22,10 @@ def _row_iter(*arrays: np.ndarray):
                 yield tuple(a[i3, i2, i1] for a in arrays)
 
 
-@prepares(Op.TOP_K)
+@KERNELS.register(Op.TOP_K)
 def _top_k(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     k = node.op_params[0]
 
@@ -33,10 +35,10 @@ def _top_k(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.CUMSUM)
+@KERNELS.register(Op.CUMSUM)
 def _cumsum(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
 
     def run() -> None:
@@ -45,10 +47,10 @@ def _cumsum(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.TOP_P_CUT)
+@KERNELS.register(Op.TOP_P_CUT)
 def _top_p_cut(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     p, min_keep = node.op_params
 
@@ -60,10 +62,10 @@ def _top_p_cut(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.MIN_P_CUT)
+@KERNELS.register(Op.MIN_P_CUT)
 def _min_p_cut(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     (p,) = node.op_params
 
@@ -74,19 +76,19 @@ def _min_p_cut(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.PENALTIES)
+@KERNELS.register(Op.PENALTIES)
 def _penalties(node: Tensor) -> Prepared:
     a, counts = node.src
-    _require_f32(node, a, counts)
+    require_f32(node, a, counts)
     av, cv, dv = a.array(), counts.array(), node.array()
     repeat, freq, present = node.op_params
     return lambda: np.copyto(dv, rowops.apply_penalties(av, cv, repeat, freq, present))
 
 
-@prepares(Op.SAMPLE_DIST)
+@KERNELS.register(Op.SAMPLE_DIST)
 def _sample_dist(node: Tensor) -> Prepared:
     a, u = node.src[:2]
-    _require_f32(node, a)
+    require_f32(node, a)
     av, uv, dv = a.array()[0, 0], u.array().reshape(-1), node.array().reshape(-1)
     idv = node.src[2].array()[0, 0] if len(node.src) > 2 else None
 

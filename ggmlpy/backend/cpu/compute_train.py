@@ -4,12 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...tensor import Op, Tensor
-from ...types import traits
 from . import train_kernels as TK
-from .compute import Prepared, _require_f32, prepares
-from .gemm import Matmul
-from .matmul import _split_batch
-from .qmatmul import QuantMatrix, mul_mat_qt, row_offsets, tile_rows
+from .kernel_table import KernelTable, Prepared, require_f32
+
+KERNELS = KernelTable()
 
 
 def _flat(t: Tensor) -> np.ndarray:
@@ -30,18 +28,18 @@ def _tiles(x: np.ndarray, small: tuple[int, ...]) -> np.ndarray:
 _TILE_AXES = (0, 2, 4, 6)
 
 
-@prepares(Op.SUM)
+@KERNELS.register(Op.SUM)
 def _sum(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     return lambda: dv.fill(np.sum(av, dtype=np.float64))
 
 
-@prepares(Op.SUM_ROWS, Op.MEAN)
+@KERNELS.register(Op.SUM_ROWS, Op.MEAN)
 def _sum_rows(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     div = av.shape[3] if node.op == Op.MEAN else 1
 
@@ -50,20 +48,20 @@ def _sum_rows(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.REPEAT)
+@KERNELS.register(Op.REPEAT)
 def _repeat(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     tiled = _tiles(dv, av.shape)
     a8 = av.reshape(tuple(x for n in av.shape for x in (1, n)))
     return lambda: np.copyto(tiled, a8)
 
 
-@prepares(Op.REPEAT_BACK)
+@KERNELS.register(Op.REPEAT_BACK)
 def _repeat_back(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array(), node.array()
     small = dv.shape
 
@@ -72,7 +70,7 @@ def _repeat_back(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.CONCAT)
+@KERNELS.register(Op.CONCAT)
 def _concat(node: Tensor) -> Prepared:
     a, b = node.src
     av, bv, dv = a.array(), b.array(), node.array()
@@ -87,10 +85,10 @@ def _concat(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.ACC)
+@KERNELS.register(Op.ACC)
 def _acc(node: Tensor) -> Prepared:
     a, b = node.src
-    _require_f32(node, a, b)
+    require_f32(node, a, b)
     nb1, nb2, nb3, offset = node.op_params
     av, bv, dv = a.array(), b.array(), node.array()
     window = np.ndarray(bv.shape, dtype=np.float32, buffer=node.buffer, offset=node.offset + offset,
@@ -102,57 +100,25 @@ def _acc(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.OUT_PROD)
-def _out_prod(node: Tensor) -> Prepared:
-    a, b = node.src
-    if traits(a.type).is_quantized:
-        return _out_prod_quantized(node, a, b)
-    _require_f32(node, a, b)
-    av, bv, dv = a.array(), b.array(), node.array()
-    ne03, ne02 = av.shape[0], av.shape[1]
-    a6 = av.reshape(ne03, 1, ne02, 1, av.shape[2], av.shape[3])
-    b6t = _split_batch(bv, ne02, ne03).swapaxes(-1, -2)
-    d6 = _split_batch(dv, ne02, ne03)
-    return Matmul(b6t, a6, d6)
-
-
-def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
-    """result[n, k] = sum_m W[m, k] * b[m, n] with W the quantized a: the gradient of a
-    product with a frozen quantized weight, from W's packed rows a tile at a time."""
-    _require_f32(node, b)
-    if a.ne[2] != 1 or a.ne[3] != 1:
-        raise NotImplementedError("OUT_PROD with a batched quantized first operand")
-    k = a.ne[0]
-    w = QuantMatrix(a.type, a.buffer, row_offsets(a)[0, 0], k)
-    bv, dv = b.array(), node.array()
-    scratch = np.empty((tile_rows(k, w.m), k), dtype=np.float32)
-    pairs = [(bv[i3, i2].T, dv[i3, i2]) for i3 in range(bv.shape[0]) for i2 in range(bv.shape[1])]
-
-    def run() -> None:
-        for g, out in pairs:
-            mul_mat_qt(w, g, out, scratch)
-    return run
-
-
-@prepares(Op.ARGMAX)
+@KERNELS.register(Op.ARGMAX)
 def _argmax(node: Tensor) -> Prepared:
     (a,) = node.src
-    _require_f32(node, a)
+    require_f32(node, a)
     av, dv = a.array()[0, 0], node.array()[0, 0, 0]
     return lambda: np.copyto(dv, np.argmax(av, axis=1), casting="unsafe")
 
 
-@prepares(Op.COUNT_EQUAL)
+@KERNELS.register(Op.COUNT_EQUAL)
 def _count_equal(node: Tensor) -> Prepared:
     a, b = node.src
     av, bv, dv = a.array(), b.array(), node.array()
     return lambda: dv.fill(np.count_nonzero(av == bv))
 
 
-@prepares(Op.CROSS_ENTROPY_LOSS)
+@KERNELS.register(Op.CROSS_ENTROPY_LOSS)
 def _cross_entropy_loss(node: Tensor) -> Prepared:
     logits, labels = node.src
-    _require_f32(node, logits, labels)
+    require_f32(node, logits, labels)
     lv, yv, dv = logits.array(), labels.array(), node.array()
     rows = np.empty(logits.nrows(), dtype=np.float64)
 
@@ -162,26 +128,26 @@ def _cross_entropy_loss(node: Tensor) -> Prepared:
     return run
 
 
-@prepares(Op.CROSS_ENTROPY_LOSS_BACK)
+@KERNELS.register(Op.CROSS_ENTROPY_LOSS_BACK)
 def _cross_entropy_loss_back(node: Tensor) -> Prepared:
     grad, logits, labels = node.src
-    _require_f32(node, grad, logits, labels)
+    require_f32(node, grad, logits, labels)
     gv, lv, yv, dv = grad.array().reshape(-1), logits.array(), labels.array(), node.array()
     return lambda: TK.cross_entropy_back_f32(np.float64(gv[0]), lv, yv, dv)
 
 
-@prepares(Op.RMS_NORM_BACK)
+@KERNELS.register(Op.RMS_NORM_BACK)
 def _rms_norm_back(node: Tensor) -> Prepared:
     g, x = node.src
-    _require_f32(node, g, x)
+    require_f32(node, g, x)
     gv, xv, dv, eps = g.array(), x.array(), node.array(), float(node.op_params[0])
     return lambda: TK.rms_norm_back_f32(gv, xv, dv, eps)
 
 
-@prepares(Op.SOFT_MAX_BACK)
+@KERNELS.register(Op.SOFT_MAX_BACK)
 def _soft_max_back(node: Tensor) -> Prepared:
     g, y = node.src
-    _require_f32(node, g, y)
+    require_f32(node, g, y)
     gv, yv, dv, scale = g.array(), y.array(), node.array(), float(node.op_params[0])
     return lambda: TK.soft_max_back_f32(gv, yv, dv, scale)
 
@@ -189,34 +155,34 @@ def _soft_max_back(node: Tensor) -> Prepared:
 _ACTIVATION_BACK = {Op.SILU_BACK: TK.silu_back_f32, Op.GELU_BACK: TK.gelu_back_f32}
 
 
-@prepares(Op.SILU_BACK, Op.GELU_BACK)
+@KERNELS.register(Op.SILU_BACK, Op.GELU_BACK)
 def _activation_back(node: Tensor) -> Prepared:
     g, x = node.src
-    _require_f32(node, g, x)
+    require_f32(node, g, x)
     kernel = _ACTIVATION_BACK[node.op]
     gv, xv, dv = g.array(), x.array(), node.array()
     return lambda: kernel(gv, xv, dv)
 
 
-@prepares(Op.GET_ROWS_BACK)
+@KERNELS.register(Op.GET_ROWS_BACK)
 def _get_rows_back(node: Tensor) -> Prepared:
     g, rows = node.src
-    _require_f32(node, g)
+    require_f32(node, g)
     gv, iv, dv = g.array(), rows.array()[0], node.array()
     return lambda: TK.get_rows_back_f32(gv, iv, dv)
 
 
-@prepares(Op.OPT_STEP_ADAMW)
+@KERNELS.register(Op.OPT_STEP_ADAMW)
 def _opt_step_adamw(node: Tensor) -> Prepared:
     w, g, m, v, params = node.src
-    _require_f32(node, w, g, m, v)
+    require_f32(node, w, g, m, v)
     wv, gv, mv, vv, pv = _flat(w), _flat(g), _flat(m), _flat(v), _flat(params)
     return lambda: TK.adamw_step_f32(wv, gv, mv, vv, pv)
 
 
-@prepares(Op.OPT_STEP_SGD)
+@KERNELS.register(Op.OPT_STEP_SGD)
 def _opt_step_sgd(node: Tensor) -> Prepared:
     w, g, params = node.src
-    _require_f32(node, w, g)
+    require_f32(node, w, g)
     wv, gv, pv = _flat(w), _flat(g), _flat(params)
     return lambda: TK.sgd_step_f32(wv, gv, pv)

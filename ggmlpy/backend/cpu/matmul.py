@@ -1,4 +1,5 @@
-"""MUL_MAT on the CPU: float products through BLAS (gemm.py), with ggml's broadcasting.
+"""The products on the CPU, MUL_MAT and OUT_PROD: floats through BLAS (gemm.py), with
+ggml's broadcasting.
 
 ggml computes dst[i13, i12, i11, i01] = dot(a[i13 / r3, i12 / r2, i01, :], b[i13, i12, i11, :]),
 r2 = b.ne2 / a.ne2, r3 = b.ne3 / a.ne3: a's matrices are shared by r2 (r3) consecutive
@@ -12,7 +13,8 @@ When `a` is block-quantized, ggml quantizes `b` to the type's dot-product partne
 (vec_dot_type: Q8_0, Q8_1 or Q8_K) and uses integer dot products. Here `b`'s rows are
 rounded to exactly those values (d * q), and `a`'s rows are dequantized a tile at a time
 and multiplied with them through BLAS (qmatmul.py): the products differ from llama.cpp's
-only by float32 summation order.
+only by float32 summation order. OUT_PROD (the products of the backward pass) reads
+a quantized `a` the same way, from its packed rows.
 """
 from __future__ import annotations
 
@@ -21,9 +23,23 @@ import numpy as np
 from ... import convert
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
-from .compute import Prepared, prepares
-from .gemm import Matmul, matmul
-from .qmatmul import QuantMatrix, mul_mat_q, row_offsets
+from .gemm import GRAIN, Matmul, matmul
+from .kernel_table import KernelTable, Prepared, require_f32
+from .qmatmul import QuantMatrix, mul_mat_q, mul_mat_qt, row_offsets, tile_rows
+
+KERNELS = KernelTable()
+
+# gemm.py cuts a product into slices of GRAIN multiply-adds: with fewer than two slices
+# a second thread idles.
+PARALLEL_MIN_MACS = 2 * GRAIN
+
+
+def _mul_mat_parallel(node: Tensor) -> bool:
+    return node.nelements() * node.src[0].ne[0] >= PARALLEL_MIN_MACS
+
+
+def _out_prod_parallel(node: Tensor) -> bool:
+    return node.nelements() * node.src[0].ne[1] >= PARALLEL_MIN_MACS
 
 
 def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
@@ -31,7 +47,7 @@ def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
     return b.reshape(ne03, n13 // ne03, ne02, n12 // ne02, n11, n10)
 
 
-@prepares(Op.MUL_MAT)
+@KERNELS.register(Op.MUL_MAT, parallel=_mul_mat_parallel)
 def prepare_mul_mat(node: Tensor) -> Prepared:
     a, b = node.src
     if b.type != GGMLType.F32:
@@ -80,6 +96,38 @@ def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
     def run() -> None:
         for w, x, out in work:
             mul_mat_q(w, x, out)
+    return run
+
+
+@KERNELS.register(Op.OUT_PROD, parallel=_out_prod_parallel)
+def _out_prod(node: Tensor) -> Prepared:
+    a, b = node.src
+    if traits(a.type).is_quantized:
+        return _out_prod_quantized(node, a, b)
+    require_f32(node, a, b)
+    av, bv, dv = a.array(), b.array(), node.array()
+    ne03, ne02 = av.shape[0], av.shape[1]
+    a6 = av.reshape(ne03, 1, ne02, 1, av.shape[2], av.shape[3])
+    b6t = _split_batch(bv, ne02, ne03).swapaxes(-1, -2)
+    d6 = _split_batch(dv, ne02, ne03)
+    return Matmul(b6t, a6, d6)
+
+
+def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
+    """result[n, k] = sum_m W[m, k] * b[m, n] with W the quantized a: the gradient of a
+    product with a frozen quantized weight, from W's packed rows a tile at a time."""
+    require_f32(node, b)
+    if a.ne[2] != 1 or a.ne[3] != 1:
+        raise NotImplementedError("OUT_PROD with a batched quantized first operand")
+    k = a.ne[0]
+    w = QuantMatrix(a.type, a.buffer, row_offsets(a)[0, 0], k)
+    bv, dv = b.array(), node.array()
+    scratch = np.empty((tile_rows(k, w.m), k), dtype=np.float32)
+    pairs = [(bv[i3, i2].T, dv[i3, i2]) for i3 in range(bv.shape[0]) for i2 in range(bv.shape[1])]
+
+    def run() -> None:
+        for g, out in pairs:
+            mul_mat_qt(w, g, out, scratch)
     return run
 
 

@@ -1,0 +1,38 @@
+"""The CPU backend's kernel for every op it computes: its preparer modules' tables, merged here."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ...tensor import Op, Tensor
+from . import compute, compute_sampling, compute_train, matmul
+from .kernel_table import Kernel, Prepared
+
+
+def _merge(*tables: Mapping[Op, Kernel]) -> Mapping[Op, Kernel]:
+    merged: dict[Op, Kernel] = {}
+    for table in tables:
+        if twice := merged.keys() & table.keys():
+            raise ValueError(f"two CPU kernels for {sorted(op.name for op in twice)}")
+        merged.update(table)
+    return MappingProxyType(merged)
+
+
+KERNELS = _merge(compute.KERNELS, matmul.KERNELS, compute_train.KERNELS, compute_sampling.KERNELS)
+
+
+def _kernel(node: Tensor) -> Kernel:
+    try:
+        return KERNELS[node.op]
+    except KeyError:
+        raise NotImplementedError(f"CPU backend has no kernel for {node.op.name}") from None
+
+
+def prepare(node: Tensor) -> Prepared:
+    """A zero-argument call that computes `node` into its bound memory."""
+    return _kernel(node).prepare(node)
+
+
+def parallel(node: Tensor) -> bool:
+    """Whether `node` is worth waking every thread for."""
+    return _kernel(node).parallel(node)

@@ -1,0 +1,49 @@
+"""A CPU kernel (how a node is prepared, and whether it is worth every thread) and the
+table of them that each preparer module fills with its own `register` decorators.
+
+dispatch.py merges the modules' tables, so the backend's table never depends on who
+imported what first.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ...tensor import Op, Tensor
+from ...types import GGMLType
+
+Prepared = Callable[[], None]  # computes one node into its bound memory
+Preparer = Callable[[Tensor], Prepared]
+
+# Below this many result elements an op runs on one thread: waking the other costs more.
+PARALLEL_MIN_ELEMENTS = 1 << 13
+
+
+def by_elements(node: Tensor) -> bool:
+    """Whether an op worth about one pass over its result should run on every thread."""
+    return node.nelements() >= PARALLEL_MIN_ELEMENTS
+
+
+@dataclass(frozen=True)
+class Kernel:
+    prepare: Preparer
+    parallel: Callable[[Tensor], bool] = by_elements  # products judge by multiply-adds (matmul.py)
+
+
+class KernelTable(dict[Op, Kernel]):
+    """One preparer module's kernels by op."""
+
+    def register(self, *ops: Op, parallel: Callable[[Tensor], bool] = by_elements) -> Callable[[Preparer], Preparer]:
+        def register(prepare: Preparer) -> Preparer:
+            for op in ops:
+                if op in self:
+                    raise ValueError(f"two CPU kernels for {op.name}")
+                self[op] = Kernel(prepare, parallel)
+            return prepare
+        return register
+
+
+def require_f32(node: Tensor, *tensors: Tensor) -> None:
+    for t in tensors:
+        if t.type != GGMLType.F32:
+            raise NotImplementedError(f"{node.op.name} on {t.type.name} operand {t.name!r} is not supported")
