@@ -155,14 +155,3 @@ class GraphAllocator:
         tensors = {id(t): t for t in graph.leafs + graph.nodes}
         for tid, off in self.offsets.items():
             tensors[tid].bind(self.arena, base + off)
-        bind_views(graph)
-
-
-def bind_views(graph: Graph) -> None:
-    """Point every view at its source's bytes."""
-    for t in graph.leafs + graph.nodes:
-        if t.view_src is not None:
-            src = t.view_src
-            if src.buffer is None:
-                raise RuntimeError(f"view {t.name!r} of unallocated tensor {src.name!r}")
-            t.buffer, t.offset = src.buffer, src.offset + t.view_offs

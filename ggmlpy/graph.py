@@ -7,15 +7,15 @@ from .tensor import Flag, Op, Tensor
 class Graph:
     """`nodes` are computed in order; `leafs` are tensors without an op (weights, inputs).
 
-    A graph can be computed many times: backends plan each graph once and reuse the
-    plan while its tensors keep their memory.
+    A graph can be computed many times: a backend prepares a plan for it once and reuses
+    it while the graph (nodes are only ever appended) and the memory of its tensors stay
+    the same.
     """
 
     def __init__(self) -> None:
         self.nodes: list[Tensor] = []
         self.leafs: list[Tensor] = []
         self._seen: set[int] = set()
-        self.plan = None  # a backend's compiled execution plan, set on first compute
         self.grads: dict[int, Tensor] = {}      # param id -> its gradient (build_backward_expand)
         self.grad_accs: dict[int, Tensor] = {}  # param id -> its gradient accumulator
 
@@ -50,7 +50,6 @@ class Graph:
             for s in reversed(t.src):
                 if id(s) not in self._seen:
                     stack.append((s, False))
-        self.plan = None
 
 
 def build_forward_expand(graph: Graph, tensor: Tensor) -> Graph:

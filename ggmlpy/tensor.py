@@ -2,11 +2,13 @@
 
 As in ggml, `ne[i]` counts elements and `nb[i]` gives byte strides along dimension i,
 with dimension 0 the fastest-varying. A tensor's bytes are `buffer[offset:...]`, where
-`buffer` is a flat uint8 array (an arena, a memory-mapped file, or the tensor's own);
+`buffer` is a flat uint8 array (an arena, a memory-mapped file, or the tensor's own; a
+view's are its source's, at view_offs);
 `array()` exposes them as a numpy view of shape (ne3, ne2, ne1, ne0).
 """
 from __future__ import annotations
 
+import itertools
 from enum import IntEnum, IntFlag, auto
 from typing import Any
 
@@ -97,11 +99,15 @@ def contiguous_strides(t: GGMLType, ne: tuple[int, ...]) -> tuple[int, int, int,
     return (nb0, nb1, nb2, nb3)
 
 
+_BINDING_IDS = itertools.count(1)
+BINDINGS = 0  # the latest binding number given: unchanged means no tensor was bound since
+
+
 class Tensor:
     """A node or leaf of a compute graph; see the module docstring for the layout."""
 
     __slots__ = ("type", "ne", "nb", "op", "op_params", "src", "view_src", "view_offs",
-                 "flags", "name", "buffer", "offset", "__weakref__")
+                 "flags", "name", "_buffer", "_offset", "binding", "__weakref__")
 
     def __init__(self, type: GGMLType, ne: tuple[int, int, int, int], nb: tuple[int, int, int, int] | None = None,
                  op: Op = Op.NONE, src: tuple["Tensor", ...] = (), op_params: tuple[Any, ...] = (),
@@ -116,8 +122,9 @@ class Tensor:
         self.view_offs = view_offs
         self.flags = Flag(0)
         self.name = name
-        self.buffer: np.ndarray | None = None
-        self.offset = 0
+        self._buffer: np.ndarray | None = None
+        self._offset = 0
+        self.binding = 0  # which bind() placed the bytes (0: none): compute plans compare it
 
     # ---- geometry -------------------------------------------------------------------
     def nelements(self) -> int:
@@ -189,12 +196,26 @@ class Tensor:
     def has_data(self) -> bool:
         return self.buffer is not None
 
+    @property
+    def buffer(self) -> np.ndarray | None:
+        return self._buffer if self.view_src is None else self.view_src._buffer
+
+    @property
+    def offset(self) -> int:
+        return self._offset if self.view_src is None else self.view_src._offset + self.view_offs
+
     def bind(self, buffer: np.ndarray, offset: int = 0) -> None:
-        """Place this tensor's bytes at `buffer[offset:]` (buffer: flat uint8 array)."""
+        """Place this tensor's bytes at `buffer[offset:]` (buffer: flat uint8 array). Every
+        bind gets a new `binding` number, so plans prepared on the old bytes know they are stale."""
+        global BINDINGS
+        if self.view_src is not None:
+            raise ValueError(f"tensor {self.name!r} is a view: its bytes are its source's")
         if offset + self.nbytes() > buffer.nbytes:
             raise ValueError(f"tensor {self.name!r} ({self.nbytes()} bytes at {offset}) does not fit a buffer of {buffer.nbytes}")
-        self.buffer = buffer
-        self.offset = offset
+        self._buffer = buffer
+        self._offset = offset
+        self.binding = next(_BINDING_IDS)
+        BINDINGS = self.binding
 
     def array(self) -> np.ndarray:
         """Numpy view of the data, shape (ne3, ne2, ne1, ne0) with ggml's strides.

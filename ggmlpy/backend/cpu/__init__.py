@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 
 import numba
 import numpy as np
 
 from ...graph import Graph
-from ...registry import OPS, OpKind
 from . import dispatch
+from .plan import Plan, Scratch
 
 
 def _thread_setter():
@@ -25,7 +26,8 @@ _set_threads = _thread_setter()
 
 
 class CpuBackend:
-    """Executes graphs in node order. `compute` plans a graph once and reuses the plan.
+    """Executes graphs in node order. A graph is prepared into a `Plan` once and the plan is
+    reused while it is valid (plan.py); plans live here, beside the graphs, and go with them.
 
     `profile` (a dict) collects seconds per op type when given, for finding hot ops.
     """
@@ -34,23 +36,30 @@ class CpuBackend:
 
     def __init__(self, n_threads: int | None = None) -> None:
         self.profile: dict[str, float] | None = None
+        self.scratch = Scratch()
+        self._plans: weakref.WeakKeyDictionary[Graph, Plan] = weakref.WeakKeyDictionary()
         self.set_n_threads(n_threads or numba.config.NUMBA_NUM_THREADS)
 
     def set_n_threads(self, n_threads: int) -> None:
         """Threads for numba's pool, which runs every kernel and product (BLAS included)."""
         self.n_threads = max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS))
 
-    def compute(self, graph: Graph) -> None:
-        if graph.plan is None:
-            graph.plan = [(node.op.name, dispatch.prepare(node), dispatch.parallel(node))
-                          for node in graph.nodes if OPS[node.op].kind is OpKind.COMPUTE]
-        with np.errstate(all="ignore"):  # inf/nan are results here (as in ggml), not warnings
-            self._run_plan(graph.plan)
+    def plan(self, graph: Graph) -> Plan:
+        """The graph's plan: the one prepared before while it is valid, else a new one."""
+        plan = self._plans.get(graph)
+        if plan is None or not plan.valid_for(graph):
+            plan = self._plans[graph] = Plan(graph, self.scratch, dispatch.prepare, dispatch.parallel)
+        return plan
 
-    def _run_plan(self, plan) -> None:
+    def compute(self, graph: Graph) -> None:
+        plan = self.plan(graph)
+        with np.errstate(all="ignore"):  # inf/nan are results here (as in ggml), not warnings
+            self._run(plan)
+
+    def _run(self, plan: Plan) -> None:
         threads = 0
         profile = self.profile
-        for name, run, parallel in plan:
+        for name, run, parallel in plan.steps:
             want = self.n_threads if parallel else 1
             if want != threads:
                 _set_threads(want)

@@ -17,7 +17,7 @@ from ...types import GGMLType, traits
 from . import kernels as K
 from .gemm import matmul
 from .kernel_table import KernelTable, Prepared, require_f32
-from .qmatmul import shared_scratch
+from .plan import Plan
 
 KERNELS = KernelTable()
 _EMPTY_F32 = np.zeros((1, 1, 1, 1), dtype=np.float32)
@@ -45,7 +45,7 @@ _BINARY_CODE = {Op.ADD: K.OP_ADD, Op.SUB: K.OP_SUB, Op.MUL: K.OP_MUL, Op.DIV: K.
 
 
 @KERNELS.register(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
-def _binary(node: Tensor) -> Prepared:
+def _binary(node: Tensor, plan: Plan) -> Prepared:
     """Rows of a with rows of b repeated over them (the layers' adds and norm weights) go
     through a parallel numba kernel, split by rows as the products around them are, so each
     thread finds its rows in its own cache; other broadcasts through numpy."""
@@ -73,7 +73,7 @@ def _rows_repeat(a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> bool:
 
 
 @KERNELS.register(Op.SCALE)
-def _scale(node: Tensor) -> Prepared:
+def _scale(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -91,7 +91,7 @@ _UNARY_NUMPY = {Op.SQR: np.square, Op.SQRT: np.sqrt, Op.LOG: np.log, Op.EXP: np.
 
 
 @KERNELS.register(Op.SQR, Op.SQRT, Op.LOG, Op.EXP)
-def _unary_numpy(node: Tensor) -> Prepared:
+def _unary_numpy(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     ufunc = _UNARY_NUMPY[node.op]
@@ -103,7 +103,7 @@ _UNARY_NUMBA = {Op.SILU: K.silu_f32, Op.GELU: K.gelu_f32}
 
 
 @KERNELS.register(Op.SILU, Op.GELU)
-def _unary_numba(node: Tensor) -> Prepared:
+def _unary_numba(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     kernel = _UNARY_NUMBA[node.op]
@@ -115,7 +115,7 @@ _GLU = {Op.SWIGLU: K.swiglu_f32, Op.GEGLU: K.geglu_f32}
 
 
 @KERNELS.register(Op.SWIGLU, Op.GEGLU)
-def _glu(node: Tensor) -> Prepared:
+def _glu(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     require_f32(node, a, b)
     kernel = _GLU[node.op]
@@ -124,7 +124,7 @@ def _glu(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.RMS_NORM, Op.NORM)
-def _norm(node: Tensor) -> Prepared:
+def _norm(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     kernel = K.rms_norm_f32 if node.op == Op.RMS_NORM else K.norm_f32
@@ -133,7 +133,7 @@ def _norm(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.SOFT_MAX)
-def _soft_max(node: Tensor) -> Prepared:
+def _soft_max(node: Tensor, plan: Plan) -> Prepared:
     a = node.src[0]
     require_f32(node, a)
     scale, max_bias = node.op_params
@@ -153,7 +153,7 @@ UNROLLED_HEAD_DIM = 64  # numba takes head sizes up to this as compile-time cons
 
 
 @KERNELS.register(Op.FLASH_ATTN_EXT)
-def _flash_attn_ext(node: Tensor) -> Prepared:
+def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
     """The numerics of ggml's tiled CPU kernel: float32 scores and outputs, the softmax sum
     in double. (ggml's one-chunk kernel, which it picks for ubatches under 64 rows,
     accumulates in f16, so there n_ubatch changes results; here it never does.)
@@ -164,7 +164,7 @@ def _flash_attn_ext(node: Tensor) -> Prepared:
     q, k, v = node.src[:3]
     require_f32(node, q)
     if max(q.ne[0], node.ne[0]) > UNROLLED_HEAD_DIM:
-        return _flash_attn_blas(node)
+        return _flash_attn_blas(node, plan)
     scale, max_bias, softcap = node.op_params
     qv, dv = q.array(), node.array()
     has_mask, mv, mask_type = _attn_mask(node)
@@ -184,7 +184,7 @@ def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
     return False, _EMPTY_F32, GGMLType.F32
 
 
-def _flash_attn_blas(node: Tensor) -> Prepared:
+def _flash_attn_blas(node: Tensor, plan: Plan) -> Prepared:
     q, k, v = node.src[:3]
     scale, max_bias, softcap = node.op_params
     qv, kv, vv, dv = q.array(), k.array(), v.array(), node.array()
@@ -197,10 +197,11 @@ def _flash_attn_blas(node: Tensor) -> Prepared:
     scores_shape = (n3, n_head_kv, group, n_q, n_kv)
     out5 = dv.reshape(n3, n_q, n_head_kv, group, dv.shape[3]).transpose(0, 2, 3, 1, 4)
     sm_scale = 1.0 if softcap else scale
+    scratch = plan.scratch
 
     def run() -> None:
-        # the scores live in a scratch shared by every attention of the graph (one op at a time)
-        scores = shared_scratch("attn_scores", math.prod(scores_shape)).reshape(scores_shape)
+        # the scores live in the backend's scratch, shared by every attention (one op at a time)
+        scores = scratch.get("attn_scores", math.prod(scores_shape)).reshape(scores_shape)
         scores4 = scores.reshape(n3, n_head, n_q, n_kv)
         k32 = convert.to_f32(kv, k_type)[:, :, None]
         v32 = convert.to_f32(vv, v_type)[:, :, None]
@@ -235,44 +236,11 @@ def _cells_f32(t: Tensor) -> Callable[[], np.ndarray]:
     return read
 
 
-class RopeTable:
-    """cos/sin of the positions in one positions tensor. Every rope of a graph (q and k of
-    each layer, forward and back) reads the same table; it is computed again only when the
-    positions or frequency factors differ from those it was made from (compared per call)."""
-
-    def __init__(self, n_pos: int, n_dims: int, args: tuple) -> None:
-        self.args = args
-        self.pos = np.empty(n_pos, dtype=np.int64)
-        self.ff = np.empty(0, dtype=np.float32)
-        self.valid = False
-        self.cos = np.empty((n_pos, n_dims // 2), dtype=np.float32)
-        self.sin = np.empty((n_pos, n_dims // 2), dtype=np.float32)
-
-    def refresh(self, pos: np.ndarray, ff: np.ndarray, has_ff: bool) -> None:
-        if self.valid and K.same_values(self.pos, pos) and K.same_values(self.ff, ff):
-            return
-        K.rope_table(pos, ff, *self.args, has_ff, self.cos, self.sin)
-        np.copyto(self.pos, pos)
-        self.ff = ff.copy()
-        self.valid = True
-
-
-_ROPE_TABLES: dict[tuple, RopeTable] = {}  # by the memory of positions and factors, and the rope's parameters
-_ROPE_TABLES_MAX = 64
 _NO_FREQ_FACTORS = np.ones(1, dtype=np.float32)
 
 
-def _rope_table(pos: np.ndarray, ff: np.ndarray, args: tuple) -> RopeTable:
-    key = (pos.ctypes.data, pos.shape[0], ff.ctypes.data, args)
-    if key not in _ROPE_TABLES:
-        if len(_ROPE_TABLES) >= _ROPE_TABLES_MAX:
-            _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))
-        _ROPE_TABLES[key] = RopeTable(pos.shape[0], args[0], args)
-    return _ROPE_TABLES[key]
-
-
 @KERNELS.register(Op.ROPE, Op.ROPE_BACK)
-def _rope(node: Tensor) -> Prepared:
+def _rope(node: Tensor, plan: Plan) -> Prepared:
     a, pos = node.src[0], node.src[1]
     require_f32(node, a)
     ffv = node.src[2].array().reshape(-1) if len(node.src) > 2 else _NO_FREQ_FACTORS
@@ -280,7 +248,8 @@ def _rope(node: Tensor) -> Prepared:
     av, pv, dv = a.array(), pos.array().reshape(-1), node.array()
     n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = node.op_params
     corr0, corr1 = K.rope_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
-    table = _rope_table(pv, ffv, (n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1))
+    table = plan.rope_table(pos, node.src[2] if has_ff else None,
+                            (n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1))
     neox, sign = mode == ROPE_TYPE_NEOX, 1.0 if node.op == Op.ROPE else -1.0
 
     def run() -> None:
@@ -290,7 +259,7 @@ def _rope(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.GET_ROWS)
-def _get_rows(node: Tensor) -> Prepared:
+def _get_rows(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     idx = b.array()[0]  # (ne12, ne11, ne10)
     dv = node.array()
@@ -328,7 +297,7 @@ def _get_rows_quantized(a: Tensor, idx: np.ndarray, dv: np.ndarray) -> Prepared:
 
 
 @KERNELS.register(Op.SET_ROWS)
-def _set_rows(node: Tensor) -> Prepared:
+def _set_rows(node: Tensor, plan: Plan) -> Prepared:
     dst_t, src_t, idx_t = node.src
     require_f32(node, src_t)
     dv, sv, iv = node.array(), src_t.array(), idx_t.array()[0]
@@ -363,7 +332,7 @@ def _set_rows(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.CPY, Op.CONT, Op.DUP)
-def _copy(node: Tensor) -> Prepared:
+def _copy(node: Tensor, plan: Plan) -> Prepared:
     src = node.src[0]
     if (traits(src.type).is_quantized or traits(node.type).is_quantized) and src.type != node.type:
         return _convert_quantized(node, src)

@@ -10,6 +10,7 @@ import numpy as np
 from ... import rowops
 from ...tensor import Op, Tensor
 from .kernel_table import KernelTable, Prepared, require_f32
+from .plan import Plan
 
 KERNELS = KernelTable()
 
@@ -23,7 +24,7 @@ def _row_iter(*arrays: np.ndarray):
 
 
 @KERNELS.register(Op.TOP_K)
-def _top_k(node: Tensor) -> Prepared:
+def _top_k(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -36,7 +37,7 @@ def _top_k(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.CUMSUM)
-def _cumsum(node: Tensor) -> Prepared:
+def _cumsum(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -48,7 +49,7 @@ def _cumsum(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.TOP_P_CUT)
-def _top_p_cut(node: Tensor) -> Prepared:
+def _top_p_cut(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -63,7 +64,7 @@ def _top_p_cut(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.MIN_P_CUT)
-def _min_p_cut(node: Tensor) -> Prepared:
+def _min_p_cut(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -77,7 +78,7 @@ def _min_p_cut(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.PENALTIES)
-def _penalties(node: Tensor) -> Prepared:
+def _penalties(node: Tensor, plan: Plan) -> Prepared:
     a, counts = node.src
     require_f32(node, a, counts)
     av, cv, dv = a.array(), counts.array(), node.array()
@@ -86,7 +87,7 @@ def _penalties(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.SAMPLE_DIST)
-def _sample_dist(node: Tensor) -> Prepared:
+def _sample_dist(node: Tensor, plan: Plan) -> Prepared:
     a, u = node.src[:2]
     require_f32(node, a)
     av, uv, dv = a.array()[0, 0], u.array().reshape(-1), node.array().reshape(-1)

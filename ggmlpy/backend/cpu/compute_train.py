@@ -6,6 +6,7 @@ import numpy as np
 from ...tensor import Op, Tensor
 from . import train_kernels as TK
 from .kernel_table import KernelTable, Prepared, require_f32
+from .plan import Plan
 
 KERNELS = KernelTable()
 
@@ -29,7 +30,7 @@ _TILE_AXES = (0, 2, 4, 6)
 
 
 @KERNELS.register(Op.SUM)
-def _sum(node: Tensor) -> Prepared:
+def _sum(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -37,7 +38,7 @@ def _sum(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.SUM_ROWS, Op.MEAN)
-def _sum_rows(node: Tensor) -> Prepared:
+def _sum_rows(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -49,7 +50,7 @@ def _sum_rows(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.REPEAT)
-def _repeat(node: Tensor) -> Prepared:
+def _repeat(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -59,7 +60,7 @@ def _repeat(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.REPEAT_BACK)
-def _repeat_back(node: Tensor) -> Prepared:
+def _repeat_back(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array(), node.array()
@@ -71,7 +72,7 @@ def _repeat_back(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.CONCAT)
-def _concat(node: Tensor) -> Prepared:
+def _concat(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     av, bv, dv = a.array(), b.array(), node.array()
     axis = 3 - node.op_params[0]
@@ -86,7 +87,7 @@ def _concat(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.ACC)
-def _acc(node: Tensor) -> Prepared:
+def _acc(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     require_f32(node, a, b)
     nb1, nb2, nb3, offset = node.op_params
@@ -101,7 +102,7 @@ def _acc(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.ARGMAX)
-def _argmax(node: Tensor) -> Prepared:
+def _argmax(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
     av, dv = a.array()[0, 0], node.array()[0, 0, 0]
@@ -109,14 +110,14 @@ def _argmax(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.COUNT_EQUAL)
-def _count_equal(node: Tensor) -> Prepared:
+def _count_equal(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     av, bv, dv = a.array(), b.array(), node.array()
     return lambda: dv.fill(np.count_nonzero(av == bv))
 
 
 @KERNELS.register(Op.CROSS_ENTROPY_LOSS)
-def _cross_entropy_loss(node: Tensor) -> Prepared:
+def _cross_entropy_loss(node: Tensor, plan: Plan) -> Prepared:
     logits, labels = node.src
     require_f32(node, logits, labels)
     lv, yv, dv = logits.array(), labels.array(), node.array()
@@ -129,7 +130,7 @@ def _cross_entropy_loss(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.CROSS_ENTROPY_LOSS_BACK)
-def _cross_entropy_loss_back(node: Tensor) -> Prepared:
+def _cross_entropy_loss_back(node: Tensor, plan: Plan) -> Prepared:
     grad, logits, labels = node.src
     require_f32(node, grad, logits, labels)
     gv, lv, yv, dv = grad.array().reshape(-1), logits.array(), labels.array(), node.array()
@@ -137,7 +138,7 @@ def _cross_entropy_loss_back(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.RMS_NORM_BACK)
-def _rms_norm_back(node: Tensor) -> Prepared:
+def _rms_norm_back(node: Tensor, plan: Plan) -> Prepared:
     g, x = node.src
     require_f32(node, g, x)
     gv, xv, dv, eps = g.array(), x.array(), node.array(), float(node.op_params[0])
@@ -145,7 +146,7 @@ def _rms_norm_back(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.SOFT_MAX_BACK)
-def _soft_max_back(node: Tensor) -> Prepared:
+def _soft_max_back(node: Tensor, plan: Plan) -> Prepared:
     g, y = node.src
     require_f32(node, g, y)
     gv, yv, dv, scale = g.array(), y.array(), node.array(), float(node.op_params[0])
@@ -156,7 +157,7 @@ _ACTIVATION_BACK = {Op.SILU_BACK: TK.silu_back_f32, Op.GELU_BACK: TK.gelu_back_f
 
 
 @KERNELS.register(Op.SILU_BACK, Op.GELU_BACK)
-def _activation_back(node: Tensor) -> Prepared:
+def _activation_back(node: Tensor, plan: Plan) -> Prepared:
     g, x = node.src
     require_f32(node, g, x)
     kernel = _ACTIVATION_BACK[node.op]
@@ -165,7 +166,7 @@ def _activation_back(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.GET_ROWS_BACK)
-def _get_rows_back(node: Tensor) -> Prepared:
+def _get_rows_back(node: Tensor, plan: Plan) -> Prepared:
     g, rows = node.src
     require_f32(node, g)
     gv, iv, dv = g.array(), rows.array()[0], node.array()
@@ -173,7 +174,7 @@ def _get_rows_back(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.OPT_STEP_ADAMW)
-def _opt_step_adamw(node: Tensor) -> Prepared:
+def _opt_step_adamw(node: Tensor, plan: Plan) -> Prepared:
     w, g, m, v, params = node.src
     require_f32(node, w, g, m, v)
     wv, gv, mv, vv, pv = _flat(w), _flat(g), _flat(m), _flat(v), _flat(params)
@@ -181,7 +182,7 @@ def _opt_step_adamw(node: Tensor) -> Prepared:
 
 
 @KERNELS.register(Op.OPT_STEP_SGD)
-def _opt_step_sgd(node: Tensor) -> Prepared:
+def _opt_step_sgd(node: Tensor, plan: Plan) -> Prepared:
     w, g, params = node.src
     require_f32(node, w, g)
     wv, gv, pv = _flat(w), _flat(g), _flat(params)

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from ...tensor import Op, Tensor
 from . import compute, compute_sampling, compute_train, matmul
 from .kernel_table import Kernel, Prepared
+from .plan import Plan
 
 
 def _merge(*tables: Mapping[Op, Kernel]) -> Mapping[Op, Kernel]:
@@ -28,9 +29,9 @@ def _kernel(node: Tensor) -> Kernel:
         raise NotImplementedError(f"CPU backend has no kernel for {node.op.name}") from None
 
 
-def prepare(node: Tensor) -> Prepared:
-    """A zero-argument call that computes `node` into its bound memory."""
-    return _kernel(node).prepare(node)
+def prepare(node: Tensor, plan: Plan) -> Prepared:
+    """A zero-argument call that computes `node` into its bound memory, as a step of `plan`."""
+    return _kernel(node).prepare(node, plan)
 
 
 def parallel(node: Tensor) -> bool:

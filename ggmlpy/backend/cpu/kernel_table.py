@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...tensor import Op, Tensor
 from ...types import GGMLType
 
+if TYPE_CHECKING:
+    from .plan import Plan
+
 Prepared = Callable[[], None]  # computes one node into its bound memory
-Preparer = Callable[[Tensor], Prepared]
+Preparer = Callable[[Tensor, "Plan"], Prepared]  # the plan owns tables and scratch the call may use
 
 # Below this many result elements an op runs on one thread: waking the other costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 13

@@ -25,7 +25,8 @@ from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from .gemm import GRAIN, Matmul, matmul
 from .kernel_table import KernelTable, Prepared, require_f32
-from .qmatmul import QuantMatrix, mul_mat_q, mul_mat_qt, row_offsets, tile_rows
+from .plan import Plan
+from .qmatmul import QuantMatrix, mul_mat_q, mul_mat_qt, row_offsets
 
 KERNELS = KernelTable()
 
@@ -48,12 +49,12 @@ def _split_batch(b: np.ndarray, ne02: int, ne03: int) -> np.ndarray:
 
 
 @KERNELS.register(Op.MUL_MAT, parallel=_mul_mat_parallel)
-def prepare_mul_mat(node: Tensor) -> Prepared:
+def prepare_mul_mat(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     if b.type != GGMLType.F32:
         raise NotImplementedError(f"MUL_MAT with {b.type.name} second operand")
     if traits(a.type).is_quantized:
-        return _prepare_quantized(node, a, b)
+        return _prepare_quantized(node, a, b, plan)
     av, bv, dv = a.array(), b.array(), node.array()
     ne03, ne02 = av.shape[0], av.shape[1]
     a_type = a.type
@@ -74,7 +75,7 @@ def prepare_mul_mat(node: Tensor) -> Prepared:
     return lambda: matmul(convert.round_to(b6, a_type), convert.to_f32(a6, a_type).swapaxes(-1, -2), d6)
 
 
-def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
+def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor, plan: Plan) -> Prepared:
     """One (W, x rows, out rows) product per matrix of `a`; b's matrices that share it
     (broadcasting over dims 2 and 3) are folded into one batch of rows when their layout
     allows, so each tile of W is dequantized once per graph evaluation."""
@@ -92,18 +93,19 @@ def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
                 work.append((w, b2, d2))
             else:
                 work += [(w, bs[j3, j2], ds[j3, j2]) for j3 in range(bs.shape[0]) for j2 in range(bs.shape[1])]
-    # tile and rounded-activation scratch shared by all products (see shared_scratch)
+    scratch = plan.scratch  # tiles and rounded activations, shared by every product
+
     def run() -> None:
         for w, x, out in work:
-            mul_mat_q(w, x, out)
+            mul_mat_q(w, x, out, scratch)
     return run
 
 
 @KERNELS.register(Op.OUT_PROD, parallel=_out_prod_parallel)
-def _out_prod(node: Tensor) -> Prepared:
+def _out_prod(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     if traits(a.type).is_quantized:
-        return _out_prod_quantized(node, a, b)
+        return _out_prod_quantized(node, a, b, plan)
     require_f32(node, a, b)
     av, bv, dv = a.array(), b.array(), node.array()
     ne03, ne02 = av.shape[0], av.shape[1]
@@ -113,7 +115,7 @@ def _out_prod(node: Tensor) -> Prepared:
     return Matmul(b6t, a6, d6)
 
 
-def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
+def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor, plan: Plan) -> Prepared:
     """result[n, k] = sum_m W[m, k] * b[m, n] with W the quantized a: the gradient of a
     product with a frozen quantized weight, from W's packed rows a tile at a time."""
     require_f32(node, b)
@@ -122,7 +124,7 @@ def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor) -> Prepared:
     k = a.ne[0]
     w = QuantMatrix(a.type, a.buffer, row_offsets(a)[0, 0], k)
     bv, dv = b.array(), node.array()
-    scratch = np.empty((tile_rows(k, w.m), k), dtype=np.float32)
+    scratch = plan.scratch
     pairs = [(bv[i3, i2].T, dv[i3, i2]) for i3 in range(bv.shape[0]) for i2 in range(bv.shape[1])]
 
     def run() -> None:

@@ -17,8 +17,6 @@ broadcast layouts, memory-mapped files and arenas are all handled the same way.
 """
 from __future__ import annotations
 
-import threading
-
 import numba
 import numpy as np
 
@@ -26,6 +24,7 @@ from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
 from .gemm import matmul
+from .plan import Scratch
 
 TILE_BYTES = 1 << 20
 
@@ -75,70 +74,50 @@ class QuantMatrix:
         return dst
 
 
-class _Scratch(threading.local):
-    def __init__(self) -> None:
-        self.bufs: dict[str, np.ndarray] = {}
-
-
-_SCRATCH = _Scratch()
-
-
-def shared_scratch(name: str, n: int) -> np.ndarray:
-    """n float32 elements of a buffer shared by every product that runs in this thread
-    (one buffer per name, grown on demand): graphs run one op at a time, so the products
-    of a graph need one tile scratch between them, not one each. Valid until the next
-    call with the same name."""
-    buf = _SCRATCH.bufs.get(name)
-    if buf is None or buf.size < n:
-        buf = _SCRATCH.bufs[name] = np.empty(n, dtype=np.float32)
-    return buf[:n]
-
-
-def _scratch(w: QuantMatrix, tiles: int = 1) -> tuple[int, np.ndarray]:
+def _tiles(w: QuantMatrix, scratch: Scratch, tiles: int = 1) -> tuple[int, np.ndarray]:
+    """Rows per tile and room for `tiles` dequantized tiles in the backend's scratch."""
     t = tile_rows(w.k, w.m)
-    return t, shared_scratch("tile", tiles * t * w.k).reshape(tiles * t, w.k)
+    return t, scratch.get("tile", tiles * t * w.k).reshape(tiles * t, w.k)
 
 
-def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
     """out[n, m] = sum_k x~[n, k] * W[m, k]  (x: (N, K) float32, out: (N, M) float32 view).
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
-    into a shared scratch; x is left unchanged.
+    into `scratch` (the backend's; tiles go there too); x is left unchanged.
 
     Tiles are dequantized one group at a time, a tile per thread, and each tile's product
     is one whole BLAS call: the result is the same for any thread count and the float
     rounding of every product is that of an unsliced (N, K) x (K, tile) GEMM."""
+    scratch = scratch or Scratch()
     group = max(1, numba.get_num_threads())
-    t, scratch = _scratch(w, group)
+    t, tiles_buf = _tiles(w, scratch, group)
     if w.round_activations is not None and x.size:
         n = x.shape[0] * x.shape[1]
-        xr = shared_scratch("activations", n).reshape(x.shape)
+        xr = scratch.get("activations", n).reshape(x.shape)
         np.copyto(xr, x)
         w.round_activations(xr)
         x = xr
     n_full = w.m // t
     for r0 in range(0, n_full * t, group * t):
         g = min(group, n_full - r0 // t)
-        tiles = w.dequantize_rows(r0, r0 + g * t, scratch).reshape(g, t, w.k)
+        tiles = w.dequantize_rows(r0, r0 + g * t, tiles_buf).reshape(g, t, w.k)
         outs = np.reshape(out[:, r0:r0 + g * t], (out.shape[0], g, t), copy=False).swapaxes(0, 1)
         matmul(x, tiles.swapaxes(1, 2), outs, slice_rows=None)
     if n_full * t < w.m:
         r0 = n_full * t
-        tile = w.dequantize_rows(r0, w.m, scratch)
+        tile = w.dequantize_rows(r0, w.m, tiles_buf)
         matmul(x, tile.T, out[:, r0:], slice_rows=None)
     return out
 
 
-def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
     """out[n, k] = sum_m g[n, m] * W[m, k]  (g: (N, M) float32, out: (N, K) float32)."""
-    if scratch is None:
-        t, scratch = _scratch(w)
-    else:
-        t = scratch.shape[0]
+    t, tile_buf = _tiles(w, scratch or Scratch())
     for r0 in range(0, w.m, t):
         r1 = min(w.m, r0 + t)
-        tile = w.dequantize_rows(r0, r1, scratch)
+        tile = w.dequantize_rows(r0, r1, tile_buf)
         matmul(g[:, r0:r1], tile, out, accumulate=r0 > 0)
     if w.m == 0:
         out[...] = 0

@@ -1,0 +1,96 @@
+"""Compute plans (ggml's cplan): a graph's nodes prepared as calls bound to the memory its
+tensors have now, kept apart from the graph.
+
+A plan knows what it was prepared on: the graph's node count (nodes are only appended)
+and the binding of every tensor its calls read or write. When any of them changes (a
+tensor rebound to new memory, a node added), the plan is stale and the backend prepares
+a new one, so no caller ever has to clear anything. Checking is cheap: while no tensor
+anywhere has been bound since the last check, a plan is valid without looking further.
+
+What kernels need besides their operands is owned here too: per-plan tables (RoPE's
+cos/sin of a positions tensor, shared by every rope of the graph) and the backend's
+scratch buffers (ops run one at a time, so one buffer per use serves them all).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ... import tensor as tensor_module
+from ...graph import Graph
+from ...registry import OPS, OpKind
+from ...tensor import Tensor
+from . import kernels as K
+
+
+class Scratch:
+    """Growable float32 work buffers by name (a backend's: valid until the next `get` of
+    the same name, which is the next op that uses it)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int) -> np.ndarray:
+        buf = self._buffers.get(name)
+        if buf is None or buf.size < n:
+            buf = self._buffers[name] = np.empty(n, dtype=np.float32)
+        return buf[:n]
+
+
+class RopeTable:
+    """cos/sin of the positions in one positions tensor, for one set of rope parameters.
+    Computed again only when the positions or frequency factors differ from those it was
+    made from (compared on every use, which is cheap next to the rotation)."""
+
+    def __init__(self, n_pos: int, args: tuple) -> None:
+        self.args = args
+        self.pos = np.empty(n_pos, dtype=np.int64)
+        self.ff = np.empty(0, dtype=np.float32)
+        self.valid = False
+        self.cos = np.empty((n_pos, args[0] // 2), dtype=np.float32)
+        self.sin = np.empty((n_pos, args[0] // 2), dtype=np.float32)
+
+    def refresh(self, pos: np.ndarray, ff: np.ndarray, has_ff: bool) -> None:
+        if self.valid and K.same_values(self.pos, pos) and K.same_values(self.ff, ff):
+            return
+        K.rope_table(pos, ff, *self.args, has_ff, self.cos, self.sin)
+        np.copyto(self.pos, pos)
+        self.ff = ff.copy()
+        self.valid = True
+
+
+Step = tuple[str, Callable[[], None], bool]  # (op name, prepared call, worth every thread)
+
+
+class Plan:
+    """The prepared calls of one graph, in node order, and what they were prepared on."""
+
+    def __init__(self, graph: Graph, scratch: Scratch,
+                 prepare: Callable[[Tensor, "Plan"], Callable[[], None]], parallel: Callable[[Tensor], bool]) -> None:
+        self.scratch = scratch
+        self._rope_tables: dict[tuple, RopeTable] = {}
+        self.n_nodes = len(graph.nodes)
+        computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
+        self.steps: list[Step] = [(n.op.name, prepare(n, self), parallel(n)) for n in computed]
+        bases = {id(b): b for n in computed for t in (n, *n.src) for b in (t.view_src or t,)}
+        self._bindings = [(t, t.binding) for t in bases.values()]
+        self._checked = tensor_module.BINDINGS
+
+    def valid_for(self, graph: Graph) -> bool:
+        """Whether the graph is still the one prepared, on the same memory."""
+        if len(graph.nodes) != self.n_nodes:
+            return False
+        if self._checked == tensor_module.BINDINGS:
+            return True
+        if any(t.binding != b for t, b in self._bindings):
+            return False
+        self._checked = tensor_module.BINDINGS
+        return True
+
+    def rope_table(self, pos: Tensor, freq_factors: Tensor | None, args: tuple) -> RopeTable:
+        """The table every rope of this plan with these positions, factors and parameters reads."""
+        key = (id(pos), id(freq_factors), args)
+        if key not in self._rope_tables:
+            self._rope_tables[key] = RopeTable(pos.nelements(), args)
+        return self._rope_tables[key]

@@ -1,0 +1,97 @@
+"""Compute plans cannot go stale: rebinding a tensor, replacing a model weight, attaching or
+detaching an adapter or training the weights after a decode gives the logits a fresh
+context computes, with nothing cleared by hand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ggmlpy as gg
+import llamapy
+from llamapy.dataset import token_windows
+from llamapy.lora import LoraAdapter
+from llamapy.train_params import SGD, LRSchedule, TrainParams
+
+N_CTX = 64
+
+
+@pytest.fixture()
+def model(stories_path):
+    return llamapy.load_model(stories_path)
+
+
+@pytest.fixture(scope="module")
+def tokens(stories_path, wiki_path):
+    return llamapy.load_model(stories_path).vocab.tokenize(wiki_path.read_text()[:3000])
+
+
+def logits(ctx, tokens) -> np.ndarray:
+    ctx.memory_clear()
+    ctx.decode(llamapy.Batch.from_tokens(tokens[:16], all_outputs=True))
+    return ctx.get_logits().copy()
+
+
+def fresh(model, tokens, adapters=()) -> np.ndarray:
+    ctx = llamapy.Context(model, n_ctx=N_CTX, n_threads=1)
+    for adapter, scale in adapters:
+        ctx.attach_lora(adapter, scale)
+    return logits(ctx, tokens)
+
+
+def test_rebinding_a_graph_input_after_compute():
+    ctx = gg.Context()
+    x = ctx.from_numpy(np.arange(4, dtype=np.float32))
+    y = gg.scale(ctx, x, 2.0).set_output()
+    graph = gg.new_graph(y)
+    backend = gg.CpuBackend()
+    gg.compute(graph, backend)
+    plan = backend.plan(graph)
+    x.bind(np.full(4, 5, np.float32).view(np.uint8))
+    backend.compute(graph)
+    assert y.numpy().tolist() == [10.0] * 4
+    assert backend.plan(graph) is not plan
+    assert backend.plan(graph) is backend.plan(graph)  # and is reused from then on
+
+
+def test_rebound_and_replaced_weights_after_a_decode(model, tokens):
+    ctx = llamapy.Context(model, n_ctx=N_CTX, n_threads=1)
+    before = logits(ctx, tokens)
+    w = model.tensors["blk.1.ffn_up.weight"]
+    values = np.array(w.array()) * np.float32(1.5)
+    w.bind(values.reshape(-1).view(np.uint8))  # the same tensor on new memory
+    rebound = logits(ctx, tokens)
+    assert not np.allclose(rebound, before)
+    np.testing.assert_array_equal(rebound, fresh(model, tokens))
+    replacement = gg.Context().from_numpy(values[0, 0] * np.float32(2.0))
+    model.set_tensor("blk.1.ffn_up.weight", replacement)  # another tensor in its place
+    replaced = logits(ctx, tokens)
+    assert not np.allclose(replaced, rebound)
+    np.testing.assert_array_equal(replaced, fresh(model, tokens))
+
+
+def test_attach_and_detach_an_adapter_after_a_decode(model, tokens):
+    ctx = llamapy.Context(model, n_ctx=N_CTX, n_threads=1)
+    base = logits(ctx, tokens)
+    adapter = LoraAdapter.new(model, rank=2, modules=["attn_q", "ffn_down"], seed=1)
+    for a, b in adapter.tensors.values():
+        b.set(np.random.default_rng(2).standard_normal(b.nelements()) * 0.05)
+    ctx.attach_lora(adapter, 0.5)
+    adapted = logits(ctx, tokens)
+    assert not np.allclose(adapted, base)
+    np.testing.assert_array_equal(adapted, fresh(model, tokens, [(adapter, 0.5)]))
+    ctx.attach_lora(adapter, 1.0)  # a new scale
+    np.testing.assert_array_equal(logits(ctx, tokens), fresh(model, tokens, [(adapter, 1.0)]))
+    ctx.detach_lora(adapter)
+    np.testing.assert_array_equal(logits(ctx, tokens), base)
+
+
+def test_decode_after_training_the_weights(model, tokens):
+    """opt_init moves the memory-mapped weights to writable memory and training changes
+    them: the context's inference graphs follow."""
+    ctx = llamapy.Context(model, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=1)
+    before = logits(ctx, tokens)
+    ctx.opt_init(TrainParams(optimizer=SGD(), schedule=LRSchedule(lr0=0.05)))
+    ctx.opt_epoch(token_windows(tokens, N_CTX), idata_split=1)
+    after = logits(ctx, tokens)
+    assert not np.allclose(after, before)
+    np.testing.assert_array_equal(after, fresh(model, tokens))
