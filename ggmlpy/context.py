@@ -1,4 +1,7 @@
-"""ggml's context: the place tensors are created.
+"""ggml's context (ggml_context): the place tensors are created.
+
+Only that: it holds no model, cache or graphs (unlike an inference context such as
+llama.cpp's llama_context, which creates its tensors in contexts of this kind).
 
 With `no_alloc=True` (the default, as in llama.cpp's graph building) tensors only get
 metadata and are placed later by a graph allocator or bound to external memory (a

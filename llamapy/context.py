@@ -35,7 +35,10 @@ def validation_windows(ndata: int, val_split: float) -> int:
 
 
 class Context:
-    """Defaults follow llama.cpp on the CPU: an F16 KV cache and fused (flash) attention."""
+    """llama.cpp's llama_context: a model, its KV cache, graphs and outputs, and training.
+    (ggmlpy.Context is ggml's ggml_context, where tensors are created.)
+
+    Defaults follow llama.cpp on the CPU: an F16 KV cache and fused (flash) attention."""
 
     def __init__(self, model: Model, n_ctx: int = 0, n_batch: int = 2048, n_ubatch: int = 512,
                  n_seq_max: int = 1, n_threads: int | None = None, kv_unified: bool | None = None,

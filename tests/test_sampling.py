@@ -272,8 +272,8 @@ CHAINS = {
 def graph_outputs(ctx):
     """The tensors flagged as outputs in the graphs that sampled."""
     outs = []
-    for shape, (builder, _) in ctx._graphs.items():
-        if shape.samplers:
+    for builder, _ in ctx._graphs.values():
+        if builder.shape.samplers:
             outs += [t for t in builder.graph.nodes + builder.graph.leafs if t.flags & 2]
     return outs
 

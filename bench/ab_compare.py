@@ -1,0 +1,89 @@
+"""This checkout against another (an earlier commit in a git worktree), side by side: the
+same commands alternated A, B, A, B, ... so that the host's drift hits both alike.
+
+    git worktree add /tmp/base <commit>
+    python bench/ab_compare.py --base /tmp/base [--repeat 3] [--threads 2] [--only ppl,ft,lora]
+
+Measures, each in a fresh process (peak RSS is that run's):
+  ppl   llamapy-perplexity on stories260K, whole wiki.test.raw, -c 128: tokens/s (its own line)
+  ft    llamapy-finetune on stories260K, 51 KB of TinyStories, AdamW -c 128 -b 128 -ub 128,
+        1 epoch: training tokens/s (after the first window) and peak RSS
+  lora  llamapy-finetune's main job (LoRA rank 8 on Gemma 3 270M Q4_K_M, the Python docs)
+        on its first 4,000 characters, 1 epoch: training tokens/s and peak RSS
+Prints every run and, per measure, the median of each side and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("LLAMAPY_SHARED", ROOT.parent / "shared"))
+STORIES = SHARED / "models" / "stories260K.gguf"
+
+
+def run(checkout: Path, module: str, args: list[str]) -> tuple[str, float]:
+    """Run `python -m module args` from `checkout`; its stderr and peak RSS in MB."""
+    wrapper = ("import resource, subprocess, sys;"
+               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
+               "sys.stderr.write(r.stderr);"
+               "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr);"
+               "sys.exit(r.returncode)")
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    r = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", module, *args], capture_output=True,
+                       text=True, cwd=checkout, env=env)
+    if r.returncode:
+        raise SystemExit(f"{checkout}: {module} failed:\n{r.stderr[-3000:]}")
+    return r.stderr, int(re.search(r"PEAK_RSS_KB (\d+)", r.stderr).group(1)) / 1024
+
+
+def measures(tmp: Path, threads: int) -> dict[str, tuple[str, list[str], str]]:
+    """name -> (module, args, regex of the tokens/s figure in stderr)."""
+    text = tmp / "stories51k.txt"
+    text.write_text((SHARED / "data" / "tinystories_sample.txt").read_text()[:51_000])
+    t = ["-t", str(threads)]
+    return {
+        "ppl": ("apps.perplexity", ["-m", str(STORIES), "-f", str(SHARED / "data" / "wiki.test.raw"), "-c", "128", *t],
+                r"= ([0-9.]+) tokens/s"),
+        "ft": ("apps.finetune", ["-m", str(STORIES), "-f", str(text), "--epochs", "1", "-c", "128", "-b", "128",
+                                 "-ub", "128", "-o", str(tmp / "ft.gguf"), *t], r"training: (\d+) tokens/s"),
+        "lora": ("apps.finetune", ["--demo-chars", "4000", "--epochs", "1", "--lora-out", str(tmp / "ad.gguf"), *t],
+                 r"training: (\d+) tokens/s"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", type=Path, required=True, help="the other checkout (B)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="ppl,ft,lora")
+    args = ap.parse_args()
+    sides = {"A (this)": ROOT, "B (base)": args.base.resolve()}
+    with tempfile.TemporaryDirectory() as tmp:
+        table = measures(Path(tmp), args.threads)
+        for name in args.only.split(","):
+            module, cmd, pattern = table[name]
+            for checkout in sides.values():  # warm the numba caches of both sides first
+                run(checkout, module, cmd)
+            got: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+            for i in range(args.repeat):
+                for side, checkout in sides.items():
+                    err, rss = run(checkout, module, cmd)
+                    tps = float(re.search(pattern, err).group(1))
+                    got[side].append((tps, rss))
+                    print(f"{name} run {i + 1} {side}: {tps:,.0f} tokens/s, peak RSS {rss:,.0f} MB", flush=True)
+            med = {side: (statistics.median(x for x, _ in v), statistics.median(r for _, r in v)) for side, v in got.items()}
+            (a_tps, a_rss), (b_tps, b_rss) = med.values()
+            print(f"{name}: median A {a_tps:,.0f} tokens/s {a_rss:,.0f} MB | B {b_tps:,.0f} tokens/s {b_rss:,.0f} MB | "
+                  f"A/B speed {a_tps / b_tps:.3f}, memory {a_rss / b_rss:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
