@@ -358,8 +358,7 @@ class Context:
             lo = params.lora
             adapter = LoraAdapter.new(self.model, lo.rank, lo.alpha, lo.modules, lo.seed)
             self.attach_lora(adapter)
-        self.trainer = Trainer(self, params)
-        self.trainer.adapter = adapter
+        self.trainer = Trainer(self, params, adapter)
 
     def opt_epoch(self, dataset, result_train=None, result_eval=None, idata_split: int = -1,
                   callback_train=None, callback_eval=None) -> None:

@@ -74,8 +74,9 @@ class Trainer:
 
     datapoints_per_batch = 1  # a physical batch is one window
 
-    def __init__(self, lctx, params: TrainParams) -> None:
+    def __init__(self, lctx, params: TrainParams, adapter=None) -> None:
         self.lctx, self.params = lctx, params
+        self.adapter = adapter  # the LoRA adapter opt_init made for params.lora, if any
         model = self.model = lctx.model
         self.n_ctx = params.n_ctx_train or lctx.n_ctx
         self.n_ubatch = min(lctx.n_ubatch, self.n_ctx)
