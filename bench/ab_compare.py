@@ -10,6 +10,8 @@ Measures, each in a fresh process (peak RSS is that run's):
         1 epoch: training tokens/s (after the first window) and peak RSS
   lora  llamapy-finetune's main job (LoRA rank 8 on Gemma 3 270M Q4_K_M, the Python docs)
         on its first 4,000 characters, 1 epoch: training tokens/s and peak RSS
+  gen   batch-1 generation in process on stories260K (llama-bench's tg32: 32 single-token
+        decodes into an empty context, best of 5 after a warm-up): tokens/s
 Prints every run and, per measure, the median of each side and their ratio.
 """
 from __future__ import annotations
@@ -28,33 +30,52 @@ SHARED = Path(os.environ.get("LLAMAPY_SHARED", ROOT.parent / "shared"))
 STORIES = SHARED / "models" / "stories260K.gguf"
 
 
-def run(checkout: Path, module: str, args: list[str]) -> tuple[str, float]:
-    """Run `python -m module args` from `checkout`; its stderr and peak RSS in MB."""
+GEN = """
+import sys, time
+import numpy as np
+from llamapy import Batch, Context, load_model
+model = load_model(sys.argv[1])
+ctx = Context(model, n_ctx=256, n_threads=int(sys.argv[2]))
+rng = np.random.default_rng(0)
+best = 0.0
+for _ in range(6):
+    ctx.memory_clear()
+    t0 = time.perf_counter()
+    for i, t in enumerate(rng.integers(0, model.hparams.n_vocab, 32)):
+        ctx.decode(Batch.from_tokens([int(t)], pos0=i))
+    best = max(best, 32 / (time.perf_counter() - t0))
+print(f"tg32 = {best:.1f} tokens/s", file=sys.stderr)
+"""
+
+
+def run(checkout: Path, argv: list[str]) -> tuple[str, float]:
+    """Run `python argv` from `checkout`; its stderr and peak RSS in MB."""
     wrapper = ("import resource, subprocess, sys;"
                "r = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
                "sys.stderr.write(r.stderr);"
                "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr);"
                "sys.exit(r.returncode)")
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    r = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", module, *args], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", wrapper, sys.executable, *argv], capture_output=True,
                        text=True, cwd=checkout, env=env)
     if r.returncode:
-        raise SystemExit(f"{checkout}: {module} failed:\n{r.stderr[-3000:]}")
+        raise SystemExit(f"{checkout}: {argv[:2]} failed:\n{r.stderr[-3000:]}")
     return r.stderr, int(re.search(r"PEAK_RSS_KB (\d+)", r.stderr).group(1)) / 1024
 
 
-def measures(tmp: Path, threads: int) -> dict[str, tuple[str, list[str], str]]:
-    """name -> (module, args, regex of the tokens/s figure in stderr)."""
+def measures(tmp: Path, threads: int) -> dict[str, tuple[list[str], str]]:
+    """name -> (python's arguments, regex of the tokens/s figure in stderr)."""
     text = tmp / "stories51k.txt"
     text.write_text((SHARED / "data" / "tinystories_sample.txt").read_text()[:51_000])
     t = ["-t", str(threads)]
     return {
-        "ppl": ("apps.perplexity", ["-m", str(STORIES), "-f", str(SHARED / "data" / "wiki.test.raw"), "-c", "128", *t],
-                r"= ([0-9.]+) tokens/s"),
-        "ft": ("apps.finetune", ["-m", str(STORIES), "-f", str(text), "--epochs", "1", "-c", "128", "-b", "128",
-                                 "-ub", "128", "-o", str(tmp / "ft.gguf"), *t], r"training: (\d+) tokens/s"),
-        "lora": ("apps.finetune", ["--demo-chars", "4000", "--epochs", "1", "--lora-out", str(tmp / "ad.gguf"), *t],
+        "ppl": (["-m", "apps.perplexity", "-m", str(STORIES), "-f", str(SHARED / "data" / "wiki.test.raw"),
+                 "-c", "128", *t], r"= ([0-9.]+) tokens/s"),
+        "ft": (["-m", "apps.finetune", "-m", str(STORIES), "-f", str(text), "--epochs", "1", "-c", "128", "-b", "128",
+                "-ub", "128", "-o", str(tmp / "ft.gguf"), *t], r"training: (\d+) tokens/s"),
+        "lora": (["-m", "apps.finetune", "--demo-chars", "4000", "--epochs", "1", "--lora-out", str(tmp / "ad.gguf"), *t],
                  r"training: (\d+) tokens/s"),
+        "gen": (["-c", GEN, str(STORIES), str(threads)], r"tg32 = ([0-9.]+) tokens/s"),
     }
 
 
@@ -63,19 +84,19 @@ def main() -> None:
     ap.add_argument("--base", type=Path, required=True, help="the other checkout (B)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="ppl,ft,lora")
+    ap.add_argument("--only", default="ppl,ft,lora,gen")
     args = ap.parse_args()
     sides = {"A (this)": ROOT, "B (base)": args.base.resolve()}
     with tempfile.TemporaryDirectory() as tmp:
         table = measures(Path(tmp), args.threads)
         for name in args.only.split(","):
-            module, cmd, pattern = table[name]
+            cmd, pattern = table[name]
             for checkout in sides.values():  # warm the numba caches of both sides first
-                run(checkout, module, cmd)
+                run(checkout, cmd)
             got: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
             for i in range(args.repeat):
                 for side, checkout in sides.items():
-                    err, rss = run(checkout, module, cmd)
+                    err, rss = run(checkout, cmd)
                     tps = float(re.search(pattern, err).group(1))
                     got[side].append((tps, rss))
                     print(f"{name} run {i + 1} {side}: {tps:,.0f} tokens/s, peak RSS {rss:,.0f} MB", flush=True)

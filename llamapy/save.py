@@ -1,7 +1,7 @@
 """Saving a model: a complete GGUF file from the weights in memory, written atomically.
 
-Metadata is copied from the source file byte for byte (every key, its exact GGUF value
-type, the original order, arrays of any kind included); tensors are written in the
+Metadata is copied from the source file value for value through gguf's public writer
+API (every key, its exact GGUF value type, the original order, strings as raw bytes); tensors are written in the
 original order with their current type and shape, from the bytes the model holds NOW
 (so weights changed in memory, e.g. by training, are saved). The file goes to a temporary
 file in the destination's directory, is fsynced, then renamed over the destination: a
@@ -27,30 +27,46 @@ from .model import Model
 _ALIGNMENT_KEY = "general.alignment"
 
 
-class _Encoded:
-    """A metadata value already encoded as GGUF bytes (without its type tag)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def __len__(self) -> int:  # GGUFWriter.add_array-style checks look at len()
-        return len(self.data)
+# The item types gguf's writer gives an inner array's Python values: only these nest exactly.
+_NESTABLE = (GGUFValueType.INT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL, GGUFValueType.STRING)
 
 
-class _ModelWriter(GGUFWriter):
-    """GGUFWriter that also writes values copied verbatim from another GGUF file."""
+def _field_value(key: str, field: gguf.ReaderField) -> GGUFValue:
+    """A metadata value read from the source file, with its exact GGUF type; strings stay
+    bytes, so a vocabulary's tokens are copied as they are even where not valid UTF-8."""
+    vtype = field.types[0]
+    if vtype == GGUFValueType.STRING:
+        return GGUFValue(bytes(field.parts[-1]), vtype, None)
+    if vtype != GGUFValueType.ARRAY:
+        return GGUFValue(field.parts[-1].tolist()[0], vtype, None)
+    if len(field.types) == 1:
+        raise SaveError(f"metadata {key!r}: an empty array cannot be saved with gguf's writer")
+    sub = field.types[1]
+    if sub == GGUFValueType.STRING:
+        return GGUFValue([bytes(field.parts[i]) for i in field.data], vtype, sub)
+    if sub != GGUFValueType.ARRAY:
+        return GGUFValue([field.parts[i].tolist()[0] for i in field.data], vtype, sub)
+    if any(t not in _NESTABLE for t in field.types[2:]):
+        raise SaveError(f"metadata {key!r}: gguf's writer can nest only arrays of int32, float32, bool or string")
+    return GGUFValue(_nested_items(key, field.parts, 3)[0], vtype, sub)
 
-    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool, sub_type: GGUFValueType | None = None) -> bytes:
-        if isinstance(val, _Encoded):
-            return (self._pack("I", vtype) if add_vtype else b"") + val.data
-        return super()._pack_val(val, vtype, add_vtype, sub_type)
 
-
-def _encoded_field(field: gguf.ReaderField) -> _Encoded:
-    """The value bytes of a reader field: parts are [key length, key, type tag, value parts...]."""
-    return _Encoded(b"".join(part.tobytes() for part in field.parts[3:]))
+def _nested_items(key: str, parts: list[np.ndarray], i: int) -> tuple[list, int]:
+    """The items of an array whose parts start at parts[i] (item type, count, items...)."""
+    sub, count = GGUFValueType(int(parts[i][0])), int(parts[i + 1][0])
+    i += 2
+    items = []
+    for _ in range(count):
+        if sub == GGUFValueType.ARRAY:
+            item, i = _nested_items(key, parts, i)
+        elif sub == GGUFValueType.STRING:
+            item, i = bytes(parts[i + 1]), i + 2
+        else:
+            item, i = parts[i].tolist()[0], i + 1
+        if isinstance(item, list) and not item:
+            raise SaveError(f"metadata {key!r}: an empty array cannot be saved with gguf's writer")
+        items.append(item)
+    return items, i
 
 
 def _infer_value(key: str, value: Any, existing: gguf.ReaderField | None) -> GGUFValue:
@@ -92,10 +108,10 @@ def _tensor_bytes(t: Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.array()).reshape(-1).view(np.uint8)
 
 
-def _fill_writer(writer: _ModelWriter, model: Model, metadata: Mapping[str, Any] | None) -> None:
+def _fill_writer(writer: GGUFWriter, model: Model, metadata: Mapping[str, Any] | None) -> None:
     reader = model.file.reader
-    if reader.byte_order != "I" and reader.byte_order != "=":
-        # raw metadata bytes would carry the source's byte order into a little-endian file
+    if reader.byte_order not in ("I", "="):
+        # tensor bytes would carry the source's byte order into a little-endian file
         raise SaveError(f"{model.path}: saving a model read from a big-endian GGUF file is not supported")
     overrides = dict(metadata or {})
     # GGUFWriter puts general.architecture first; keep the source's order instead
@@ -103,18 +119,14 @@ def _fill_writer(writer: _ModelWriter, model: Model, metadata: Mapping[str, Any]
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue  # the reader's virtual header fields (version, counts)
-        if key in overrides:
-            v = _infer_value(key, overrides.pop(key), field)
-            writer.add_key_value(key, v.value, v.type, v.sub_type)
-        else:
-            vtype = field.types[0]
-            writer.add_key_value(key, _encoded_field(field), vtype)
+        v = _infer_value(key, overrides.pop(key), field) if key in overrides else _field_value(key, field)
+        writer.add_key_value(key, v.value, v.type, v.sub_type)
     for key, value in overrides.items():
         v = _infer_value(key, value, None)
         writer.add_key_value(key, v.value, v.type, v.sub_type)
     alignment = writer.kv_data[0].get(_ALIGNMENT_KEY)
     if alignment is not None:
-        align = int(reader.fields[_ALIGNMENT_KEY].parts[-1][0]) if isinstance(alignment.value, _Encoded) else int(alignment.value)
+        align = int(alignment.value)
         if align <= 0 or align & (align - 1):
             raise SaveError(f"{_ALIGNMENT_KEY} = {align} is not a power of two")
         writer.data_alignment = align
@@ -142,7 +154,7 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
     (the destination is then untouched: a previous file there stays as it was).
     """
     dest = Path(path)
-    writer = _ModelWriter(None, str(model.file.get("general.architecture", "")))
+    writer = GGUFWriter(None, str(model.file.get("general.architecture", "")))
     _fill_writer(writer, model, metadata)
     return write_atomically(writer, dest, "model")
 

@@ -4,7 +4,8 @@ Every layout BLAS can read in place (row-major, transposed, permuted with a row 
 and the ones it cannot (strided columns, negative strides: copied first), broadcasting
 over leading dims as numpy.matmul, a transposed output, accumulation, empty dims, and
 the promises that matter for reproducibility: the result depends neither on the thread
-count nor on how many rows (tokens) share a product.
+count nor on how many rows (tokens) share a product. Each test runs on the BLAS sgemm found
+and on the numpy.matmul fallback used where there is none (test_portable_blas.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ import numba
 import numpy as np
 import pytest
 
+from ggmlpy.backend.cpu import gemm
 from ggmlpy.backend.cpu.gemm import SLICE_ROWS, Matmul, matmul
+
+
+@pytest.fixture(autouse=True, params=["sgemm", "numpy.matmul"])
+def blas(request, monkeypatch):
+    """Every test on both paths: numba-threaded sgemm and the numpy.matmul fallback."""
+    if request.param == "numpy.matmul":
+        monkeypatch.setattr(gemm, "_found", None)
+    elif gemm._found is None:
+        pytest.skip("no 64-bit-integer BLAS in this process")
+    return request.param
 
 
 def _f(rng, *shape):
@@ -117,3 +129,4 @@ def test_rows_do_not_depend_on_their_company():
     for n in (SLICE_ROWS, 4 * SLICE_ROWS):
         parts = np.concatenate([matmul(x[i:i + n], w.T, np.empty((n, 172), np.float32)) for i in range(0, 512, n)])
         assert np.array_equal(parts, whole)
+

@@ -14,7 +14,6 @@ import llamapy
 from ggmlpy import GGMLType, traits
 from llamapy.errors import SaveError
 from llamapy.gguf_file import GGUFFile
-from llamapy.save import _ModelWriter
 
 
 def fields_of(source) -> dict:
@@ -140,7 +139,7 @@ def test_disk_full_midway_leaves_the_old_file_intact(stories_path, tmp_path, mon
     dest = tmp_path / "model.gguf"
     dest.write_bytes(b"previous contents")
     calls = {"n": 0}
-    real_padding = _ModelWriter.write_padding
+    real_padding = gguf.GGUFWriter.write_padding
 
     def failing_padding(self, fp, n, align=None):
         calls["n"] += 1
@@ -148,7 +147,7 @@ def test_disk_full_midway_leaves_the_old_file_intact(stories_path, tmp_path, mon
             raise OSError(28, "No space left on device")
         return real_padding(self, fp, n, align)
 
-    monkeypatch.setattr(_ModelWriter, "write_padding", failing_padding)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_padding", failing_padding)
     with pytest.raises(SaveError, match=r"cannot save model to .*model\.gguf: No space left on device"):
         llamapy.save_model_to_file(model, dest)
     assert calls["n"] == 5
@@ -210,3 +209,28 @@ def test_quantized_tensors_are_saved_as_raw_blocks(tmp_path):
     assert f.tensors["q8"].type == GGMLType.Q8_0 and f.tensors["q8"].ne == (96, 4, 1, 1)
     assert f.tensors["q8"].array().tobytes() == blocks.tobytes()
     assert filecmp.cmp(src, f.path, shallow=False)
+
+
+def gguf_with_one_key(path, key: str, value_bytes: bytes):
+    """A GGUF file with one metadata key of raw encoded value (type tag included) and no tensors:
+    values gguf's writer cannot produce."""
+    name = key.encode()
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+                     + len(name).to_bytes(8, "little") + name + value_bytes)
+    return path
+
+
+@pytest.mark.parametrize("what, value", [
+    ("an empty array", (9).to_bytes(4, "little") + (4).to_bytes(4, "little") + (0).to_bytes(8, "little")),
+    ("a nested uint8 array", (9).to_bytes(4, "little") + (9).to_bytes(4, "little") + (1).to_bytes(8, "little")
+     + (0).to_bytes(4, "little") + (2).to_bytes(8, "little") + bytes([7, 8])),
+])
+def test_metadata_the_writer_cannot_store_is_refused_in_one_line(tmp_path, what, value):
+    """gguf's public writer stores no empty array and infers the item type of nested ones: a
+    source key it cannot store exactly is a clear SaveError, not a silently changed file."""
+    f = GGUFFile(gguf_with_one_key(tmp_path / "odd.gguf", "odd.key", value))
+    model = types.SimpleNamespace(file=f, tensors=f.tensors, path=f.path)
+    dest = tmp_path / "saved.gguf"
+    with pytest.raises(SaveError, match="metadata 'odd.key': "):
+        llamapy.save_model_to_file(model, dest)
+    assert not dest.exists()

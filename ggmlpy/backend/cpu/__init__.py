@@ -14,12 +14,22 @@ from .plan import Plan, Scratch
 
 
 def _thread_setter():
-    """numba.set_num_threads without its per-call locking (~1.5 us, and a graph switches
-    between one thread and all of them around a hundred times): numba's own setter,
-    reached once its threads are launched."""
+    """How the executor sets numba's thread count between ops: a graph switches between one
+    thread and all of them around a hundred times. numba.set_num_threads checks and locks
+    on every call; the private function it ends in, reached once the pool is launched, only
+    sets (bench/RESULTS.md has the difference). It is used only where it exists and is seen
+    to set the count, else the public setter: a numba that changes it costs speed, not
+    correctness."""
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # launches the pool
     from numba.np.ufunc import parallel
-    return getattr(parallel, "_set_num_threads", None) or numba.set_num_threads
+    fast = getattr(parallel, "_set_num_threads", None)
+    try:
+        fast(1)
+        works = numba.get_num_threads() == 1
+    except Exception:  # noqa: BLE001 -- any failure of a private API means: do not use it
+        works = False
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    return fast if works else numba.set_num_threads
 
 
 _set_threads = _thread_setter()

@@ -1,16 +1,22 @@
-"""Float32 matrix products on numba's threads: numpy's own OpenBLAS sgemm, called from a
-parallel numba loop over (matrix, slice) tasks.
+"""Float32 matrix products on numba's threads: the sgemm of the BLAS numpy loaded, called
+from a parallel numba loop over (matrix, slice) tasks.
 
-Why not numpy.matmul with OpenBLAS threads: a graph is hundreds of small products between
+Why not numpy.matmul with BLAS threads: a graph is hundreds of small products between
 numba kernels, and two thread pools on two cores either sleep between ops (waking costs
-~80 us an op) or spin against each other. Here OpenBLAS runs on one thread inside each of
+~80 us an op) or spin against each other. Here BLAS runs on one thread inside each of
 numba's workers, so a single pool serves every op.
 
 A product is cut into slices of SLICE_ROWS rows of its left operand (tokens, for a layer's
-products), one BLAS call each. OpenBLAS rounds a row's dot products according to the shape
+products), one BLAS call each. BLAS rounds a row's dot products according to the shape
 of the call it is in, so fixed slices make a token's result independent of how many tokens
 share its ubatch (n_ubatch changes no bit when it is a multiple of SLICE_ROWS) and of the
 thread count.
+
+The BLAS is found, not assumed: any library threadpoolctl sees in the process (numpy's
+OpenBLAS from PyPI, MKL, BLIS, FlexiBLAS) that exports a 64-bit-integer cblas_sgemm. With
+none (a numpy on 32-bit-integer MKL or Accelerate, or GGMLPY_BLAS=numpy) the same slices
+go through numpy.matmul on numpy's own BLAS threads: same results to rounding, slower for
+many small products. `BLAS` says which is in use.
 
 `Matmul(lhs, rhs, out)` plans `out = lhs @ rhs` (numpy.matmul's broadcasting over leading
 dims) once for fixed arrays; calling it computes. `matmul(lhs, rhs, out)` plans and runs.
@@ -18,6 +24,7 @@ dims) once for fixed arrays; calling it computes. `matmul(lhs, rhs, out)` plans 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -27,22 +34,30 @@ from threadpoolctl import ThreadpoolController
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 SLICE_ROWS = 32
 GRAIN = 1 << 17  # multiply-adds worth a thread: ~5 us of work, more than waking it costs
+# cblas_sgemm with 64-bit integers, as OpenBLAS (numpy's wheels: "scipy_" prefix), MKL and BLIS name it.
+ILP64_SGEMM_NAMES = ("scipy_cblas_sgemm64_", "cblas_sgemm64_", "cblas_sgemm_64")
 
 
-def _find_sgemm() -> int:
-    """Address of cblas_sgemm in the OpenBLAS that numpy loaded (ILP64: 64-bit ints)."""
-    for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers:
-        handle = ctypes.CDLL(lib.filepath)
-        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_"):
+def find_sgemm(controller: ThreadpoolController | None = None) -> tuple[int, str] | None:
+    """(address, "library:symbol") of a 64-bit-integer cblas_sgemm in a BLAS this process
+    has loaded, set to one thread (it runs inside numba's threads); None if there is none."""
+    controller = controller or ThreadpoolController()
+    for lib in controller.select(user_api="blas").lib_controllers:
+        try:
+            handle = ctypes.CDLL(lib.filepath)
+        except OSError:
+            continue
+        for name in ILP64_SGEMM_NAMES:
             if hasattr(handle, name):
-                lib.set_num_threads(1)  # it runs inside numba's threads from now on
-                return ctypes.cast(getattr(handle, name), ctypes.c_void_p).value
-    raise ImportError("ggmlpy needs numpy built with its 64-bit-integer OpenBLAS (cblas_sgemm64_); "
-                      "install numpy from PyPI wheels")
+                lib.set_num_threads(1)
+                return ctypes.cast(getattr(handle, name), ctypes.c_void_p).value, f"{lib.internal_api}:{name}"
+    return None
 
 
-# A named symbol, not a baked-in address, so numba can cache the kernel across processes.
-llvm.add_symbol("ggmlpy_cblas_sgemm", _find_sgemm())
+_found = None if os.environ.get("GGMLPY_BLAS", "").lower() == "numpy" else find_sgemm()
+BLAS = _found[1] if _found else "numpy.matmul"
+if _found:  # a named symbol, not a baked-in address, so numba can cache the kernel across processes
+    llvm.add_symbol("ggmlpy_cblas_sgemm", _found[0])
 _i64, _f32, _ptr = types.int64, types.float32, types.intp
 _sgemm = types.ExternalFunction("ggmlpy_cblas_sgemm", types.void(
     types.int32, types.int32, types.int32, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64))
@@ -105,8 +120,12 @@ class Matmul:
             raise ValueError(f"Matmul shapes {lhs.shape} @ {rhs.shape} -> {out.shape}")
         self.out, self.accumulate = out, accumulate
         self.args = None
+        self._numpy_tasks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         if out.size == 0 or lhs.shape[-1] == 0:
             return  # nothing to multiply: __call__ zeroes (or keeps) out
+        if not _found:
+            self._plan_numpy(lhs, rhs, out, slice_rows)
+            return
         if _operand(out) is not None and _operand(out)[0] == _TRANS:
             lhs, rhs, out = rhs.swapaxes(-1, -2), lhs.swapaxes(-1, -2), out.swapaxes(-1, -2)
         if _operand(out) is None:
@@ -118,6 +137,15 @@ class Matmul:
         self.args = (np.int32(ta), np.int32(tb), m, n, k, ptrs[0], lda, ptrs[1], ldb, ptrs[2], ldc,
                      np.float32(1.0 if accumulate else 0.0), slice_rows or max(m, 1))
 
+    def _plan_numpy(self, lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, slice_rows: int | None) -> None:
+        """The same (matrix, slice) tasks as views, for numpy.matmul."""
+        batch, m = out.shape[:-2], out.shape[-2]
+        lhs = np.broadcast_to(lhs, batch + lhs.shape[-2:])
+        rhs = np.broadcast_to(rhs, batch + rhs.shape[-2:])
+        step = slice_rows or m
+        self._numpy_tasks = [(lhs[i][lo:lo + step], rhs[i], out[i][lo:lo + step])
+                             for i in np.ndindex(batch) for lo in range(0, m, step)]
+
     def _readable(self, x: np.ndarray) -> np.ndarray:
         if _operand(x) is not None:
             return x
@@ -126,13 +154,19 @@ class Matmul:
         return copy
 
     def __call__(self) -> None:
-        if self.args is None:
+        if self._numpy_tasks:
+            for lhs, rhs, out in self._numpy_tasks:
+                if self.accumulate:
+                    out += lhs @ rhs
+                else:
+                    np.matmul(lhs, rhs, out=out)
+        elif self.args is None:
             if not self.accumulate:
                 self.out[...] = 0
-            return
-        for copy, src in self._copies:
-            np.copyto(copy, src)
-        _sgemm_tasks(*self.args)
+        else:
+            for copy, src in self._copies:
+                np.copyto(copy, src)
+            _sgemm_tasks(*self.args)
 
 
 def matmul(lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, accumulate: bool = False,
