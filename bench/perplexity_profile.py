@@ -32,12 +32,12 @@ def main() -> None:
     def init_with_profile(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         profiles.append(self.backend.enable_profile())
-        run_plan = self.backend._run_plan
+        run = self.backend._run
 
-        def counting_run_plan(plan):
-            calls.update(name for name, _, _ in plan)
-            run_plan(plan)
-        self.backend._run_plan = counting_run_plan
+        def counting_run(plan):
+            calls.update(name for name, _, _ in plan.steps)
+            run(plan)
+        self.backend._run = counting_run
 
     context_module.Context.__init__ = init_with_profile
     t0 = time.perf_counter()
