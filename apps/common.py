@@ -21,8 +21,8 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
             main()
         except LlamapyError as e:
             fail(str(e))
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
+        except KeyboardInterrupt as e:
+            fail(str(e) or "interrupted", 130)
         except MemoryError:
             fail("out of memory")
         except OSError as e:

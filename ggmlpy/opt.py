@@ -98,7 +98,7 @@ class AdamW(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["adamw"] = "adamw"
-    alpha: float = Field(1e-3, gt=0)
+    alpha: float = Field(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
     beta1: float = Field(0.9, ge=0, le=1)
     beta2: float = Field(0.999, ge=0, le=1)
     eps: float = Field(1e-8, ge=0)
@@ -110,7 +110,7 @@ class SGD(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["sgd"] = "sgd"
-    alpha: float = Field(1e-3, gt=0)
+    alpha: float = Field(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
     wd: float = Field(0.0, ge=0, le=1)
 
 
@@ -184,6 +184,18 @@ class Result:
         self.preds.extend(int(i) for i in preds)
         if self.ncorrect >= 0:
             self.ncorrect += ncorrect
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of a pass in progress (per-datapoint predictions are not kept)."""
+        return {"ndata": self.ndata, "losses": list(self.losses), "steps": list(self.steps),
+                "ncorrect": self.ncorrect, "loss_per_datapoint": self.loss_per_datapoint}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Result":
+        r = cls()
+        r.ndata, r.ncorrect, r.loss_per_datapoint = int(d["ndata"]), int(d["ncorrect"]), bool(d["loss_per_datapoint"])
+        r.losses, r.steps = [float(x) for x in d["losses"]], [float(x) for x in d["steps"]]
+        return r
 
     def accuracy(self) -> tuple[float, float]:
         """(fraction correct, its binomial standard error); NaN when there are no predictions."""
@@ -272,6 +284,20 @@ class Optimizer:
     def zero_grad(self) -> None:
         for acc in self.grad_accs.values():
             acc.array()[...] = 0
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the accumulated gradients (all params, float64)."""
+        return math.sqrt(self.backend.sum_squares(self.grad_accs.values()))
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale the accumulated gradients so their global L2 norm is at most `max_norm`
+        (PyTorch's clip_grad_norm_: factor max_norm / (norm + 1e-6) when it is below 1);
+        returns the norm before clipping."""
+        norm = self.grad_norm()
+        factor = max_norm / (norm + 1e-6)
+        if factor < 1.0:
+            self.backend.scale(self.grad_accs.values(), factor)
+        return norm
 
     def step(self, hparams: AdamW | SGD | None = None) -> None:
         """Apply the accumulated gradients with `hparams` (the optimizer's own when None)."""
@@ -366,6 +392,7 @@ class OptParams:
     seed: int = 0
     params: Sequence[Tensor] | None = None
     keep_last_good: bool = False          # copy the params before each step, to restore after a NaN loss
+    grad_clip: float | None = None        # clip the global gradient L2 norm to this before each step
     backend: CpuBackend | None = None
     feeder: BatchFeeder | None = None     # the static graph's own feeder when None
 
@@ -376,6 +403,8 @@ class OptContext:
     def __init__(self, params: OptParams) -> None:
         if params.opt_period < 1:
             raise ValueError("opt_period must be at least 1")
+        if params.grad_clip is not None and not params.grad_clip > 0:
+            raise ValueError(f"grad_clip must be positive, got {params.grad_clip}")
         self.params = params
         self.opt_period = params.opt_period
         self.rng = np.random.default_rng(params.seed)
@@ -398,6 +427,7 @@ class OptContext:
         self._last_graph = self.static
         self._step_losses: list[float] = []
         self._last_good: list[np.ndarray] | None = None
+        self.last_grad_norm = math.nan  # before clipping, of the last step (with grad_clip)
 
     # -- the static graph (ggml_opt_fit's model) --------------------------------------------------
     def _static_params(self) -> list[Tensor]:
@@ -515,6 +545,8 @@ class OptContext:
         if self.params.keep_last_good:
             self._keep_last_good()
         p = self.params
+        if p.grad_clip is not None:
+            self.last_grad_norm = self.optimizer.clip_grad_norm(p.grad_clip)
         self.optimizer.step(p.get_opt_pars(p.get_opt_pars_ud) if p.get_opt_pars else None)
         if result is not None and losses:
             result.steps.append(float(np.mean(losses)))
@@ -575,14 +607,39 @@ class _Ticks:
 
 def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None, result_eval: Result | None,
               idata_split: int, callback_train: EpochCallback | None = None,
-              callback_eval: EpochCallback | None = None) -> None:
+              callback_eval: EpochCallback | None = None, *, start_batch: int = 0,
+              after_step: Callable[[int], None] | None = None) -> None:
     """Train on datapoints [0, idata_split), then evaluate on the rest (ggml_opt_epoch).
 
     Training takes whole optimizer steps of `opt_period` evaluations: datapoints of an
-    incomplete last step are skipped (neither trained on nor evaluated).
+    incomplete last step are skipped (neither trained on nor evaluated). `start_batch`
+    (a step boundary) resumes an epoch part-way; `after_step(next_batch)` runs after
+    every optimizer step (checkpoints).
     """
     feeder = opt_ctx.feeder
-    batch = feeder.datapoints_per_batch
+    n_train, per_step, nbatches, ibatch_split = train_batches(opt_ctx, dataset, idata_split)
+    if start_batch % per_step or not 0 <= start_batch <= n_train:
+        raise ValueError(f"opt: cannot resume an epoch at batch {start_batch} (steps of {per_step}, {n_train} batches)")
+    ticks = _Ticks(callback_train, True, opt_ctx, dataset, result_train, n_train * feeder.evals_per_batch)
+    ticks.count = start_batch * feeder.evals_per_batch
+    for ibatch in range(start_batch, n_train):
+        if ibatch % per_step == 0:
+            opt_ctx.zero_grad()
+        feeder.run_batch(dataset, ibatch, True, result_train, ticks)
+        if (ibatch + 1) % per_step == 0 and opt_ctx.params.build_type == BuildType.OPT:
+            opt_ctx.step(result_train)
+            if after_step is not None:
+                after_step(ibatch + 1)
+    ticks = _Ticks(callback_eval, False, opt_ctx, dataset, result_eval,
+                   (nbatches - ibatch_split) * feeder.evals_per_batch)
+    for ibatch in range(ibatch_split, nbatches):
+        feeder.run_batch(dataset, ibatch, False, result_eval, ticks)
+
+
+def train_batches(opt_ctx: OptContext, dataset: Dataset, idata_split: int) -> tuple[int, int, int, int]:
+    """How an epoch splits `dataset` for `opt_ctx`'s feeder: (training batches, batches per
+    optimizer step, batches in all, the first validation batch)."""
+    batch = opt_ctx.feeder.datapoints_per_batch
     ndata = dataset.ndata
     if ndata % batch:
         raise ValueError(f"opt: {ndata} datapoints do not divide into batches of {batch}")
@@ -590,19 +647,9 @@ def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None
     if idata_split % batch:
         raise ValueError(f"opt: the split at {idata_split} is not a multiple of the batch size {batch}")
     nbatches, ibatch_split = ndata // batch, idata_split // batch
-    per_step = max(1, opt_ctx.opt_period // feeder.evals_per_batch)
+    per_step = max(1, opt_ctx.opt_period // opt_ctx.feeder.evals_per_batch)
     n_train = ibatch_split - ibatch_split % per_step if opt_ctx.optimizer is not None else 0
-    ticks = _Ticks(callback_train, True, opt_ctx, dataset, result_train, n_train * feeder.evals_per_batch)
-    for ibatch in range(n_train):
-        if ibatch % per_step == 0:
-            opt_ctx.zero_grad()
-        feeder.run_batch(dataset, ibatch, True, result_train, ticks)
-        if (ibatch + 1) % per_step == 0 and opt_ctx.params.build_type == BuildType.OPT:
-            opt_ctx.step(result_train)
-    ticks = _Ticks(callback_eval, False, opt_ctx, dataset, result_eval,
-                   (nbatches - ibatch_split) * feeder.evals_per_batch)
-    for ibatch in range(ibatch_split, nbatches):
-        feeder.run_batch(dataset, ibatch, False, result_eval, ticks)
+    return n_train, per_step, nbatches, ibatch_split
 
 
 _BLOCKS = " ▏▎▍▌▋▊▉█"
@@ -653,26 +700,55 @@ class EpochResult:
     val: Result
 
 
+@dataclass(frozen=True)
+class FitPosition:
+    """Where a fit loop stands between optimizer steps: the epoch, its next training batch,
+    and whether that epoch's shuffle is done (a checkpoint's position)."""
+
+    epoch: int = 0
+    ibatch: int = 0
+    shuffled: bool = False
+
+
+PositionCallback = Callable[[FitPosition, Result], None]
+
+
 def fit_epochs(opt_ctx: OptContext, dataset: Dataset, nepoch: int, idata_split: int, *,
                shuffle: np.random.Generator | None = None, callback_train: EpochCallback | None = None,
                callback_eval: EpochCallback | None = None, state: FitState | None = None,
                before_epoch: Callable[[int], None] | None = None,
-               on_epoch: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
+               on_epoch: Callable[[EpochResult], None] | None = None,
+               start: FitPosition | None = None, start_result: Result | None = None,
+               on_position: PositionCallback | None = None) -> list[EpochResult]:
     """The fit loop: `nepoch` epochs of opt_epoch (shuffling the training part first when
-    `shuffle` is given); `state.epoch` follows the loop for schedules. Returns per-epoch results."""
+    `shuffle` is given); `state.epoch` follows the loop for schedules. Returns per-epoch results.
+
+    `start` resumes at a position (with `start_result`, the training result of its epoch
+    so far); `on_position(position, train_result)` runs after every optimizer step and
+    at the end of every epoch, with the position a resumed run would start from.
+    """
+    start = start or FitPosition()
     history = []
-    for epoch in range(nepoch):
+    for epoch in range(start.epoch, nepoch):
+        resuming = epoch == start.epoch
         if state is not None:
             state.epoch, state.nepoch = epoch, nepoch
-        if shuffle is not None:
+        if shuffle is not None and not (resuming and start.shuffled):
             dataset.shuffle(shuffle, idata_split)
         if before_epoch:
             before_epoch(epoch)
-        train, val = Result(), Result()
-        opt_epoch(opt_ctx, dataset, train, val, idata_split, callback_train, callback_eval)
+        train = (start_result if resuming and start_result is not None else Result())
+        val = Result()
+
+        def after_step(next_batch: int, epoch: int = epoch, train: Result = train) -> None:
+            on_position(FitPosition(epoch, next_batch, True), train)
+        opt_epoch(opt_ctx, dataset, train, val, idata_split, callback_train, callback_eval,
+                  start_batch=start.ibatch if resuming else 0, after_step=after_step if on_position else None)
         history.append(EpochResult(epoch, train, val))
         if on_epoch:
             on_epoch(history[-1])
+        if on_position:
+            on_position(FitPosition(epoch + 1, 0, False), Result())
     return history
 
 

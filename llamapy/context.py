@@ -7,14 +7,13 @@ requested logits. Graphs are cached by shape, so a run of equal-shaped ubatches
 """
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 
 import numpy as np
 
 import ggmlpy as gg
 from ggmlpy import CpuBackend, GGMLType, GraphAllocator
-from ggmlpy.opt import EpochResult, fit_epochs, opt_epoch, progress_bar
+from ggmlpy.opt import EpochResult, opt_epoch
 
 from .batch import Batch, split_equal, split_simple
 from .errors import InputError
@@ -365,40 +364,39 @@ class Context:
         """One pass: train on windows [0, idata_split), evaluate on the rest (llama_opt_epoch)."""
         if self.trainer is None:
             raise InputError("opt_epoch: call opt_init first")
-        self.trainer.check_dataset(dataset)
+        self.trainer.set_split(dataset, dataset.ndata if idata_split < 0 else idata_split)
         opt_epoch(self.trainer.opt, dataset, result_train, result_eval, idata_split, callback_train, callback_eval)
 
     def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
-                silent: bool = False, stream=None, on_epoch=None, seed: int | None = None) -> list[EpochResult]:
+                silent: bool = False, stream=None, on_epoch=None, seed: int | None = None,
+                checkpoint=None, save_every: int = 0, resume=None, force_resume: bool = False) -> list[EpochResult]:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
-        Returns one `ggmlpy.opt.EpochResult` per epoch. `on_epoch(epoch_result)` runs after each.
-        With `seed`, the training windows are shuffled at the start of every epoch.
+        Returns one `ggmlpy.opt.EpochResult` per epoch (from the resumed one on). `on_epoch(epoch_result)`
+        runs after each. With `seed`, the training windows are shuffled at the start of every epoch.
+        `checkpoint`: a file written every `save_every` optimizer steps (0: never), at each
+        epoch's end and on Ctrl-C (which stops after the current step). `resume`: a checkpoint
+        to continue from (refused when it is of another model or text unless `force_resume`).
         """
+        from .fit import fit
         if self.trainer is None or params is not None:
             self.opt_init(params)
-        trainer = self.trainer
-        trainer.check_dataset(dataset)
-        epochs = epochs or trainer.params.schedule.epochs
-        if not 0.0 <= val_split < 1.0:
-            raise InputError(f"val_split must be in [0, 1), got {val_split}")
-        idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
-        if idata_split < trainer.windows_per_step:
-            raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
-                             f"one optimizer step after holding out {val_split:.0%} for validation")
-        stream = stream or sys.stderr
-        tty = hasattr(stream, "isatty") and stream.isatty()
+        return fit(self, dataset, epochs=epochs, val_split=val_split, silent=silent, stream=stream, on_epoch=on_epoch,
+                   seed=seed, checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume)
 
-        def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
-            if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
-                return
-            prefix = f"epoch {trainer.epoch}: "
-            stream.write(prefix if is_train else " " * len(prefix))
-            progress_bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start, stream=stream)
+    def opt_save_checkpoint(self, path) -> None:
+        """Write the training state (trained tensors, optimizer state, position) to `path`."""
+        from .fit import save_checkpoint_of
+        if self.trainer is None:
+            raise InputError("opt_save_checkpoint: call opt_init first")
+        save_checkpoint_of(self.trainer, path)
 
-        def start(epoch: int) -> None:
-            trainer.epoch = epoch
-        return fit_epochs(trainer.opt, dataset, epochs, idata_split,
-                          shuffle=np.random.default_rng(seed) if seed is not None else None,
-                          callback_train=bar, callback_eval=bar, before_epoch=start, on_epoch=on_epoch)
+    def opt_load_checkpoint(self, path, force: bool = False) -> list[str]:
+        """Restore the trained tensors and optimizer state from `path`; the next opt_fit
+        continues from its position. Returns the hyper-parameters that differ from the
+        checkpoint's (this run's are used). Refused (InputError) for another model unless `force`."""
+        from .fit import load_checkpoint_into
+        if self.trainer is None:
+            raise InputError("opt_load_checkpoint: call opt_init first (with the run's parameters)")
+        return load_checkpoint_into(self.trainer, path, force)

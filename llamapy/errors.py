@@ -27,3 +27,7 @@ class InputError(LlamapyError):
 
 class SaveError(LlamapyError):
     """A model could not be written (unwritable destination, disk full, unsavable value)."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A run stopped on request (Ctrl-C) after writing its checkpoint; the message says where."""

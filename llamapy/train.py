@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 import ggmlpy as gg
 from ggmlpy import GGMLType, Tensor
-from ggmlpy.opt import Dataset, OptContext, OptParams, Result, TrainingDivergedError
+from ggmlpy.opt import Dataset, FitPosition, OptContext, OptParams, Result, TrainingDivergedError, train_batches
 
 from .batch import UBatch
 from .errors import InputError
@@ -90,10 +91,12 @@ class Trainer:
         self.evals_per_batch = self.n_ctx // self.n_ubatch
         self.trained = self._select_params(params.param_filter)
         self.epoch = 0
+        self.steps_per_epoch = 1  # set from the dataset's split by Context.opt_epoch / opt_fit (schedules)
         self.opt = OptContext(OptParams(
-            optimizer=params.optimizer_params(0), opt_period=self.n_batch // self.n_ubatch,
-            get_opt_pars=lambda trainer: trainer.params.optimizer_params(trainer.epoch), get_opt_pars_ud=self,
+            optimizer=params.optimizer_params(0, 1), opt_period=self.n_batch // self.n_ubatch,
+            get_opt_pars=Trainer._step_params, get_opt_pars_ud=self, grad_clip=params.grad_clip,
             params=list(self.trained.values()), keep_last_good=True, backend=lctx.backend, feeder=self))
+        self.run = RunState()
         self.timing = TrainTiming()
         self._t_last = 0.0
         self._graphs: dict[tuple[int, bool], UbatchGraph] = {}
@@ -118,6 +121,33 @@ class Trainer:
         if not chosen:
             raise InputError("training: the parameter filter selected no tensor")
         return chosen
+
+    def _step_params(self):
+        """The optimizer's hyper-parameters for the step about to be taken (the schedule's)."""
+        return self.params.optimizer_params(self.opt.optimizer.state.n_steps, self.steps_per_epoch)
+
+    @property
+    def n_steps(self) -> int:
+        """Optimizer steps taken (restored from a checkpoint on resume)."""
+        return self.opt.optimizer.state.n_steps
+
+    def set_split(self, dataset: Dataset, idata_split: int) -> None:
+        """Train on `dataset`'s windows [0, idata_split): fixes the steps per epoch (schedules)."""
+        self.check_dataset(dataset)
+        n_train, per_step, _, _ = train_batches(self.opt, dataset, idata_split)
+        self.steps_per_epoch = max(1, n_train // per_step)
+        self.run.dataset, self.run.idata_split = dataset, idata_split
+
+    def describe_params(self, shuffle_seed: int | None) -> dict:
+        """The run's training parameters as a checkpoint records them (see checkpoint.STRUCTURE)."""
+        p = self.params
+        return {"kind": "lora" if p.lora else "full", "optimizer_kind": p.optimizer.kind,
+                "n_ctx": self.n_ctx, "n_batch": self.n_batch,
+                "lora": p.lora.model_dump(mode="json", exclude={"seed"}) if p.lora else None,
+                "trained": [[n, list(t.ne)] for n, t in self.trained.items()],
+                "optimizer": p.optimizer.model_dump(mode="json", exclude={"alpha"}),
+                "schedule": p.schedule.model_dump(mode="json"), "grad_clip": p.grad_clip,
+                "window_bos": p.window_bos, "shuffle_seed": shuffle_seed, "n_ubatch": self.n_ubatch}
 
     @property
     def optimizer_state(self) -> list[Tensor]:
@@ -204,6 +234,19 @@ class Trainer:
             now = time.perf_counter()
             self.timing.add_window(self.n_ctx, now - self._t_last)
             self._t_last = now
+
+
+@dataclass
+class RunState:
+    """Where a fit stands, for checkpoints: the data and split it trains on, the shuffle RNG,
+    the position after the last optimizer step and the epoch's training result so far."""
+
+    dataset: Dataset | None = None
+    idata_split: int = -1
+    rng: np.random.Generator | None = None
+    shuffle_seed: int | None = None
+    position: FitPosition = field(default_factory=FitPosition)
+    epoch_result: Result = field(default_factory=Result)
 
 
 class TrainTiming:

@@ -3,8 +3,9 @@
 A parameter filter decides, per model tensor, whether it trains. Built-ins: every F32
 tensor, tensors whose names match a pattern, and LoRA adapter tensors. Learning-rate
 schedules follow llama.cpp's flags (-lr, -lr-min, -decay-epochs) plus halving (-lr-half,
--lr-halvings). The optimizer's other hyper-parameters are ggmlpy's `AdamW` / `SGD`
-models; the schedule sets their learning rate (alpha) for each epoch.
+-lr-halvings), cosine with restarts and linear warmup (its old finetune's). The optimizer's
+other hyper-parameters are ggmlpy's `AdamW` / `SGD` models; the schedule sets their
+learning rate (alpha) for each optimizer step.
 
 `TrainParams.for_model` is the policy a user gets by default, in Python and on the
 command line alike: LoRA when the model's matrices are quantized (they cannot train
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -52,11 +53,17 @@ def param_filter_lora(name: str, tensor: Tensor) -> bool:
 
 
 class LRSchedule(BaseModel):
-    """Learning rate per epoch (0-based).
+    """The learning rate of every optimizer step, as a closed form of the step.
 
-    lr_min > 0: exponential decay from lr0 to lr_min over decay_epochs (all epochs when
-    unset), then lr_min (llama.cpp's -lr-min / -decay-epochs). half_life: halve every
-    half_life epochs, at most `halvings` times (-lr-half / -lr-halvings).
+    `kind`:
+    - "exp" (default): llama.cpp's per-epoch decays. lr_min > 0: exponential decay from
+      lr0 to lr_min over decay_epochs (all epochs when unset), then lr_min (-lr-min /
+      -decay-epochs); half_life: halve every half_life epochs, at most `halvings` times
+      (-lr-half / -lr-halvings); neither: constant.
+    - "constant": lr0 throughout.
+    - "cosine": from lr0 down to lr_min along half a cosine over the steps after warmup;
+      with cos_restart N, the cosine restarts every N epochs (SGDR).
+    `warmup` > 0: the first `warmup` steps ramp linearly, lr0 * (step + 1) / warmup.
     """
 
     lr0: float = Field(DEFAULT_LR, gt=0)
@@ -65,14 +72,24 @@ class LRSchedule(BaseModel):
     half_life: float | None = Field(None, gt=0)
     halvings: int | None = Field(None, ge=0)
     epochs: int = Field(2, ge=1)
+    kind: Literal["constant", "exp", "cosine"] = "exp"
+    warmup: int = Field(0, ge=0)
+    cos_restart: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_kind_of_decay(self) -> "LRSchedule":
         if self.half_life is not None and self.lr_min > 0:
             raise ValueError("choose either halving (-lr-half) or decay to a minimum (-lr-min), not both")
+        if self.kind != "exp" and (self.half_life is not None or self.decay_epochs > 0):
+            raise ValueError(f"-lr-half and -decay-epochs belong to the exp schedule, not {self.kind}")
+        if self.cos_restart is not None and self.kind != "cosine":
+            raise ValueError("--cos-restart needs --lr-schedule cosine")
+        if self.lr_min > self.lr0:
+            raise ValueError(f"-lr-min {self.lr_min:g} is above the learning rate {self.lr0:g}")
         return self
 
     def lr(self, epoch: int) -> float:
+        """The exp schedule's rate in `epoch` (0-based)."""
         if self.half_life is not None:
             n = epoch / self.half_life
             if self.halvings is not None:
@@ -84,6 +101,25 @@ class LRSchedule(BaseModel):
                 return self.lr_min
             return self.lr0 * 0.5 ** (epoch * math.log2(self.lr0 / self.lr_min) / span)
         return self.lr0
+
+    def lr_at(self, step: int, steps_per_epoch: int) -> float:
+        """The rate of optimizer step `step` (0-based) when an epoch has `steps_per_epoch` steps."""
+        if step < self.warmup:
+            return self.lr0 * (step + 1) / self.warmup
+        if self.kind == "constant":
+            return self.lr0
+        if self.kind == "exp":
+            return self.lr(step // max(1, steps_per_epoch))
+        if self.cos_restart is not None:  # cycles of cos_restart epochs; the first one starts after warmup
+            cycle, t = divmod(step, self.cos_restart * steps_per_epoch)
+            period = self.cos_restart * steps_per_epoch
+            if cycle == 0:
+                t, period = t - self.warmup, period - self.warmup
+        else:
+            t, period = step - self.warmup, self.epochs * steps_per_epoch - self.warmup
+        period = max(1, period)
+        t = min(t, period)
+        return self.lr_min + (self.lr0 - self.lr_min) * 0.5 * (1.0 + math.cos(math.pi * t / period))
 
 
 class LoraParams(BaseModel):
@@ -106,6 +142,7 @@ class TrainParams(BaseModel):
     param_filter: ParamFilter = param_filter_all
     lora: LoraParams | None = None
     window_bos: bool = False  # training windows start with BOS (see dataset.text_windows)
+    grad_clip: float | None = Field(None, gt=0)  # global gradient L2 norm limit (PyTorch's clip_grad_norm_)
 
     @field_validator("optimizer")
     @classmethod
@@ -120,9 +157,9 @@ class TrainParams(BaseModel):
             self.param_filter = param_filter_lora
         return self
 
-    def optimizer_params(self, epoch: int) -> AdamW | SGD:
-        """The optimizer's hyper-parameters in one epoch of this schedule."""
-        return with_alpha(self.optimizer, self.schedule.lr(epoch))
+    def optimizer_params(self, step: int, steps_per_epoch: int) -> AdamW | SGD:
+        """The optimizer's hyper-parameters at optimizer step `step` (0-based) of this schedule."""
+        return with_alpha(self.optimizer, self.schedule.lr_at(step, steps_per_epoch))
 
     @classmethod
     def for_model(cls, model, *, lora_rank: int | None = None, lora_alpha: float | None = None,

@@ -9,7 +9,7 @@ import numba
 import numpy as np
 
 from ...graph import Graph
-from . import dispatch
+from . import dispatch, train_kernels
 from .plan import Plan, Scratch
 
 
@@ -80,6 +80,18 @@ class CpuBackend:
             t0 = time.perf_counter()
             run()
             profile[name] += time.perf_counter() - t0
+
+    def sum_squares(self, tensors) -> float:
+        """Sum of the squares of every element of F32 `tensors`, in float64 (a global
+        gradient norm); the same for any thread count."""
+        _set_threads(self.n_threads)
+        return float(sum(train_kernels.sum_sq_f64(t.array().reshape(-1)) for t in tensors))
+
+    def scale(self, tensors, factor: float) -> None:
+        """Multiply every element of F32 `tensors` by `factor` in place (gradient clipping)."""
+        _set_threads(self.n_threads)
+        for t in tensors:
+            train_kernels.scale_f32(t.array().reshape(-1), factor)
 
     def enable_profile(self) -> dict[str, float]:
         self.profile = defaultdict(float)

@@ -154,3 +154,31 @@ def sgd_step_f32(w, g, p):
     keep = F32(1.0) - alpha * wd
     for i in prange(w.shape[0]):
         w[i] = w[i] * keep - alpha * g[i]
+
+
+NORM_CHUNK = 1 << 16  # fixed partial-sum chunks: the norm does not depend on the thread count
+
+
+@njit(parallel=True, cache=True)
+def sum_sq_f64(x):
+    """Sum of squares of a flat F32 array in float64, in fixed chunks summed in order."""
+    n_chunks = (x.shape[0] + NORM_CHUNK - 1) // NORM_CHUNK
+    partial = np.zeros(n_chunks, np.float64)
+    for c in prange(n_chunks):
+        s = 0.0
+        for i in range(c * NORM_CHUNK, min((c + 1) * NORM_CHUNK, x.shape[0])):
+            xi = np.float64(x[i])
+            s += xi * xi
+        partial[c] = s
+    total = 0.0
+    for c in range(n_chunks):
+        total += partial[c]
+    return total
+
+
+@njit(parallel=True, cache=True)
+def scale_f32(x, factor):
+    """x *= factor in place (flat F32; factor rounded to F32 as PyTorch's mul_ does)."""
+    f = F32(factor)
+    for i in prange(x.shape[0]):
+        x[i] = x[i] * f

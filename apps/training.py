@@ -1,0 +1,226 @@
+"""What llamapy-finetune and llamapy-train share: the optimizer, schedule and checkpoint
+flags (declared once, as typed option aliases), turning them into TrainParams, and the
+run itself: windows, Context.opt_fit with checkpoints, timing lines, saving, the plot.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llamapy.context import Context, validation_windows
+from llamapy.dataset import text_windows
+from llamapy.errors import InputError
+from llamapy.save import save_model_to_file
+from llamapy.train import TrainingDivergedError
+from llamapy.train_params import SGD, AdamW, LRSchedule, TrainParams
+
+from .common import default_threads, log
+
+# ---- the shared flags -------------------------------------------------------------------------
+File = Annotated[Optional[Path], typer.Option("-f", "--file", "--train-data", help="text to train on")]
+CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", "--ctx", help="tokens per training window")]
+BatchSize = Annotated[Optional[int], typer.Option("-b", "--batch-size", help="tokens per optimizer step (whole windows; default -c)")]
+UbatchSize = Annotated[int, typer.Option("-ub", "--ubatch-size", help="tokens computed at once")]
+Lr = Annotated[Optional[float], typer.Option("-lr", "--learning-rate", help="learning rate (default 1e-5 for a full finetune, 3e-4 for LoRA, 1e-3 from scratch)")]
+LrMin = Annotated[float, typer.Option("-lr-min", help="the exp schedule decays, the cosine one falls, to this rate")]
+DecayEpochs = Annotated[float, typer.Option("-decay-epochs", help="epochs over which -lr-min is reached (exp schedule)")]
+LrHalf = Annotated[Optional[float], typer.Option("-lr-half", help="halve the learning rate every HALFLIFE epochs (1 if bare)")]
+LrHalvings = Annotated[Optional[int], typer.Option("-lr-halvings", help="halve at most N times")]
+LrSchedule = Annotated[str, typer.Option("--lr-schedule", help="constant, exp (-lr-min/-lr-half decays) or cosine (to -lr-min)")]
+Warmup = Annotated[int, typer.Option("--warmup", help="optimizer steps of linear warmup")]
+CosRestart = Annotated[Optional[int], typer.Option("--cos-restart", help="restart the cosine every N epochs")]
+GradClip = Annotated[Optional[float], typer.Option("--grad-clip", help="clip the global gradient L2 norm to this (off by default)")]
+WeightDecay = Annotated[float, typer.Option("-wd", "--weight-decay", help="decoupled weight decay")]
+OptimizerName = Annotated[str, typer.Option("-opt", "--optimizer", help="adamw or sgd")]
+ValSplit = Annotated[float, typer.Option("-val-split", "--val-split", help="fraction of windows held out")]
+Epochs = Annotated[int, typer.Option("--epochs", "-epochs", help="passes over the training windows")]
+Seed = Annotated[int, typer.Option("--seed", "-s", help="seed for shuffling the training windows each epoch")]
+Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads")]
+Plot = Annotated[Optional[Path], typer.Option("--plot", help="write the loss curves to this PNG")]
+CheckpointOut = Annotated[Optional[Path], typer.Option("--checkpoint-out", help="write a checkpoint here every --save-every steps, at each epoch's end and on Ctrl-C")]
+SaveEvery = Annotated[int, typer.Option("--save-every", help="optimizer steps between checkpoints (0: only at epoch ends and on Ctrl-C)")]
+CheckpointIn = Annotated[Optional[Path], typer.Option("--checkpoint-in", help="resume from this checkpoint")]
+ForceResume = Annotated[bool, typer.Option("--force-resume", help="resume even from a checkpoint of another model or text")]
+
+
+@dataclass
+class TrainingArgs:
+    """The shared flags' values."""
+
+    ctx_size: int
+    batch_size: int | None
+    ubatch_size: int
+    lr: float | None
+    lr_min: float
+    decay_epochs: float
+    lr_half: float | None
+    lr_halvings: int | None
+    lr_schedule: str
+    warmup: int
+    cos_restart: int | None
+    grad_clip: float | None
+    wd: float
+    optimizer: str
+    val_split: float
+    epochs: int
+    seed: int
+    threads: int | None
+    plot: Path | None
+    checkpoint_out: Path | None
+    save_every: int
+    checkpoint_in: Path | None
+    force_resume: bool
+
+    @classmethod
+    def take(cls, values: dict) -> "TrainingArgs":
+        """The shared flags out of a command's locals()."""
+        return cls(**{name: values[name] for name in cls.__dataclass_fields__})
+
+    def check(self) -> None:
+        if self.optimizer.lower() not in ("adamw", "sgd"):
+            raise InputError(f"unknown optimizer {self.optimizer!r}: use adamw or sgd")
+        if self.lr_schedule not in ("constant", "exp", "cosine"):
+            raise InputError(f"unknown --lr-schedule {self.lr_schedule!r}: use constant, exp or cosine")
+        if not 0.0 <= self.val_split < 1.0:
+            raise InputError(f"-val-split must be in [0, 1), got {self.val_split}")
+        if self.save_every < 0:
+            raise InputError(f"--save-every must be 0 or a positive number of steps, got {self.save_every}")
+        if self.save_every and self.checkpoint_out is None:
+            raise InputError("--save-every needs --checkpoint-out FILE")
+        if self.checkpoint_in is not None and not self.checkpoint_in.is_file():
+            raise InputError(f"checkpoint not found: {self.checkpoint_in}")
+
+    def train_params(self, model, default_lr: float | None = None, **policy) -> TrainParams:
+        """TrainParams for `model` by llamapy's policy (TrainParams.for_model) and these flags."""
+        lr = self.lr if self.lr is not None else default_lr
+        try:
+            schedule = LRSchedule(**({"lr0": lr} if lr is not None else {}), lr_min=self.lr_min,
+                                  decay_epochs=self.decay_epochs, half_life=self.lr_half, halvings=self.lr_halvings,
+                                  epochs=self.epochs, kind=self.lr_schedule, warmup=self.warmup,
+                                  cos_restart=self.cos_restart)
+            opt = AdamW(wd=self.wd) if self.optimizer.lower() == "adamw" else SGD(wd=self.wd)
+            return TrainParams.for_model(model, seed=self.seed, schedule=schedule, optimizer=opt,
+                                         grad_clip=self.grad_clip, **policy)
+        except ValueError as e:
+            raise InputError(first_error(e)) from None
+
+
+def check_writable(path: Path) -> None:
+    parent = path.resolve().parent
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a directory")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise InputError(f"cannot write {path}: directory {parent} does not exist or is not writable")
+
+
+def first_error(e: ValueError) -> str:
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        return f"{'.'.join(str(x) for x in first.get('loc', ()))}: {first['msg']}".lstrip(": ")
+    return str(e)
+
+
+def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Path, lora_out: Path | None,
+          tool: str) -> Context:
+    """Train `model` on `text` and save the result (the adapter to `lora_out` when params
+    train one, else the model to `output`); returns the context (for a sample)."""
+    args.check()
+    for path in ([lora_out] if params.lora else [output]) + [p for p in (args.plot, args.checkpoint_out) if p]:
+        check_writable(path)
+    dataset = text_windows(model.vocab, text, args.ctx_size, params.window_bos)
+    n_batch = args.batch_size or args.ctx_size
+    n_val = validation_windows(dataset.ndata, args.val_split)
+    log(f"dataset: {dataset.n_tokens} tokens, {dataset.ndata} windows of {args.ctx_size} (stride {dataset.stride}), "
+        f"{dataset.ndata - n_val} for training, {n_val} for validation")
+    sched = params.schedule
+    log(f"training: {args.optimizer.lower()}, lr {sched.lr0:g} ({sched.kind}"
+        f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "
+        f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epochs"
+        f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}")
+    ctx = Context(model, n_ctx=args.ctx_size, n_batch=n_batch, n_ubatch=args.ubatch_size,
+                  n_threads=args.threads or default_threads())
+    ctx.opt_init(params)
+    adapter = ctx.trainer.adapter
+    if adapter:
+        log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices "
+            f"({', '.join(params.lora.modules)})")
+    start = time.perf_counter()
+    try:
+        history = ctx.opt_fit(dataset, epochs=args.epochs, val_split=args.val_split, seed=args.seed,
+                              checkpoint=args.checkpoint_out, save_every=args.save_every,
+                              resume=args.checkpoint_in, force_resume=args.force_resume)
+    except TrainingDivergedError as e:
+        where = adapter.save(lora_out) if adapter else save_model_to_file(model, output)
+        log(f"saved the last good weights to {where}")
+        raise InputError(str(e)) from None
+    elapsed = time.perf_counter() - start
+    n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
+    timing = ctx.trainer.timing
+    log(f"{tool}: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
+        f"{timing.tokens_per_second:.0f} tokens/s after the first window's {timing.startup_seconds:.2f} s "
+        "of start-up (graphs built, kernels loaded)")
+    if adapter:
+        adapter.save(lora_out)
+        log(f"{tool}: saved the LoRA adapter to {lora_out}")
+    else:
+        save_model_to_file(model, output)
+        log(f"{tool}: saved the trained model to {output}")
+    if args.plot:
+        plot_history(history, args.plot)
+        log(f"{tool}: wrote the loss curves to {args.plot}")
+    return ctx
+
+
+def plot_history(history, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("--plot needs matplotlib: pip install 'llamapy[plot]'") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps, train_loss, val_x, val_loss = [], [], [], []
+    for h in history:
+        train_loss += h.train.steps
+        steps = list(range(1, len(train_loss) + 1))
+        if h.val.losses:
+            val_x.append(len(train_loss))
+            val_loss.append(h.val.loss()[0])
+    ax.plot(steps, train_loss, lw=0.8, label="train (per step)")
+    if val_loss:
+        ax.plot(val_x, val_loss, "o-", label="validation (per epoch)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    plt.close(fig)
+
+
+def bare_lr_half(argv: list[str]) -> list[str]:
+    """`-lr-half` may come without a value (halve every epoch): give it one for the parser."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == "-lr-half":
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or not _is_number(nxt):
+                out.append("1")
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False

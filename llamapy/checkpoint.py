@@ -1,0 +1,181 @@
+"""Training checkpoints: one GGUF file from which an interrupted run resumes exactly.
+
+A checkpoint holds, as tensors, the trained tensors (the model's weights or a LoRA
+adapter's matrices, `param.<name>`), the optimizer state (`opt.m.<name>`, `opt.v.<name>`)
+and the shuffled window order (`data.permutation`); as metadata (`llamapy.checkpoint.*`)
+the optimizer's step count, the position in the run (epoch, next window, whether that
+epoch is shuffled), the shuffle RNG's state, the training result of the epoch so far, the
+training parameters, fingerprints of the model and of the data, and a checksum of every
+tensor byte. It is written atomically (a temp file renamed over the old checkpoint), so a
+kill or a full disk while writing leaves the previous checkpoint intact.
+
+Resuming restores all of that into a trainer built with the same structure (same
+trained tensors, optimizer, window size and batch); the run then continues with tensors
+bit-identical to an uninterrupted run. A checkpoint of another model or another text is
+refused unless forced; hyper-parameters that may change on resume (learning rate,
+schedule, epochs, clipping) are reported when they differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFWriter
+
+from ggmlpy.opt import Dataset, FitPosition, Result
+
+from .errors import InputError
+from .save import write_atomically
+
+VERSION = 1
+PREFIX = "llamapy.checkpoint."
+_ARCH = "llamapy-checkpoint"
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint's contents (see the module docstring)."""
+
+    tensors: dict[str, np.ndarray]         # trained tensors by name (numpy shape of the tensor)
+    optimizer: dict[str, np.ndarray]       # OptimizerState.to_arrays()
+    position: FitPosition
+    rng_state: dict[str, Any] | None       # numpy bit generator state of the shuffle, None: no shuffle
+    permutation: np.ndarray
+    epoch_result: Result
+    params: dict[str, Any]                 # training parameters (structure and hyper-parameters)
+    model_fingerprint: str
+    data_fingerprint: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
+    """Write `ckpt` to `path` atomically (SaveError with one line when it cannot)."""
+    writer = GGUFWriter(None, _ARCH)
+    writer.add_type("checkpoint")
+    digest = hashlib.blake2b(digest_size=16)
+    arrays: list[tuple[str, np.ndarray]] = [(f"param.{n}", a) for n, a in ckpt.tensors.items()]
+    arrays += [(n, a) for n, a in ckpt.optimizer.items() if n != "opt.n_steps"]
+    arrays.append(("data.permutation", ckpt.permutation.astype(np.int64)))
+    for name, a in arrays:
+        a = np.ascontiguousarray(a)
+        digest.update(name.encode())
+        digest.update(a.view(np.uint8).reshape(-1))
+        writer.add_tensor(name, a)
+    meta = {
+        "version": VERSION,
+        "n_steps": int(np.asarray(ckpt.optimizer.get("opt.n_steps", [0])).reshape(-1)[0]),
+        "position": [ckpt.position.epoch, ckpt.position.ibatch, int(ckpt.position.shuffled)],
+        "rng_state": ckpt.rng_state,
+        "epoch_result": ckpt.epoch_result.to_dict(),
+        "params": ckpt.params,
+        "model_fingerprint": ckpt.model_fingerprint,
+        "data_fingerprint": ckpt.data_fingerprint,
+        "extra": ckpt.extra,
+    }
+    for key, value in meta.items():
+        writer.add_string(PREFIX + key, json.dumps(value, sort_keys=True))
+    writer.add_string(PREFIX + "checksum", digest.hexdigest())
+    return write_atomically(writer, Path(path), "checkpoint")
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read and verify a checkpoint; InputError with one line when it is missing, not a
+    checkpoint, truncated or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"checkpoint not found: {path}")
+    try:
+        reader = GGUFReader(path)
+        meta = {k[len(PREFIX):]: json.loads(str(bytes(f.parts[f.data[0]]), "utf-8"))
+                for k, f in reader.fields.items() if k.startswith(PREFIX) and k != PREFIX + "checksum"}
+        checksum_field = reader.fields.get(PREFIX + "checksum")
+        checksum = str(bytes(checksum_field.parts[checksum_field.data[0]]), "utf-8") if checksum_field else None
+        tensors = {t.name: t for t in reader.tensors}
+    except Exception as e:  # gguf raises assorted errors on a truncated or foreign file
+        raise InputError(f"{path}: not a readable checkpoint (truncated or corrupt: {e})") from None
+    if "version" not in meta or checksum is None:
+        raise InputError(f"{path}: not a llamapy checkpoint")
+    if meta["version"] != VERSION:
+        raise InputError(f"{path}: checkpoint version {meta['version']} is not supported (this llamapy writes {VERSION})")
+    digest = hashlib.blake2b(digest_size=16)
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        for name, t in tensors.items():
+            # the reader gives numpy shape of the tensor (ggml order reversed); copy off the map
+            a = np.array(t.data).reshape([int(x) for x in reversed(t.shape.tolist())])
+            digest.update(name.encode())
+            digest.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
+            arrays[name] = a
+    except Exception as e:
+        raise InputError(f"{path}: checkpoint is truncated or corrupt ({e})") from None
+    if digest.hexdigest() != checksum:
+        raise InputError(f"{path}: checkpoint is corrupt (checksum mismatch)")
+    epoch, ibatch, shuffled = meta["position"]
+    optimizer = {n: a for n, a in arrays.items() if n.startswith("opt.")}
+    optimizer["opt.n_steps"] = np.array([meta["n_steps"]], dtype=np.int64)
+    return Checkpoint(
+        tensors={n[len("param."):]: a for n, a in arrays.items() if n.startswith("param.")},
+        optimizer=optimizer, position=FitPosition(int(epoch), int(ibatch), bool(shuffled)),
+        rng_state=meta["rng_state"], permutation=arrays["data.permutation"].astype(np.int64).reshape(-1),
+        epoch_result=Result.from_dict(meta["epoch_result"]), params=meta["params"],
+        model_fingerprint=meta["model_fingerprint"], data_fingerprint=meta["data_fingerprint"],
+        extra=meta.get("extra", {}))
+
+
+# ---- fingerprints ------------------------------------------------------------------------------
+def model_fingerprint(model) -> str:
+    """The model a run trains: a digest of its GGUF file (which training never changes); for
+    a model with no file (built in memory), of its architecture and tensor shapes."""
+    cached = getattr(model, "_checkpoint_fingerprint", None)
+    if cached is not None:
+        return cached
+    path = getattr(model, "path", None)
+    digest = hashlib.blake2b(digest_size=16)
+    if path is not None and Path(path).is_file():
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    else:
+        hp = model.hparams
+        digest.update(json.dumps([hp.arch, hp.n_vocab, sorted((n, list(t.ne), int(t.type))
+                                                            for n, t in model.tensors.items())]).encode())
+    model._checkpoint_fingerprint = digest.hexdigest()
+    return model._checkpoint_fingerprint
+
+
+def data_fingerprint(dataset: Dataset, idata_split: int) -> str:
+    """The windows a run trains on (tokens, labels, split): the same text cut the same way."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(dataset.data).view(np.uint8).reshape(-1))
+    if dataset.labels is not None:
+        digest.update(np.ascontiguousarray(dataset.labels).view(np.uint8).reshape(-1))
+    digest.update(f"{dataset.ndata}:{dataset.ndata_shard}:{idata_split}".encode())
+    return digest.hexdigest()
+
+
+# ---- comparing a checkpoint's parameters with a run's -----------------------------------------
+STRUCTURE = ("kind", "optimizer_kind", "n_ctx", "n_batch", "lora", "trained")
+
+
+def compare_params(saved: dict[str, Any], current: dict[str, Any], path: Path) -> list[str]:
+    """Refuse a checkpoint whose structure differs from the run's (InputError); return one
+    line per hyper-parameter that differs (the run's value is used)."""
+    for key in STRUCTURE:
+        if saved.get(key) != current.get(key):
+            raise InputError(f"{path}: the checkpoint's {key} is {_short(saved.get(key))}, this run's is "
+                             f"{_short(current.get(key))}: it cannot resume this run")
+    notes = []
+    for key in sorted(set(saved) | set(current)):
+        if key not in STRUCTURE and saved.get(key) != current.get(key):
+            notes.append(f"{key}: {_short(current.get(key))} (the checkpoint had {_short(saved.get(key))})")
+    return notes
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."

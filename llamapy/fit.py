@@ -1,0 +1,182 @@
+"""Context.opt_fit: ggmlpy's fit loop with a language model's progress lines, checkpoints,
+resume and a Ctrl-C that stops cleanly.
+
+The loop itself is ggmlpy's `fit_epochs`; it reports the position after every optimizer
+step and at every epoch's end, and this module decides when that position is written
+as a checkpoint (every `save_every` steps, each epoch's end, a requested stop). A first
+Ctrl-C while checkpointing asks the run to stop after the step in progress (the weights
+are never saved half-updated); a second one stops at once.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ggmlpy.opt import EpochResult, FitPosition, Result, fit_epochs, progress_bar
+
+from .checkpoint import Checkpoint, compare_params, data_fingerprint, load_checkpoint, model_fingerprint, save_checkpoint
+from .errors import InputError, TrainingInterrupted
+
+
+def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, stream, on_epoch, seed: int | None,
+        checkpoint, save_every: int, resume, force_resume: bool) -> list[EpochResult]:
+    """See Context.opt_fit."""
+    from .context import validation_windows
+    trainer = lctx.trainer
+    trainer.check_dataset(dataset)
+    epochs = epochs or trainer.params.schedule.epochs
+    if not 0.0 <= val_split < 1.0:
+        raise InputError(f"val_split must be in [0, 1), got {val_split}")
+    if save_every < 0 or (save_every and checkpoint is None):
+        raise InputError(f"save_every must be 0 or a positive number of steps with a checkpoint file, got {save_every}")
+    idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
+    if idata_split < trainer.windows_per_step:
+        raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
+                         f"one optimizer step after holding out {val_split:.0%} for validation")
+    trainer.set_split(dataset, idata_split)
+    run = trainer.run
+    run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
+    run.position, run.epoch_result = FitPosition(), Result()
+    stream = stream or sys.stderr
+    say = (lambda line: None) if silent else (lambda line: _write_line(stream, line))
+    if resume is not None:
+        for note in load_checkpoint_into(trainer, resume, force_resume):
+            say(f"resume: {note}")
+    pending = getattr(trainer, "pending_resume", None)
+    start, start_result = FitPosition(), None
+    if pending is not None:
+        start, start_result = _apply_resume(trainer, pending, force_resume)
+        trainer.pending_resume = None
+        say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
+            f"optimizer steps")
+    tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
+        if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
+            return
+        prefix = f"epoch {trainer.epoch}: "
+        stream.write(prefix if is_train else " " * len(prefix))
+        progress_bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start, stream=stream)
+
+    def start_epoch(epoch: int) -> None:
+        trainer.epoch = epoch
+
+    stop = _StopRequest()
+    n_train_batches = trainer.steps_per_epoch * max(1, trainer.opt.opt_period // trainer.evals_per_batch)
+
+    def on_position(position: FitPosition, train: Result) -> None:
+        run.position, run.epoch_result = position, train
+        if checkpoint is None:
+            return
+        epoch_end = not position.shuffled and position.ibatch == 0
+        due = save_every and trainer.n_steps % save_every == 0 and position.ibatch != n_train_batches
+        if epoch_end or due or stop.requested:
+            t0 = time.perf_counter()
+            save_checkpoint_of(trainer, checkpoint)
+            say(f"checkpoint: {checkpoint} after {trainer.n_steps} steps ({time.perf_counter() - t0:.2f} s)")
+        if stop.requested:
+            raise TrainingInterrupted(f"interrupted after {trainer.n_steps} optimizer steps; the checkpoint "
+                                      f"{checkpoint} has it all: resume from it")
+
+    with stop.armed(checkpoint is not None, say):
+        return fit_epochs(trainer.opt, dataset, epochs, idata_split, shuffle=run.rng, callback_train=bar,
+                          callback_eval=bar, before_epoch=start_epoch, on_epoch=on_epoch, start=start,
+                          start_result=start_result, on_position=on_position)
+
+
+def save_checkpoint_of(trainer, path) -> Path:
+    """Write `trainer`'s state at its last position (see checkpoint.Checkpoint)."""
+    run = trainer.run
+    dataset = run.dataset
+    return save_checkpoint(Checkpoint(
+        tensors={n: t.numpy() for n, t in trainer.trained.items()},
+        optimizer=trainer.opt.optimizer.state.to_arrays(),
+        position=run.position,
+        rng_state=run.rng.bit_generator.state if run.rng is not None else None,
+        permutation=dataset.permutation if dataset is not None else np.zeros(0, np.int64),
+        epoch_result=run.epoch_result,
+        params=trainer.describe_params(run.shuffle_seed),
+        model_fingerprint=model_fingerprint(trainer.model),
+        data_fingerprint=data_fingerprint(dataset, run.idata_split) if dataset is not None else ""), path)
+
+
+def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
+    """Restore the trained tensors and optimizer state of checkpoint `path` into `trainer`;
+    the position, RNG and window order wait in `trainer.pending_resume` for the next fit."""
+    path = Path(path)
+    ckpt = load_checkpoint(path)
+    if ckpt.model_fingerprint != model_fingerprint(trainer.model) and not force:
+        raise InputError(f"{path} is a checkpoint of another model than {trainer.model.path.name} "
+                         "(--force-resume to use it anyway)")
+    notes = compare_params(ckpt.params, trainer.describe_params(ckpt.params.get("shuffle_seed")), path)
+    for name, t in trainer.trained.items():
+        values = ckpt.tensors[name]
+        if values.size != t.nelements():
+            raise InputError(f"{path}: tensor {name} has {values.size} values, the model's has {t.nelements()}")
+        t.array()[...] = values.reshape(t.array().shape)
+    try:
+        trainer.opt.optimizer.state.load_arrays(ckpt.optimizer)
+    except ValueError as e:
+        raise InputError(f"{path}: {e}") from None
+    trainer.pending_resume = (path, ckpt)
+    return notes
+
+
+def _apply_resume(trainer, pending, force: bool) -> tuple[FitPosition, Result]:
+    """Put the data order, RNG and position of a loaded checkpoint into the run."""
+    path, ckpt = pending
+    run = trainer.run
+    if ckpt.data_fingerprint != data_fingerprint(run.dataset, run.idata_split) and not force:
+        raise InputError(f"{path} is a checkpoint of a run on another text (or another -c / -val-split) "
+                         "(--force-resume to use it anyway)")
+    if (ckpt.rng_state is None) != (run.rng is None):
+        raise InputError(f"{path}: the checkpointed run {'did not shuffle' if ckpt.rng_state is None else 'shuffled'} "
+                         "its windows; resume it with the same --seed")
+    if run.rng is not None:
+        run.rng.bit_generator.state = ckpt.rng_state
+    perm = run.dataset.permutation
+    if ckpt.permutation.shape == perm.shape:
+        perm[...] = ckpt.permutation
+    elif not force:
+        raise InputError(f"{path}: the checkpoint's window order does not fit this text")
+    position = ckpt.position
+    n_train = trainer.steps_per_epoch * max(1, trainer.opt.opt_period // trainer.evals_per_batch)
+    if position.ibatch > n_train:
+        raise InputError(f"{path}: the checkpoint's position (window {position.ibatch}) is past this run's epoch")
+    return position, ckpt.epoch_result
+
+
+class _StopRequest:
+    """A first Ctrl-C during a checkpointed fit: stop after the current optimizer step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextmanager
+    def armed(self, enabled: bool, say):
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+            say("stopping after this optimizer step to write the checkpoint (Ctrl-C again to stop at once)")
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _write_line(stream, line: str) -> None:
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    stream.write(("\r\033[K" if tty else "") + line + "\n")
+    stream.flush()
