@@ -14,12 +14,12 @@ import typer
 
 from llamapy.context import Context, validation_windows
 from llamapy.dataset import text_windows
-from llamapy.errors import InputError
+from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import SGD, AdamW, LRSchedule, TrainParams
 
-from .common import default_threads, log
+from .common import default_threads, fail, log
 
 # ---- the shared flags -------------------------------------------------------------------------
 File = Annotated[Optional[Path], typer.Option("-f", "--file", "--train-data", help="text to train on")]
@@ -159,6 +159,8 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
         where = adapter.save(lora_out) if adapter else save_model_to_file(model, output)
         log(f"saved the last good weights to {where}")
         raise InputError(str(e)) from None
+    except TrainingInterrupted as e:  # click would swallow a KeyboardInterrupt's message
+        fail(str(e), 130)
     elapsed = time.perf_counter() - start
     n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
     timing = ctx.trainer.timing

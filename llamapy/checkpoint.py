@@ -128,24 +128,29 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 # ---- fingerprints ------------------------------------------------------------------------------
-def model_fingerprint(model) -> str:
-    """The model a run trains: a digest of its GGUF file (which training never changes); for
-    a model with no file (built in memory), of its architecture and tensor shapes."""
+def model_fingerprint(model, trained: set[str] = frozenset()) -> str:
+    """The model a run trains. A model as loaded: a digest of its GGUF file (which training
+    never changes). One built in memory or with replaced tensors: of its architecture,
+    tensor shapes and the bytes of the tensors that do not train (`trained` names those
+    that do: the checkpoint restores them anyway)."""
     cached = getattr(model, "_checkpoint_fingerprint", None)
-    if cached is not None:
-        return cached
+    if cached is not None and cached[0] == model.revision:
+        return cached[1]
     path = getattr(model, "path", None)
     digest = hashlib.blake2b(digest_size=16)
-    if path is not None and Path(path).is_file():
+    if model.revision == 0 and path is not None and Path(path).is_file():
         with open(path, "rb") as f:
             while chunk := f.read(1 << 22):
                 digest.update(chunk)
     else:
         hp = model.hparams
-        digest.update(json.dumps([hp.arch, hp.n_vocab, sorted((n, list(t.ne), int(t.type))
-                                                            for n, t in model.tensors.items())]).encode())
-    model._checkpoint_fingerprint = digest.hexdigest()
-    return model._checkpoint_fingerprint
+        tensors = sorted(model.tensors.items())
+        digest.update(json.dumps([hp.arch, hp.n_vocab, [(n, list(t.ne), int(t.type)) for n, t in tensors]]).encode())
+        for name, t in tensors:
+            if name not in trained:
+                digest.update(np.ascontiguousarray(t.array()).view(np.uint8).reshape(-1))
+    model._checkpoint_fingerprint = (model.revision, digest.hexdigest())
+    return model._checkpoint_fingerprint[1]
 
 
 def data_fingerprint(dataset: Dataset, idata_split: int) -> str:

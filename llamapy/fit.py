@@ -81,8 +81,8 @@ def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, st
             save_checkpoint_of(trainer, checkpoint)
             say(f"checkpoint: {checkpoint} after {trainer.n_steps} steps ({time.perf_counter() - t0:.2f} s)")
         if stop.requested:
-            raise TrainingInterrupted(f"interrupted after {trainer.n_steps} optimizer steps; the checkpoint "
-                                      f"{checkpoint} has it all: resume from it")
+            raise TrainingInterrupted(f"interrupted after {trainer.n_steps} optimizer steps; resume from the "
+                                      f"checkpoint with --checkpoint-in {checkpoint} (Python: opt_fit(resume=...))")
 
     with stop.armed(checkpoint is not None, say):
         return fit_epochs(trainer.opt, dataset, epochs, idata_split, shuffle=run.rng, callback_train=bar,
@@ -102,7 +102,7 @@ def save_checkpoint_of(trainer, path) -> Path:
         permutation=dataset.permutation if dataset is not None else np.zeros(0, np.int64),
         epoch_result=run.epoch_result,
         params=trainer.describe_params(run.shuffle_seed),
-        model_fingerprint=model_fingerprint(trainer.model),
+        model_fingerprint=model_fingerprint(trainer.model, set(trainer.trained)),
         data_fingerprint=data_fingerprint(dataset, run.idata_split) if dataset is not None else ""), path)
 
 
@@ -111,8 +111,9 @@ def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
     the position, RNG and window order wait in `trainer.pending_resume` for the next fit."""
     path = Path(path)
     ckpt = load_checkpoint(path)
-    if ckpt.model_fingerprint != model_fingerprint(trainer.model) and not force:
-        raise InputError(f"{path} is a checkpoint of another model than {trainer.model.path.name} "
+    if ckpt.model_fingerprint != model_fingerprint(trainer.model, set(trainer.trained)) and not force:
+        name = trainer.model.path.name if trainer.model.path is not None else "this one"
+        raise InputError(f"{path} is a checkpoint of another model than {name} "
                          "(--force-resume to use it anyway)")
     notes = compare_params(ckpt.params, trainer.describe_params(ckpt.params.get("shuffle_seed")), path)
     for name, t in trainer.trained.items():
