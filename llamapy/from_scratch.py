@@ -87,7 +87,8 @@ def new_model(arch: str = "llama", vocab_from: str | os.PathLike | None = None, 
     shapes = tensor_shapes(arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
                            n_head_kv=n_head_kv, head_dim=head_dim)
     tensors = init_tensors(shapes, n_layer, seed)
-    return model_from(InMemoryGGUF(f"new {arch} model", metadata, tensors))
+    n_dims = {name: len(ne) for name, ne in shapes.items()}
+    return model_from(InMemoryGGUF(f"new {arch} model", metadata, tensors, n_dims))
 
 
 def tokenizer_metadata(path: str | os.PathLike | None) -> dict[str, MetaValue]:

@@ -239,14 +239,17 @@ class GGUFMetadata:
 class InMemoryGGUF(GGUFMetadata):
     """A GGUF description held in memory: the metadata and tensors of a model built in Python
     (llamapy.new_model), with nothing on disk until it is saved. `label` stands in for a file
-    path in messages."""
+    path in messages; `tensor_n_dims` gives the dimensions to write where a tensor's shape
+    ends in 1s that belong to it (default: up to its last dimension above 1)."""
 
-    def __init__(self, label: str, metadata: dict[str, MetaValue], tensors: dict[str, Tensor]) -> None:
+    def __init__(self, label: str, metadata: dict[str, MetaValue], tensors: dict[str, Tensor],
+                 tensor_n_dims: dict[str, int] | None = None) -> None:
         self.path = Path(label)
         self.version = 3
         self.metadata = dict(metadata)
         self.tensors = dict(tensors)
         self.tensor_n_dims = {name: t.n_dims() for name, t in self.tensors.items()}
+        self.tensor_n_dims.update(tensor_n_dims or {})
 
 
 class GGUFFile(GGUFMetadata):
