@@ -3,8 +3,8 @@
 The header and key/value section are parsed here rather than by `gguf.GGUFReader`,
 which builds a numpy view for every string of a token list (12-17 s for a 262,144-token
 vocabulary); this reader decodes the same section in a fraction of a second. The
-`gguf` package's reader is still available as `GGUFFile.reader`, built on first use
-(saving a model copies the raw fields from it).
+`gguf` package's reader is still available as `GGUFFile.reader`, built on first use.
+Saving copies the metadata decoded here (strings keep their bytes via surrogateescape).
 """
 from __future__ import annotations
 
@@ -204,7 +204,55 @@ def metadata_from_reader(reader) -> dict[str, MetaValue]:
     return meta
 
 
-class GGUFFile:
+class GGUFMetadata:
+    """What a model's description offers, wherever it lives: metadata by key, tensors by name,
+    and each tensor's dimension count as stored. A GGUF file (`GGUFFile`) and a model built
+    in memory (`InMemoryGGUF`) share it, so loading, hyper-parameters and saving read both alike."""
+
+    path: Path
+    metadata: dict[str, MetaValue]
+    tensors: dict[str, Tensor]
+    tensor_n_dims: dict[str, int]  # dimensions as written (a 2-d tensor may end in a 1)
+
+    def has(self, key: str) -> bool:
+        return key in self.metadata
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value (numeric arrays as lists), or `default` when the key is absent."""
+        v = self.metadata.get(key)
+        if v is None:
+            return default
+        return v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
+
+    def require(self, key: str) -> Any:
+        if not self.has(key):
+            raise UnsupportedModelError(f"{self.path}: required metadata key {key!r} is missing")
+        return self.get(key)
+
+    def tensor(self, name: str) -> Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise UnsupportedModelError(f"{self.path}: required tensor {name!r} is missing") from None
+
+
+class InMemoryGGUF(GGUFMetadata):
+    """A GGUF description held in memory: the metadata and tensors of a model built in Python
+    (llamapy.new_model), with nothing on disk until it is saved. `label` stands in for a file
+    path in messages; `tensor_n_dims` gives the dimensions to write where a tensor's shape
+    ends in 1s that belong to it (default: up to its last dimension above 1)."""
+
+    def __init__(self, label: str, metadata: dict[str, MetaValue], tensors: dict[str, Tensor],
+                 tensor_n_dims: dict[str, int] | None = None) -> None:
+        self.path = Path(label)
+        self.version = 3
+        self.metadata = dict(metadata)
+        self.tensors = dict(tensors)
+        self.tensor_n_dims = {name: t.n_dims() for name, t in self.tensors.items()}
+        self.tensor_n_dims.update(tensor_n_dims or {})
+
+
+class GGUFFile(GGUFMetadata):
     """A GGUF file's key/value metadata and its tensors, bound to the memory-mapped bytes."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -225,6 +273,7 @@ class GGUFFile:
         self.version, self.metadata, infos, data_start = read_gguf_header(self.data, self.path)
         self._reader = None
         self.tensors: dict[str, Tensor] = {}
+        self.tensor_n_dims = {info.name: len(info.ne) for info in infos}
         file_size = self.data.nbytes
         for info in infos:
             try:
@@ -248,27 +297,6 @@ class GGUFFile:
             import gguf
             self._reader = gguf.GGUFReader(self.path, "r")
         return self._reader
-
-    def has(self, key: str) -> bool:
-        return key in self.metadata
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """A metadata value (numeric arrays as lists), or `default` when the key is absent."""
-        v = self.metadata.get(key)
-        if v is None:
-            return default
-        return v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
-
-    def require(self, key: str) -> Any:
-        if not self.has(key):
-            raise UnsupportedModelError(f"{self.path}: required metadata key {key!r} is missing")
-        return self.get(key)
-
-    def tensor(self, name: str) -> Tensor:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise UnsupportedModelError(f"{self.path}: required tensor {name!r} is missing") from None
 
     @property
     def mapped_bytes(self) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import UnsupportedModelError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFMetadata
 
 
 @dataclass
@@ -55,7 +55,7 @@ class HParams:
         self.swa_layers = [n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(self.n_layer)]
 
 
-def read_common(f: GGUFFile, arch: str, n_vocab: int, rope_type: int) -> HParams:
+def read_common(f: GGUFMetadata, arch: str, n_vocab: int, rope_type: int) -> HParams:
     """The keys every transformer architecture shares (LLM_KV_* in llama.cpp)."""
     def key(name: str) -> str:
         return f"{arch}.{name}"

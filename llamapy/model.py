@@ -10,13 +10,13 @@ from ggmlpy import Tensor
 
 from .arch import ARCHITECTURES, Architecture
 from .errors import UnsupportedModelError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, GGUFMetadata
 from .hparams import HParams
 from .vocab import Vocab
 
 
 class Model:
-    def __init__(self, file: GGUFFile, arch: Architecture, hparams: HParams, vocab: Vocab) -> None:
+    def __init__(self, file: GGUFMetadata, arch: Architecture, hparams: HParams, vocab: Vocab) -> None:
         self.file = file
         self.arch = arch
         self.hparams = hparams
@@ -62,16 +62,22 @@ class Model:
 
 def load_model(path: str | os.PathLike) -> Model:
     """Open a GGUF model (weights stay memory-mapped); raises a LlamapyError with one clear line."""
-    f = GGUFFile(path)
-    arch_name = f.get("general.architecture")
+    return model_from(GGUFFile(path))
+
+
+def model_from(source: GGUFMetadata) -> Model:
+    """The model a GGUF description holds (a file, or one built in memory): its architecture,
+    vocabulary and hyper-parameters read from the metadata, its required tensors checked.
+    One path for both, so a model built in Python behaves exactly like a loaded one."""
+    arch_name = source.get("general.architecture")
     if arch_name is None:
-        raise UnsupportedModelError(f"{f.path}: no general.architecture key: not a model file")
+        raise UnsupportedModelError(f"{source.path}: no general.architecture key: not a model file")
     if arch_name not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
-        raise UnsupportedModelError(f"{f.path}: architecture {arch_name!r} is not supported (supported: {known})")
+        raise UnsupportedModelError(f"{source.path}: architecture {arch_name!r} is not supported (supported: {known})")
     arch = ARCHITECTURES[arch_name]()
-    vocab = Vocab.from_gguf(f)
-    hp = arch.read_hparams(f, vocab.n_tokens)
+    vocab = Vocab.from_gguf(source)
+    hp = arch.read_hparams(source, vocab.n_tokens)
     for name in arch.required_tensors(hp):
-        f.tensor(name)
-    return Model(f, arch, hp, vocab)
+        source.tensor(name)
+    return Model(source, arch, hp, vocab)

@@ -1,6 +1,7 @@
 """Saving a model: a complete GGUF file from the weights in memory, written atomically.
 
-Metadata is copied from the source file value for value through gguf's public writer
+Metadata is copied from the model's description (the GGUF file it was loaded from, or the
+in-memory one of a model built by `new_model`) value for value through gguf's public writer
 API (every key, its exact GGUF value type, the original order, strings as raw bytes); tensors are written in the
 original order with their current type and shape, from the bytes the model holds NOW
 (so weights changed in memory, e.g. by training, are saved). The file goes to a temporary
@@ -15,69 +16,70 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValue, GGUFValueType, GGUFWriter
 
 from ggmlpy import Tensor, row_size
 
 from .errors import SaveError
+from .gguf_file import MetaValue
 from .model import Model
 
 _ALIGNMENT_KEY = "general.alignment"
 
 
-# The item types gguf's writer gives an inner array's Python values: only these nest exactly.
-_NESTABLE = (GGUFValueType.INT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL, GGUFValueType.STRING)
+# The inner arrays gguf's writer types exactly: it infers an inner array's item type from
+# its Python values (int -> INT32, float -> FLOAT32, bool, str/bytes -> STRING).
+_NESTABLE = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_))
 
 
-def _field_value(key: str, field: gguf.ReaderField) -> GGUFValue:
-    """A metadata value read from the source file, with its exact GGUF type; strings stay
-    bytes, so a vocabulary's tokens are copied as they are even where not valid UTF-8."""
-    vtype = field.types[0]
+def _raw(text: str) -> bytes:
+    """A metadata string's original bytes (the reader kept non-UTF-8 bytes via surrogateescape)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _gguf_value(key: str, mv: MetaValue) -> GGUFValue:
+    """A metadata value with its exact GGUF type, for gguf's writer; strings go as bytes, so a
+    vocabulary's tokens are copied as they are even where not valid UTF-8."""
+    vtype = GGUFValueType(int(mv.type))
     if vtype == GGUFValueType.STRING:
-        return GGUFValue(bytes(field.parts[-1]), vtype, None)
+        return GGUFValue(_raw(mv.value), vtype, None)
     if vtype != GGUFValueType.ARRAY:
-        return GGUFValue(field.parts[-1].tolist()[0], vtype, None)
-    if len(field.types) == 1:
+        return GGUFValue(mv.value, vtype, None)
+    if len(mv.value) == 0:
         raise SaveError(f"metadata {key!r}: an empty array cannot be saved with gguf's writer")
-    sub = field.types[1]
+    sub = GGUFValueType(int(mv.sub_type))
     if sub == GGUFValueType.STRING:
-        return GGUFValue([bytes(field.parts[i]) for i in field.data], vtype, sub)
+        return GGUFValue([_raw(s) for s in mv.value], vtype, sub)
     if sub != GGUFValueType.ARRAY:
-        return GGUFValue([field.parts[i].tolist()[0] for i in field.data], vtype, sub)
-    if any(t not in _NESTABLE for t in field.types[2:]):
-        raise SaveError(f"metadata {key!r}: gguf's writer can nest only arrays of int32, float32, bool or string")
-    return GGUFValue(_nested_items(key, field.parts, 3)[0], vtype, sub)
+        return GGUFValue(mv.value.tolist(), vtype, sub)
+    return GGUFValue([_nested_item(key, item) for item in mv.value], vtype, sub)
 
 
-def _nested_items(key: str, parts: list[np.ndarray], i: int) -> tuple[list, int]:
-    """The items of an array whose parts start at parts[i] (item type, count, items...)."""
-    sub, count = GGUFValueType(int(parts[i][0])), int(parts[i + 1][0])
-    i += 2
-    items = []
-    for _ in range(count):
-        if sub == GGUFValueType.ARRAY:
-            item, i = _nested_items(key, parts, i)
-        elif sub == GGUFValueType.STRING:
-            item, i = bytes(parts[i + 1]), i + 2
-        else:
-            item, i = parts[i].tolist()[0], i + 1
-        if isinstance(item, list) and not item:
-            raise SaveError(f"metadata {key!r}: an empty array cannot be saved with gguf's writer")
-        items.append(item)
-    return items, i
+def _nested_item(key: str, item: Any) -> list:
+    """An inner array of a nested one (a numpy array, a list of str, or a list of arrays) as
+    the Python list gguf's writer will type; refused when it would change the item type."""
+    if isinstance(item, np.ndarray):
+        if item.dtype not in _NESTABLE:
+            raise SaveError(f"metadata {key!r}: gguf's writer can nest only arrays of int32, float32, bool or string")
+        values = item.tolist()
+    elif item and isinstance(item[0], str):
+        values = [_raw(s) for s in item]
+    else:
+        values = [_nested_item(key, x) for x in item]
+    if not values:
+        raise SaveError(f"metadata {key!r}: an empty array cannot be saved with gguf's writer")
+    return values
 
 
-def _infer_value(key: str, value: Any, existing: gguf.ReaderField | None) -> GGUFValue:
+def _infer_value(key: str, value: Any, existing: MetaValue | None) -> GGUFValue:
     """A caller's metadata value, typed like the key it overrides, or inferred for a new key."""
     if isinstance(value, GGUFValue):
         return value
     if existing is not None:
-        vtype = existing.types[0]
+        vtype = GGUFValueType(int(existing.type))
         if vtype == GGUFValueType.ARRAY:
-            sub = existing.types[1] if len(existing.types) > 1 else GGUFValueType(int(existing.parts[3][0]))
-            return GGUFValue(list(value), vtype, sub)
+            return GGUFValue(list(value), vtype, GGUFValueType(int(existing.sub_type)))
         return GGUFValue(value, vtype, None)
     if isinstance(value, bool):
         return GGUFValue(value, GGUFValueType.BOOL, None)
@@ -109,17 +111,12 @@ def _tensor_bytes(t: Tensor) -> np.ndarray:
 
 
 def _fill_writer(writer: GGUFWriter, model: Model, metadata: Mapping[str, Any] | None) -> None:
-    reader = model.file.reader
-    if reader.byte_order not in ("I", "="):
-        # tensor bytes would carry the source's byte order into a little-endian file
-        raise SaveError(f"{model.path}: saving a model read from a big-endian GGUF file is not supported")
+    source = model.file  # a GGUFFile, or the in-memory description of a model built in Python
     overrides = dict(metadata or {})
     # GGUFWriter puts general.architecture first; keep the source's order instead
     writer.kv_data = [{}]
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue  # the reader's virtual header fields (version, counts)
-        v = _infer_value(key, overrides.pop(key), field) if key in overrides else _field_value(key, field)
+    for key, mv in source.metadata.items():
+        v = _infer_value(key, overrides.pop(key), mv) if key in overrides else _gguf_value(key, mv)
         writer.add_key_value(key, v.value, v.type, v.sub_type)
     for key, value in overrides.items():
         v = _infer_value(key, value, None)
@@ -131,7 +128,7 @@ def _fill_writer(writer: GGUFWriter, model: Model, metadata: Mapping[str, Any] |
             raise SaveError(f"{_ALIGNMENT_KEY} = {align} is not a power of two")
         writer.data_alignment = align
 
-    n_dims_in_file = {rt.name: len(rt.shape) for rt in reader.tensors}
+    n_dims_in_file = source.tensor_n_dims
     for name, t in model.tensors.items():
         try:
             qtype = GGMLQuantizationType(int(t.type))

@@ -24,7 +24,7 @@ import sentencepiece
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from llamapy.errors import InputError, VocabError
-from llamapy.gguf_file import GGUFFile, MetaValue, ValueType, metadata_from_reader
+from llamapy.gguf_file import GGUFMetadata, MetaValue, ValueType, metadata_from_reader
 
 # GGUF token types (tokenizer.ggml.token_type values).
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
@@ -205,8 +205,8 @@ _SPECIAL_ID_KEYS: tuple[tuple[str, str], ...] = (
 
 
 def _metadata(source) -> dict[str, MetaValue]:
-    """Metadata from a GGUFFile, a metadata dict, or a `gguf.GGUFReader`."""
-    if isinstance(source, GGUFFile):
+    """Metadata from a GGUFFile (or in-memory model description), a metadata dict, or a `gguf.GGUFReader`."""
+    if isinstance(source, GGUFMetadata):
         return source.metadata
     if isinstance(source, dict):
         return source

@@ -7,7 +7,7 @@ builds one ubatch's graph from the shared pieces of `GraphBuilder`.
 """
 from __future__ import annotations
 
-from ..gguf_file import GGUFFile
+from ..gguf_file import GGUFMetadata
 from ..hparams import HParams
 
 ARCHITECTURES: dict[str, type["Architecture"]] = {}
@@ -25,7 +25,7 @@ class Architecture:
     global_tensors: tuple[str, ...] = ("token_embd", "output_norm")
     layer_tensors: tuple[str, ...] = ()
 
-    def read_hparams(self, f: GGUFFile, n_vocab: int) -> HParams:
+    def read_hparams(self, f: GGUFMetadata, n_vocab: int) -> HParams:
         raise NotImplementedError
 
     def required_tensors(self, hp: HParams) -> list[str]:
