@@ -30,6 +30,7 @@ from gguf import GGUFReader, GGUFWriter
 from ggmlpy.opt import Dataset, FitPosition, Result
 
 from .errors import InputError
+from .gguf_file import GGUFFile
 from .save import write_atomically
 
 VERSION = 1
@@ -136,10 +137,9 @@ def model_fingerprint(model, trained: set[str] = frozenset()) -> str:
     cached = getattr(model, "_checkpoint_fingerprint", None)
     if cached is not None and cached[0] == model.revision:
         return cached[1]
-    path = getattr(model, "path", None)
     digest = hashlib.blake2b(digest_size=16)
-    if model.revision == 0 and path is not None and Path(path).is_file():
-        with open(path, "rb") as f:
+    if model.revision == 0 and isinstance(model.file, GGUFFile):
+        with open(model.path, "rb") as f:
             while chunk := f.read(1 << 22):
                 digest.update(chunk)
     else:

@@ -112,7 +112,7 @@ def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
     path = Path(path)
     ckpt = load_checkpoint(path)
     if ckpt.model_fingerprint != model_fingerprint(trainer.model, set(trainer.trained)) and not force:
-        name = trainer.model.path.name if trainer.model.path is not None else "this one"
+        name = Path(str(trainer.model.path)).name if trainer.model.path is not None else "this one"
         raise InputError(f"{path} is a checkpoint of another model than {name} "
                          "(--force-resume to use it anyway)")
     notes = compare_params(ckpt.params, trainer.describe_params(ckpt.params.get("shuffle_seed")), path)

@@ -1,0 +1,117 @@
+"""llamapy-train: a new model trained from nothing on a text (the twin of llama.cpp's
+train-text-from-scratch): the vocabulary of --vocab-model, the shape given by --embd,
+--head, --head-kv, --layer, --ff and -c, llama2.c's initialisation; then the same
+training engine, flags and checkpoints as llamapy-finetune, and with --predict N a
+sampled continuation at the end.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llamapy.batch import Batch
+from llamapy.context import Context
+from llamapy.errors import InputError
+from llamapy.from_scratch import new_model
+from llamapy.sampling.samplers import default_chain
+
+from . import training as T
+from .common import guarded, log, read_text
+
+cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model starts far from any minimum)
+
+
+@cli.command()
+def run(
+    vocab_model: Annotated[Path, typer.Option("--vocab-model", help="GGUF model whose tokenizer the new model takes")],
+    file: T.File = None,
+    arch: Annotated[str, typer.Option("--arch", help="llama or gemma3")] = "llama",
+    embd: Annotated[int, typer.Option("--embd", help="embedding width")] = 256,
+    head: Annotated[int, typer.Option("--head", help="attention heads")] = 8,
+    head_kv: Annotated[Optional[int], typer.Option("--head-kv", help="key/value heads (default --head)")] = None,
+    layer: Annotated[int, typer.Option("--layer", help="layers")] = 16,
+    ff: Annotated[Optional[int], typer.Option("--ff", help="feed-forward width (default: llama's 8/3 x embd, rounded up to 32)")] = None,
+    rope_freq_base: Annotated[float, typer.Option("--rope-freq-base", help="RoPE base frequency")] = 10000.0,
+    rms_eps: Annotated[float, typer.Option("--rms-eps", help="RMS norm epsilon")] = 1e-5,
+    ctx_size: T.CtxSize = 128,
+    batch_size: T.BatchSize = None,
+    ubatch_size: T.UbatchSize = 512,
+    lr: T.Lr = None,
+    lr_min: T.LrMin = 0.0,
+    decay_epochs: T.DecayEpochs = -1.0,
+    lr_half: T.LrHalf = None,
+    lr_halvings: T.LrHalvings = None,
+    lr_schedule: T.LrSchedule = "exp",
+    warmup: T.Warmup = 0,
+    cos_restart: T.CosRestart = None,
+    grad_clip: T.GradClip = None,
+    wd: T.WeightDecay = 0.0,
+    optimizer: T.OptimizerName = "adamw",
+    val_split: T.ValSplit = 0.05,
+    epochs: T.Epochs = 2,
+    output: Annotated[Path, typer.Option("-o", "--output", "--model-out", help="where to write the trained model")] = Path("trained-model.gguf"),
+    seed: T.Seed = 0,
+    threads: T.Threads = None,
+    plot: T.Plot = None,
+    checkpoint_out: T.CheckpointOut = None,
+    save_every: T.SaveEvery = 0,
+    checkpoint_in: T.CheckpointIn = None,
+    force_resume: T.ForceResume = False,
+    predict: Annotated[int, typer.Option("--predict", help="after training, print a sampled continuation of N tokens")] = 0,
+    prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="what --predict continues (default: the text's first words)")] = None,
+) -> None:
+    """Train a new model on the text in FILE; writes it to -o. The seed (--seed) initialises
+    the weights and shuffles the windows."""
+    args = T.TrainingArgs.take(locals())
+    args.check()
+    if file is None:
+        raise InputError("give the text to train on with -f FILE")
+    text = read_text(file)
+    m = new_model(arch, vocab_model, n_embd=embd, n_head=head, n_head_kv=head_kv, n_layer=layer,
+                  n_ff=ff or _llama_ff(embd), n_ctx_train=ctx_size, rope_freq_base=rope_freq_base, rms_eps=rms_eps,
+                  seed=seed)
+    log(f"model: new {m.describe()} ({m.n_params:,} parameters), vocabulary of {vocab_model.name}")
+    params = args.train_params(m, DEFAULT_LR)
+    ctx = T.train(m, params, text, args, output, None, "train")
+    if predict > 0:
+        sample(ctx.model, prompt if prompt is not None else " ".join(text.split()[:4]), predict, seed, ctx_size)
+
+
+def sample(model, prompt: str, n: int, seed: int, n_ctx: int) -> None:
+    """Print `prompt` and a continuation of up to `n` tokens sampled from `model` (default chain)."""
+    vocab = model.vocab
+    tokens = vocab.tokenize(prompt, add_special=True)
+    if not tokens or len(tokens) >= n_ctx:
+        raise InputError(f"--predict: the prompt must give 1 to {n_ctx - 1} tokens, it gives {len(tokens)}")
+    ctx = Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx)
+    chain = default_chain(vocab.n_tokens, seed=seed)
+    ctx.decode(Batch.from_tokens(tokens))
+    out = list(tokens)
+    while len(out) < min(len(tokens) + n, n_ctx):
+        token = chain.sample(ctx, -1)
+        if vocab.is_eog(token):
+            break
+        out.append(token)
+        ctx.decode(Batch.from_tokens([token], pos0=len(out) - 1))
+    log("sample:")
+    sys.stdout.write(vocab.detokenize(out) + "\n")
+    sys.stdout.flush()
+
+
+def _llama_ff(n_embd: int) -> int:
+    """llama's feed-forward width for n_embd: 2/3 of 4 x n_embd, rounded up to a multiple of 32."""
+    return -(-(8 * n_embd // 3) // 32) * 32
+
+
+def main() -> None:
+    sys.argv[1:] = T.bare_lr_half(sys.argv[1:])
+    guarded(cli)()
+
+
+if __name__ == "__main__":
+    main()
