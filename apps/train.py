@@ -98,8 +98,9 @@ def sample(model, prompt: str, n: int, seed: int, n_ctx: int) -> None:
             break
         out.append(token)
         ctx.decode(Batch.from_tokens([token], pos0=len(out) - 1))
+    whole, head = vocab.detokenize(out), vocab.detokenize(tokens)
     log("sample:")
-    sys.stdout.write(vocab.detokenize(out) + "\n")
+    sys.stdout.write(prompt + (whole[len(head):] if whole.startswith(head) else whole) + "\n")
     sys.stdout.flush()
 
 
