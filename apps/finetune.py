@@ -29,42 +29,20 @@ DEMO_CHARS = 16_000
 
 
 @cli.command()
+@T.with_training_flags(ctx_size=DEFAULT_CTX)
 def run(
     model: Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: Gemma 3 270M Q4_K_M)")] = None,
     file: T.File = None,
-    ctx_size: T.CtxSize = DEFAULT_CTX,
-    batch_size: T.BatchSize = None,
-    ubatch_size: T.UbatchSize = 512,
-    lr: T.Lr = None,
-    lr_min: T.LrMin = 0.0,
-    decay_epochs: T.DecayEpochs = -1.0,
-    lr_half: T.LrHalf = None,
-    lr_halvings: T.LrHalvings = None,
-    lr_schedule: T.LrSchedule = "exp",
-    warmup: T.Warmup = 0,
-    cos_restart: T.CosRestart = None,
-    grad_clip: T.GradClip = None,
-    wd: T.WeightDecay = 0.0,
-    optimizer: T.OptimizerName = "adamw",
-    val_split: T.ValSplit = 0.05,
-    epochs: T.Epochs = 2,
     output: Annotated[Path, typer.Option("-o", "--output", "--model-out", help="where to write the trained model")] = Path("finetuned-model.gguf"),
-    seed: T.Seed = 0,
-    threads: T.Threads = None,
-    plot: T.Plot = None,
-    checkpoint_out: T.CheckpointOut = None,
-    save_every: T.SaveEvery = 0,
-    checkpoint_in: T.CheckpointIn = None,
-    force_resume: T.ForceResume = False,
     lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", help="train a LoRA adapter of this rank instead of the weights")] = None,
     lora_alpha: Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha (default: the rank, i.e. scale 1)")] = None,
     lora_modules: Annotated[str, typer.Option("--lora-modules", help="comma-separated matrices to adapt")] = ",".join(DEFAULT_MODULES),
     lora_out: Annotated[Path, typer.Option("--lora-out", help="where to write the adapter")] = Path("lora-adapter.gguf"),
     window_bos: Annotated[Optional[bool], typer.Option("--window-bos/--no-window-bos", help="start every window with BOS (default: what the architecture expects)")] = None,
     demo_chars: Annotated[int, typer.Option("--demo-chars", help="characters of the demo corpus used when no -f is given")] = DEMO_CHARS,
+    *, args: T.TrainingArgs,
 ) -> None:
     """Finetune MODEL on the text in FILE; writes the trained model to -o (or the adapter to --lora-out)."""
-    args = T.TrainingArgs.take(locals())
     args.check()
     t_load = time.perf_counter()
     model = model or default_model_path(log)
@@ -85,7 +63,7 @@ def run(
         if file is None:
             log(f'try it: llamapy-cli -m {model} --lora {lora_out} -p "The with statement" -n 64')
         else:
-            log(f"try it: llamapy-perplexity -m {model} --lora {lora_out} -f {file} -c {ctx_size}")
+            log(f"try it: llamapy-perplexity -m {model} --lora {lora_out} -f {file} -c {args.ctx_size}")
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model star
 
 
 @cli.command()
+@T.with_training_flags(ctx_size=128)
 def run(
     vocab_model: Annotated[Path, typer.Option("--vocab-model", help="GGUF model whose tokenizer the new model takes")],
     file: T.File = None,
@@ -38,48 +39,25 @@ def run(
     ff: Annotated[Optional[int], typer.Option("--ff", help="feed-forward width (default: llama's 8/3 x embd, rounded up to 32)")] = None,
     rope_freq_base: Annotated[float, typer.Option("--rope-freq-base", help="RoPE base frequency")] = 10000.0,
     rms_eps: Annotated[float, typer.Option("--rms-eps", help="RMS norm epsilon")] = 1e-5,
-    ctx_size: T.CtxSize = 128,
-    batch_size: T.BatchSize = None,
-    ubatch_size: T.UbatchSize = 512,
-    lr: T.Lr = None,
-    lr_min: T.LrMin = 0.0,
-    decay_epochs: T.DecayEpochs = -1.0,
-    lr_half: T.LrHalf = None,
-    lr_halvings: T.LrHalvings = None,
-    lr_schedule: T.LrSchedule = "exp",
-    warmup: T.Warmup = 0,
-    cos_restart: T.CosRestart = None,
-    grad_clip: T.GradClip = None,
-    wd: T.WeightDecay = 0.0,
-    optimizer: T.OptimizerName = "adamw",
-    val_split: T.ValSplit = 0.05,
-    epochs: T.Epochs = 2,
     output: Annotated[Path, typer.Option("-o", "--output", "--model-out", help="where to write the trained model")] = Path("trained-model.gguf"),
-    seed: T.Seed = 0,
-    threads: T.Threads = None,
-    plot: T.Plot = None,
-    checkpoint_out: T.CheckpointOut = None,
-    save_every: T.SaveEvery = 0,
-    checkpoint_in: T.CheckpointIn = None,
-    force_resume: T.ForceResume = False,
     predict: Annotated[int, typer.Option("--predict", help="after training, print a sampled continuation of N tokens")] = 0,
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="what --predict continues (default: the text's first words)")] = None,
+    *, args: T.TrainingArgs,
 ) -> None:
     """Train a new model on the text in FILE; writes it to -o. The seed (--seed) initialises
     the weights and shuffles the windows."""
-    args = T.TrainingArgs.take(locals())
     args.check()
     if file is None:
         raise InputError("give the text to train on with -f FILE")
     text = read_text(file)
     m = new_model(arch, vocab_model, n_embd=embd, n_head=head, n_head_kv=head_kv, n_layer=layer,
-                  n_ff=ff or _llama_ff(embd), n_ctx_train=ctx_size, rope_freq_base=rope_freq_base, rms_eps=rms_eps,
-                  seed=seed)
+                  n_ff=ff or _llama_ff(embd), n_ctx_train=args.ctx_size, rope_freq_base=rope_freq_base, rms_eps=rms_eps,
+                  seed=args.seed)
     log(f"model: new {m.describe()} ({m.n_params:,} parameters), vocabulary of {vocab_model.name}")
     params = args.train_params(m, DEFAULT_LR)
     ctx = T.train(m, params, text, args, output, None, "train")
     if predict > 0:
-        sample(ctx.model, prompt if prompt is not None else " ".join(text.split()[:4]), predict, seed, ctx_size)
+        sample(ctx.model, prompt if prompt is not None else " ".join(text.split()[:4]), predict, args.seed, args.ctx_size)
 
 
 def sample(model, prompt: str, n: int, seed: int, n_ctx: int) -> None:

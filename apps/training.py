@@ -4,11 +4,14 @@ run itself: windows, Context.opt_fit with checkpoints, timing lines, saving, the
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -50,7 +53,7 @@ ForceResume = Annotated[bool, typer.Option("--force-resume", help="resume even f
 
 @dataclass
 class TrainingArgs:
-    """The shared flags' values."""
+    """The shared flags' values (a command gets them as its `args` parameter)."""
 
     ctx_size: int
     batch_size: int | None
@@ -75,11 +78,6 @@ class TrainingArgs:
     save_every: int
     checkpoint_in: Path | None
     force_resume: bool
-
-    @classmethod
-    def take(cls, values: dict) -> "TrainingArgs":
-        """The shared flags out of a command's locals()."""
-        return cls(**{name: values[name] for name in cls.__dataclass_fields__})
 
     def check(self) -> None:
         if self.optimizer.lower() not in ("adamw", "sgd"):
@@ -108,6 +106,38 @@ class TrainingArgs:
                                          grad_clip=self.grad_clip, **policy)
         except ValueError as e:
             raise InputError(first_error(e)) from None
+
+
+# each shared flag: its option and its default (a command may change defaults)
+SHARED_FLAGS: dict[str, tuple[Any, Any]] = {
+    "ctx_size": (CtxSize, 256), "batch_size": (BatchSize, None), "ubatch_size": (UbatchSize, 512),
+    "lr": (Lr, None), "lr_min": (LrMin, 0.0), "decay_epochs": (DecayEpochs, -1.0), "lr_half": (LrHalf, None),
+    "lr_halvings": (LrHalvings, None), "lr_schedule": (LrSchedule, "exp"), "warmup": (Warmup, 0),
+    "cos_restart": (CosRestart, None), "grad_clip": (GradClip, None), "wd": (WeightDecay, 0.0),
+    "optimizer": (OptimizerName, "adamw"), "val_split": (ValSplit, 0.05), "epochs": (Epochs, 2),
+    "seed": (Seed, 0), "threads": (Threads, None), "plot": (Plot, None), "checkpoint_out": (CheckpointOut, None),
+    "save_every": (SaveEvery, 0), "checkpoint_in": (CheckpointIn, None), "force_resume": (ForceResume, False),
+}
+
+
+def with_training_flags(**defaults: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a typer command the shared training flags after its own (`defaults` overrides
+    some defaults); the command receives their values as `args: TrainingArgs`."""
+    def wrap(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for name, p in signature.parameters.items() if name != "args"]
+        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=option,
+                                    default=defaults.get(name, default))
+                  for name, (option, default) in SHARED_FLAGS.items()]
+
+        @functools.wraps(command)
+        def with_flags(**values: Any) -> None:
+            args = TrainingArgs(**{name: values.pop(name) for name in SHARED_FLAGS})
+            command(args=args, **values)
+        with_flags.__signature__ = signature.replace(parameters=own + shared)
+        with_flags.__annotations__ = {p.name: p.annotation for p in own + shared}
+        return with_flags
+    return wrap
 
 
 def check_writable(path: Path) -> None:
