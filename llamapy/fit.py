@@ -48,11 +48,10 @@ def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, st
     if resume is not None:
         for note in load_checkpoint_into(trainer, resume, force_resume):
             say(f"resume: {note}")
-    pending = getattr(trainer, "pending_resume", None)
     start, start_result = FitPosition(), None
-    if pending is not None:
-        start, start_result = _apply_resume(trainer, pending, force_resume)
-        trainer.pending_resume = None
+    if run.pending is not None:
+        start, start_result = _apply_resume(trainer, run.pending, force_resume)
+        run.pending = None
         say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
             f"optimizer steps")
     tty = hasattr(stream, "isatty") and stream.isatty()
@@ -108,7 +107,7 @@ def save_checkpoint_of(trainer, path) -> Path:
 
 def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
     """Restore the trained tensors and optimizer state of checkpoint `path` into `trainer`;
-    the position, RNG and window order wait in `trainer.pending_resume` for the next fit."""
+    the position, RNG and window order wait in `trainer.run.pending` for the next fit."""
     path = Path(path)
     ckpt = load_checkpoint(path)
     if ckpt.model_fingerprint != model_fingerprint(trainer.model, set(trainer.trained)) and not force:
@@ -125,7 +124,7 @@ def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
         trainer.opt.optimizer.state.load_arrays(ckpt.optimizer)
     except ValueError as e:
         raise InputError(f"{path}: {e}") from None
-    trainer.pending_resume = (path, ckpt)
+    trainer.run.pending = (path, ckpt)
     return notes
 
 

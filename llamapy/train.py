@@ -247,6 +247,7 @@ class RunState:
     shuffle_seed: int | None = None
     position: FitPosition = field(default_factory=FitPosition)
     epoch_result: Result = field(default_factory=Result)
+    pending: tuple | None = None  # (path, Checkpoint) loaded by opt_load_checkpoint, applied by the next fit
 
 
 class TrainTiming:
