@@ -261,6 +261,12 @@ class Optimizer:
             raise ValueError("opt: parameter names must be unique (they key the optimizer state)")
         mem = self.memory = Context(no_alloc=False)  # zeroed memory of their own, outside every arena
         self.grad_accs = {id(p): mem.new_tensor(GGMLType.F32, p.ne, f"{n} grad") for p, n in zip(self.params, names)}
+        # every accumulator in one flat buffer: zeroing, norms and clipping are one call each
+        self.grad_flat = np.zeros(sum(p.nelements() for p in self.params), np.float32)
+        offset = 0
+        for acc in self.grad_accs.values():
+            acc.bind(self.grad_flat.view(np.uint8), offset)
+            offset += acc.nbytes()
         adamw = isinstance(hparams, AdamW) and with_steps
         self.step_params = mem.new_tensor_1d(GGMLType.F32, OT.ADAMW_PARAMS if adamw else OT.SGD_PARAMS,
                                              f"{hparams.kind} params")
@@ -282,12 +288,11 @@ class Optimizer:
         return self.grad_accs[id(param)]
 
     def zero_grad(self) -> None:
-        for acc in self.grad_accs.values():
-            acc.array()[...] = 0
+        self.grad_flat.fill(0.0)
 
     def grad_norm(self) -> float:
         """The global L2 norm of the accumulated gradients (all params, float64)."""
-        return math.sqrt(self.backend.sum_squares(self.grad_accs.values()))
+        return math.sqrt(self.backend.sum_squares([self.grad_flat]))
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the accumulated gradients so their global L2 norm is at most `max_norm`
@@ -296,7 +301,7 @@ class Optimizer:
         norm = self.grad_norm()
         factor = max_norm / (norm + 1e-6)
         if factor < 1.0:
-            self.backend.scale(self.grad_accs.values(), factor)
+            self.backend.scale([self.grad_flat], factor)
         return norm
 
     def step(self, hparams: AdamW | SGD | None = None) -> None:

@@ -81,17 +81,17 @@ class CpuBackend:
             run()
             profile[name] += time.perf_counter() - t0
 
-    def sum_squares(self, tensors) -> float:
-        """Sum of the squares of every element of F32 `tensors`, in float64 (a global
-        gradient norm); the same for any thread count."""
+    def sum_squares(self, arrays) -> float:
+        """Sum of the squares of every element of F32 `arrays` (contiguous), in float64 (a
+        global gradient norm); the same for any thread count."""
         _set_threads(self.n_threads)
-        return float(sum(train_kernels.sum_sq_f64(t.array().reshape(-1)) for t in tensors))
+        return float(sum(train_kernels.sum_sq_f64(a.reshape(-1)) for a in arrays))
 
-    def scale(self, tensors, factor: float) -> None:
-        """Multiply every element of F32 `tensors` by `factor` in place (gradient clipping)."""
+    def scale(self, arrays, factor: float) -> None:
+        """Multiply every element of F32 `arrays` (contiguous) by `factor` in place (clipping)."""
         _set_threads(self.n_threads)
-        for t in tensors:
-            train_kernels.scale_f32(t.array().reshape(-1), factor)
+        for a in arrays:
+            train_kernels.scale_f32(a.reshape(-1), factor)
 
     def enable_profile(self) -> dict[str, float]:
         self.profile = defaultdict(float)
