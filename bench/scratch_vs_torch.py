@@ -280,6 +280,20 @@ def _weights_to_gguf(init_path: str, weights_npz: str, out_path: str) -> None:
     save_model_to_file(m, out_path)
 
 
+def _weight_diff(path_a: str, path_b: str, path_init: str) -> tuple[float, str]:
+    """How far apart two trainings of the same init ended, per tensor: |A - B| / |B - init|
+    (Frobenius norms: the disagreement relative to how far training moved the tensor); the
+    largest and the tensor where it is."""
+    from llamapy import load_model
+    a, b, init = load_model(path_a), load_model(path_b), load_model(path_init)
+    worst = (0.0, "")
+    for name, t in a.tensors.items():
+        x, y, x0 = t.numpy(), b.tensors[name].numpy(), init.tensors[name].numpy()
+        moved = float(np.linalg.norm(y - x0))
+        worst = max(worst, (float(np.linalg.norm(x - y)) / max(moved, 1e-30), name))
+    return worst
+
+
 def _perplexity(model_path: str, text_path: str, n_ctx: int, threads: int) -> tuple[float, float]:
     r = subprocess.run([sys.executable, "-m", "apps.perplexity", "-m", model_path, "-f", text_path, "-c", str(n_ctx),
                         "-t", str(threads)], capture_output=True, text=True, cwd=ROOT)
@@ -430,6 +444,7 @@ def bench(args, work: Path) -> None:
     ppl = {w: _perplexity(str(work / f"{w}-0.gguf"), str(heldout_path), cfg["n_ctx"], args.threads)
            for w in ("llamapy", "torch")}
     ppl_init = _perplexity(init_path, str(heldout_path), cfg["n_ctx"], args.threads)
+    wdiff, wname = _weight_diff(str(work / "llamapy-0.gguf"), str(work / "torch-0.gguf"), init_path)
     a, b = runs["llamapy"][0]["step_losses"], runs["torch"][0]["step_losses"]
     d = np.abs(np.asarray(a) - np.asarray(b))
     best = {w: max(r["tokens_per_second"] for r in runs[w]) for w in runs}
@@ -437,7 +452,8 @@ def bench(args, work: Path) -> None:
     ppl_ratio = ppl["llamapy"][0] / ppl["torch"][0]
     speed_ratio = best["llamapy"] / best["torch"]
     print(f"step losses, llamapy vs torch: first {a[0]:.4f} / {b[0]:.4f}, last {a[-1]:.4f} / {b[-1]:.4f}, "
-          f"max |diff| {d.max():.4f} over {len(d)} steps (first 10: {d[:10].max():.2g})")
+          f"max |diff| {d.max():.4f} over {len(d)} steps (first 10: {d[:10].max():.2g}); trained weights: |llamapy - torch| "
+          f"/ |torch - init| at most {wdiff:.3g} ({wname})")
     print(f"held-out perplexity (llamapy-perplexity -c {cfg['n_ctx']}, {heldout_path.name}): "
           f"initial {ppl_init[0]:.4f}, llamapy {ppl['llamapy'][0]:.4f} +/- {ppl['llamapy'][1]:.4f}, "
           f"torch {ppl['torch'][0]:.4f} +/- {ppl['torch'][1]:.4f}; ratio {ppl_ratio:.4f} "
@@ -447,6 +463,12 @@ def bench(args, work: Path) -> None:
           f"({'meets' if speed_ratio >= 1.5 else 'below'} 1.5x); fit wall time llamapy {wall['llamapy']:.1f} s, "
           f"torch {wall['torch']:.1f} s")
     cmd = "python bench/scratch_vs_torch.py " + " ".join(sys.argv[1:])
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            date=str(datetime.date.today()), command=cmd, machine=platform.machine(), cpus=os.cpu_count(),
+            load_average=_load_average(), config=cfg, init=init_path, ppl=ppl, ppl_init=ppl_init, ppl_ratio=ppl_ratio,
+            tokens_per_second=best, speed_ratio=speed_ratio, fit_wall_seconds=wall, max_step_loss_diff=float(d.max()),
+            max_weight_rel_diff=wdiff, runs=runs), indent=1))
     print("RESULTS.md row:")
     print(f"| {datetime.date.today()} | {platform.machine()}, {os.cpu_count()} cores, load avg {_load_average()} "
           f"| `{cmd}` | {cfg['windows_per_step'] * cfg['n_ctx']} tok/step, {len(a)} steps "
@@ -483,6 +505,7 @@ def main() -> None:
     ap.add_argument("--torch-python", default=DEFAULT_TORCH_PYTHON)
     ap.add_argument("--torch-fused", action="store_true", help="torch.optim.AdamW(fused=True)")
     ap.add_argument("--check", action="store_true", help="only compare forward logits on one window")
+    ap.add_argument("--json", type=Path, help="also write the summary and every run's numbers here")
     ap.add_argument("--work", type=Path, help="keep the files here (default: a temporary directory)")
     # internal: one half of the bench
     ap.add_argument("--half", choices=("llamapy", "torch", "torch-logits"), help=argparse.SUPPRESS)
