@@ -11,7 +11,13 @@ at the same thread count.
     python bench/scratch_vs_torch.py [--init GGUF | --embd 128 --head 8 --layer 6 --ff 384]
                                      [-f TEXT] [--chars N] [-c 128] [-b 128] [-ub 128]
                                      [-lr 1e-3] [-wd 0] [--epochs 1] [--seed 0] [-t 2] [--repeat 1]
+                                     [--torch-fused] [--work DIR] [--json FILE]
     python bench/scratch_vs_torch.py --check [--init GGUF]    # forward logits, llamapy vs torch
+
+--embd needs `llamapy.new_model` (the issue's shape: --embd 128 --head 8 --layer 6 --ff 384
+-c 128, vocabulary from --init, default stories260K); without it, give the initial model
+with --init. It prints one line per run, the step-loss and trained-weight agreement, both
+held-out perplexities and the speed ratio, and a row for bench/RESULTS.md.
 
 How the two halves are kept identical:
 - the data: the main process (llamapy) cuts the text at 90% (at a line start), makes the
