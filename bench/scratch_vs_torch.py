@@ -11,7 +11,7 @@ at the same thread count.
     python bench/scratch_vs_torch.py [--init GGUF | --embd 128 --head 8 --layer 6 --ff 384]
                                      [-f TEXT] [--chars N] [-c 128] [-b 128] [-ub 128]
                                      [-lr 1e-3] [-wd 0] [--epochs 1] [--seed 0] [-t 2] [--repeat 1]
-                                     [--torch-fused] [--work DIR] [--json FILE]
+                                     [--torch-fused] [--torch-compile] [--work DIR] [--json FILE]
     python bench/scratch_vs_torch.py --check [--init GGUF]    # forward logits, llamapy vs torch
 
 --embd needs `llamapy.new_model` (the issue's shape: --embd 128 --head 8 --layer 6 --ff 384
@@ -191,6 +191,7 @@ def torch_half(args) -> None:
     wps, idata_split = cfg["windows_per_step"], cfg["idata_split"]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
                             weight_decay=cfg["wd"], fused=args.torch_fused or None)
+    fwd = torch.compile(model) if args.torch_compile else model  # compiled on the first step (start-up)
     step_losses, step_seconds, val_losses = [], [], []
     t_fit = time.perf_counter()
     for epoch in range(cfg["epochs"]):
@@ -198,7 +199,7 @@ def torch_half(args) -> None:
         for s in range(len(order) // wps):
             t0 = time.perf_counter()
             idx = order[s * wps:(s + 1) * wps]
-            logits = model(tokens[idx])
+            logits = fwd(tokens[idx])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[idx].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -217,7 +218,7 @@ def torch_half(args) -> None:
                train_tokens=len(step_losses) * wps * n_ctx, wall_seconds=wall,
                startup_seconds=step_seconds[0] if step_seconds else None,
                tokens_per_second=len(timed) * wps * n_ctx / sum(timed) if timed else float("nan"),
-               fused=bool(args.torch_fused))
+               fused=bool(args.torch_fused), compiled=bool(args.torch_compile))
     Path(args.out_prefix + ".json").write_text(json.dumps(out))
 
 
@@ -371,7 +372,8 @@ def _run_half(which: str, args, init_path: str, data_path: Path, prefix: Path) -
                OPENBLAS_NUM_THREADS=str(args.threads))
     py = sys.executable if which == "llamapy" else args.torch_python
     cmd = [py, str(Path(__file__).resolve()), "--half", which, "--init-path", init_path, "--data", str(data_path),
-           "--out-prefix", str(prefix), "-t", str(args.threads)] + (["--torch-fused"] if args.torch_fused else [])
+           "--out-prefix", str(prefix), "-t", str(args.threads)] + (["--torch-fused"] if args.torch_fused else []) \
+        + (["--torch-compile"] if args.torch_compile else [])
     if which != "llamapy":
         env.pop("PYTHONPATH", None)  # the torch venv must not pick up llamapy or its numpy
     t0 = time.perf_counter()
@@ -456,6 +458,7 @@ def bench(args, work: Path) -> None:
     best = {w: max(r["tokens_per_second"] for r in runs[w]) for w in runs}
     wall = {w: min(r["wall_seconds"] for r in runs[w]) for w in runs}
     ppl_ratio = ppl["llamapy"][0] / ppl["torch"][0]
+    torch_kind = ("compiled" if args.torch_compile else "eager") + (", fused AdamW" if args.torch_fused else "")
     speed_ratio = best["llamapy"] / best["torch"]
     print(f"step losses, llamapy vs torch: first {a[0]:.4f} / {b[0]:.4f}, last {a[-1]:.4f} / {b[-1]:.4f}, "
           f"max |diff| {d.max():.4f} over {len(d)} steps (first 10: {d[:10].max():.2g}); trained weights: |llamapy - torch| "
@@ -465,7 +468,7 @@ def bench(args, work: Path) -> None:
           f"torch {ppl['torch'][0]:.4f} +/- {ppl['torch'][1]:.4f}; ratio {ppl_ratio:.4f} "
           f"({'within' if abs(ppl_ratio - 1) <= 0.03 else 'NOT within'} 3%)")
     print(f"training speed (best of {args.repeat}, -t {args.threads}): llamapy {best['llamapy']:.0f} tokens/s, "
-          f"torch {runs['torch'][0]['torch']} {best['torch']:.0f} tokens/s; ratio {speed_ratio:.2f}x "
+          f"torch {runs['torch'][0]['torch']} ({torch_kind}) {best['torch']:.0f} tokens/s; ratio {speed_ratio:.2f}x "
           f"({'meets' if speed_ratio >= 1.5 else 'below'} 1.5x); fit wall time llamapy {wall['llamapy']:.1f} s, "
           f"torch {wall['torch']:.1f} s")
     cmd = "python bench/scratch_vs_torch.py " + " ".join(sys.argv[1:])
@@ -510,6 +513,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each half, alternating which goes first")
     ap.add_argument("--torch-python", default=DEFAULT_TORCH_PYTHON)
     ap.add_argument("--torch-fused", action="store_true", help="torch.optim.AdamW(fused=True)")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="torch.compile the model (not the default: the comparison is with eager PyTorch)")
     ap.add_argument("--check", action="store_true", help="only compare forward logits on one window")
     ap.add_argument("--json", type=Path, help="also write the summary and every run's numbers here")
     ap.add_argument("--work", type=Path, help="keep the files here (default: a temporary directory)")
