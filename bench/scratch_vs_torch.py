@@ -11,13 +11,16 @@ at the same thread count.
     python bench/scratch_vs_torch.py [--init GGUF | --embd 128 --head 8 --layer 6 --ff 384]
                                      [-f TEXT] [--chars N] [-c 128] [-b 128] [-ub 128]
                                      [-lr 1e-3] [-wd 0] [--epochs 1] [--seed 0] [-t 2] [--repeat 1]
-                                     [--torch-fused] [--torch-compile] [--work DIR] [--json FILE]
+                                     [--torch-fused] [--torch-compile] [--noise-floor] [--work DIR] [--json FILE]
     python bench/scratch_vs_torch.py --check [--init GGUF]    # forward logits, llamapy vs torch
 
 --embd needs `llamapy.new_model` (the issue's shape: --embd 128 --head 8 --layer 6 --ff 384
 -c 128, vocabulary from --init, default stories260K); without it, give the initial model
 with --init. It prints one line per run, the step-loss and trained-weight agreement, both
-held-out perplexities and the speed ratio, and a row for bench/RESULTS.md.
+held-out perplexities and the speed ratio, and a row for bench/RESULTS.md. Over a
+thousand steps two trainings that differ only in float rounding drift apart (AdamW
+amplifies it); `--noise-floor` trains torch once more with other rounding (compiled) so
+the llamapy-torch gap can be read against torch's gap with itself.
 
 How the two halves are kept identical:
 - the data: the main process (llamapy) cuts the text at 90% (at a line start), makes the
@@ -204,7 +207,7 @@ def torch_half(args) -> None:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            step_losses.append(float(loss))
+            step_losses.append(float(loss.detach()))
             step_seconds.append(time.perf_counter() - t0)
         if idata_split < len(tokens):
             with torch.no_grad():
@@ -367,13 +370,13 @@ def _prepare_data(args, init_path: str, work: Path) -> tuple[dict, Path, Path]:
     return cfg, data_path, heldout_path
 
 
-def _run_half(which: str, args, init_path: str, data_path: Path, prefix: Path) -> dict:
+def _run_half(which: str, args, init_path: str, data_path: Path, prefix: Path, compile_torch: bool = False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                OPENBLAS_NUM_THREADS=str(args.threads))
     py = sys.executable if which == "llamapy" else args.torch_python
     cmd = [py, str(Path(__file__).resolve()), "--half", which, "--init-path", init_path, "--data", str(data_path),
            "--out-prefix", str(prefix), "-t", str(args.threads)] + (["--torch-fused"] if args.torch_fused else []) \
-        + (["--torch-compile"] if args.torch_compile else [])
+        + (["--torch-compile"] if args.torch_compile or compile_torch else [])
     if which != "llamapy":
         env.pop("PYTHONPATH", None)  # the torch venv must not pick up llamapy or its numpy
     t0 = time.perf_counter()
@@ -452,6 +455,14 @@ def bench(args, work: Path) -> None:
     ppl = {w: _perplexity(str(work / f"{w}-0.gguf"), str(heldout_path), cfg["n_ctx"], args.threads)
            for w in ("llamapy", "torch")}
     ppl_init = _perplexity(init_path, str(heldout_path), cfg["n_ctx"], args.threads)
+    floor = None
+    if args.noise_floor:  # torch against itself: the same training with other float rounding
+        ref = _run_half("torch", args, init_path, data_path, work / "torch-ref", compile_torch=not args.torch_compile)
+        _weights_to_gguf(init_path, str(work / "torch-ref.weights.npz"), str(work / "torch-ref.gguf"))
+        ref_ppl = _perplexity(str(work / "torch-ref.gguf"), str(heldout_path), cfg["n_ctx"], args.threads)
+        r = np.abs(np.asarray(ref["step_losses"]) - np.asarray(runs["torch"][0]["step_losses"]))
+        floor = dict(ppl=ref_ppl, ratio=ref_ppl[0] / ppl["torch"][0], max_step_loss_diff=float(r.max()),
+                     mean_step_loss_diff_last_third=float(r[-len(r) // 3:].mean()))
     wdiff, wname = _weight_diff(str(work / "llamapy-0.gguf"), str(work / "torch-0.gguf"), init_path)
     a, b = runs["llamapy"][0]["step_losses"], runs["torch"][0]["step_losses"]
     d = np.abs(np.asarray(a) - np.asarray(b))
@@ -463,10 +474,15 @@ def bench(args, work: Path) -> None:
     print(f"step losses, llamapy vs torch: first {a[0]:.4f} / {b[0]:.4f}, last {a[-1]:.4f} / {b[-1]:.4f}, "
           f"max |diff| {d.max():.4f} over {len(d)} steps (first 10: {d[:10].max():.2g}); trained weights: |llamapy - torch| "
           f"/ |torch - init| at most {wdiff:.3g} ({wname})")
+    print(f"  mean |step loss diff| over the last third: {d[-len(d) // 3:].mean():.4f}")
     print(f"held-out perplexity (llamapy-perplexity -c {cfg['n_ctx']}, {heldout_path.name}): "
           f"initial {ppl_init[0]:.4f}, llamapy {ppl['llamapy'][0]:.4f} +/- {ppl['llamapy'][1]:.4f}, "
           f"torch {ppl['torch'][0]:.4f} +/- {ppl['torch'][1]:.4f}; ratio {ppl_ratio:.4f} "
           f"({'within' if abs(ppl_ratio - 1) <= 0.03 else 'NOT within'} 3%)")
+    if floor:
+        print(f"noise floor: torch {'eager' if args.torch_compile else 'compiled'} (other rounding) against torch: "
+              f"held-out perplexity {floor['ppl'][0]:.4f} (ratio {floor['ratio']:.4f}), step losses max |diff| "
+              f"{floor['max_step_loss_diff']:.4f}, mean over the last third {floor['mean_step_loss_diff_last_third']:.4f}")
     print(f"training speed (best of {args.repeat}, -t {args.threads}): llamapy {best['llamapy']:.0f} tokens/s, "
           f"torch {runs['torch'][0]['torch']} ({torch_kind}) {best['torch']:.0f} tokens/s; ratio {speed_ratio:.2f}x "
           f"({'meets' if speed_ratio >= 1.5 else 'below'} 1.5x); fit wall time llamapy {wall['llamapy']:.1f} s, "
@@ -477,7 +493,7 @@ def bench(args, work: Path) -> None:
             date=str(datetime.date.today()), command=cmd, machine=platform.machine(), cpus=os.cpu_count(),
             load_average=_load_average(), config=cfg, init=init_path, ppl=ppl, ppl_init=ppl_init, ppl_ratio=ppl_ratio,
             tokens_per_second=best, speed_ratio=speed_ratio, fit_wall_seconds=wall, max_step_loss_diff=float(d.max()),
-            max_weight_rel_diff=wdiff, runs=runs), indent=1))
+            max_weight_rel_diff=wdiff, noise_floor=floor, runs=runs), indent=1))
     print("RESULTS.md row:")
     print(f"| {datetime.date.today()} | {platform.machine()}, {os.cpu_count()} cores, load avg {_load_average()} "
           f"| `{cmd}` | {cfg['windows_per_step'] * cfg['n_ctx']} tok/step, {len(a)} steps "
@@ -515,6 +531,9 @@ def main() -> None:
     ap.add_argument("--torch-fused", action="store_true", help="torch.optim.AdamW(fused=True)")
     ap.add_argument("--torch-compile", action="store_true",
                     help="torch.compile the model (not the default: the comparison is with eager PyTorch)")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="also train torch once more with other rounding (compiled if the runs are eager, and the "
+                         "reverse) and report how far its perplexity and losses are from torch's own")
     ap.add_argument("--check", action="store_true", help="only compare forward logits on one window")
     ap.add_argument("--json", type=Path, help="also write the summary and every run's numbers here")
     ap.add_argument("--work", type=Path, help="keep the files here (default: a temporary directory)")
