@@ -46,7 +46,7 @@ Seed = Annotated[int, typer.Option("--seed", "-s", help="seed for shuffling the 
 Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads")]
 Plot = Annotated[Optional[Path], typer.Option("--plot", help="write the loss curves to this PNG")]
 CheckpointOut = Annotated[Optional[Path], typer.Option("--checkpoint-out", help="write a checkpoint here every --save-every steps, at each epoch's end and on Ctrl-C")]
-SaveEvery = Annotated[int, typer.Option("--save-every", help="optimizer steps between checkpoints (0: only at epoch ends and on Ctrl-C)")]
+SaveEvery = Annotated[Optional[int], typer.Option("--save-every", help="optimizer steps between checkpoints (default: only at epoch ends and on Ctrl-C)")]
 CheckpointIn = Annotated[Optional[Path], typer.Option("--checkpoint-in", help="resume from this checkpoint")]
 ForceResume = Annotated[bool, typer.Option("--force-resume", help="resume even from a checkpoint of another model or text")]
 
@@ -75,7 +75,7 @@ class TrainingArgs:
     threads: int | None
     plot: Path | None
     checkpoint_out: Path | None
-    save_every: int
+    save_every: int | None
     checkpoint_in: Path | None
     force_resume: bool
 
@@ -86,9 +86,9 @@ class TrainingArgs:
             raise InputError(f"unknown --lr-schedule {self.lr_schedule!r}: use constant, exp or cosine")
         if not 0.0 <= self.val_split < 1.0:
             raise InputError(f"-val-split must be in [0, 1), got {self.val_split}")
-        if self.save_every < 0:
-            raise InputError(f"--save-every must be 0 or a positive number of steps, got {self.save_every}")
-        if self.save_every and self.checkpoint_out is None:
+        if self.save_every is not None and self.save_every <= 0:
+            raise InputError(f"--save-every must be a positive number of optimizer steps, got {self.save_every}")
+        if self.save_every is not None and self.checkpoint_out is None:
             raise InputError("--save-every needs --checkpoint-out FILE")
         if self.checkpoint_in is not None and not self.checkpoint_in.is_file():
             raise InputError(f"checkpoint not found: {self.checkpoint_in}")
@@ -116,7 +116,7 @@ SHARED_FLAGS: dict[str, tuple[Any, Any]] = {
     "cos_restart": (CosRestart, None), "grad_clip": (GradClip, None), "wd": (WeightDecay, 0.0),
     "optimizer": (OptimizerName, "adamw"), "val_split": (ValSplit, 0.05), "epochs": (Epochs, 2),
     "seed": (Seed, 0), "threads": (Threads, None), "plot": (Plot, None), "checkpoint_out": (CheckpointOut, None),
-    "save_every": (SaveEvery, 0), "checkpoint_in": (CheckpointIn, None), "force_resume": (ForceResume, False),
+    "save_every": (SaveEvery, None), "checkpoint_in": (CheckpointIn, None), "force_resume": (ForceResume, False),
 }
 
 

@@ -369,13 +369,13 @@ class Context:
 
     def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
                 silent: bool = False, stream=None, on_epoch=None, seed: int | None = None,
-                checkpoint=None, save_every: int = 0, resume=None, force_resume: bool = False) -> list[EpochResult]:
+                checkpoint=None, save_every: int | None = None, resume=None, force_resume: bool = False) -> list[EpochResult]:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
         Returns one `ggmlpy.opt.EpochResult` per epoch (from the resumed one on). `on_epoch(epoch_result)`
         runs after each. With `seed`, the training windows are shuffled at the start of every epoch.
-        `checkpoint`: a file written every `save_every` optimizer steps (0: never), at each
+        `checkpoint`: a file written every `save_every` optimizer steps (None: never), at each
         epoch's end and on Ctrl-C (which stops after the current step). `resume`: a checkpoint
         to continue from (refused when it is of another model or text unless `force_resume`).
         """

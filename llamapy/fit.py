@@ -25,7 +25,7 @@ from .errors import InputError, TrainingInterrupted
 
 
 def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, stream, on_epoch, seed: int | None,
-        checkpoint, save_every: int, resume, force_resume: bool) -> list[EpochResult]:
+        checkpoint, save_every: int | None, resume, force_resume: bool) -> list[EpochResult]:
     """See Context.opt_fit."""
     from .context import validation_windows
     trainer = lctx.trainer
@@ -33,8 +33,9 @@ def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, st
     epochs = epochs or trainer.params.schedule.epochs
     if not 0.0 <= val_split < 1.0:
         raise InputError(f"val_split must be in [0, 1), got {val_split}")
-    if save_every < 0 or (save_every and checkpoint is None):
-        raise InputError(f"save_every must be 0 or a positive number of steps with a checkpoint file, got {save_every}")
+    if save_every is not None and (save_every <= 0 or checkpoint is None):
+        raise InputError(f"save_every must be a positive number of optimizer steps, with a checkpoint file "
+                         f"(got {save_every}, checkpoint {checkpoint})")
     idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
     if idata_split < trainer.windows_per_step:
         raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "

@@ -186,8 +186,9 @@ def test_bad_checkpoints_are_refused(stories_path, text, tmp_path):
         with pytest.raises(InputError, match=message):
             fresh_context(stories_path, "adamw").opt_load_checkpoint(bad)
 
-    # save_every without a checkpoint file or negative
-    for kw in (dict(save_every=2), dict(save_every=-1, checkpoint=tmp_path / "x.gguf")):
+    # save_every without a checkpoint file, zero or negative
+    for kw in (dict(save_every=2), dict(save_every=-1, checkpoint=tmp_path / "x.gguf"),
+               dict(save_every=0, checkpoint=tmp_path / "x.gguf")):
         with pytest.raises(InputError, match="save_every"):
             fit(fresh_context(stories_path, "adamw"), text, **kw)
 
@@ -265,6 +266,9 @@ def test_cli_ctrl_c_writes_a_checkpoint_and_says_so(stories_path, wiki_path, tmp
     last = err.strip().splitlines()[-1]
     assert "interrupted after" in last and str(ckpt) in last and "Traceback" not in err
     assert load_checkpoint(ckpt).position.shuffled  # written at a step, not only at an epoch end
-    bad = subprocess.run(finetune_cmd(stories_path, text, out, "--checkpoint-out", str(ckpt), "--save-every", "-2"),
-                         capture_output=True, text=True, env=env, cwd=REPO_ROOT)
-    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "--save-every" in bad.stderr
+    before = ckpt.read_bytes()
+    for every in ("-2", "0"):
+        bad = subprocess.run(finetune_cmd(stories_path, text, out, "--checkpoint-out", str(ckpt), "--save-every", every),
+                             capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+        assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "--save-every" in bad.stderr
+    assert ckpt.read_bytes() == before and not out.exists()

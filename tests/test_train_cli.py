@@ -65,4 +65,4 @@ def test_help_lists_the_training_flags_with_defaults(module):
                  "--checkpoint-in", "--force-resume", "-lr-min", "-lr-half", "--seed"):
         assert flag in text, flag
     assert re.search(r"--lr-schedule.*?\[default: exp\]", text, re.S)
-    assert re.search(r"--save-every.*?\[default: 0\]", text, re.S)
+    assert re.search(r"--save-every.*?default: only at epoch ends", text, re.S)
