@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ class Checkpoint:
     params: dict[str, Any]                 # training parameters (structure and hyper-parameters)
     model_fingerprint: str
     data_fingerprint: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
@@ -76,7 +75,6 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
         "params": ckpt.params,
         "model_fingerprint": ckpt.model_fingerprint,
         "data_fingerprint": ckpt.data_fingerprint,
-        "extra": ckpt.extra,
     }
     for key, value in meta.items():
         writer.add_string(PREFIX + key, json.dumps(value, sort_keys=True))
@@ -124,8 +122,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         optimizer=optimizer, position=FitPosition(int(epoch), int(ibatch), bool(shuffled)),
         rng_state=meta["rng_state"], permutation=arrays["data.permutation"].astype(np.int64).reshape(-1),
         epoch_result=Result.from_dict(meta["epoch_result"]), params=meta["params"],
-        model_fingerprint=meta["model_fingerprint"], data_fingerprint=meta["data_fingerprint"],
-        extra=meta.get("extra", {}))
+        model_fingerprint=meta["model_fingerprint"], data_fingerprint=meta["data_fingerprint"])
 
 
 # ---- fingerprints ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 
 from ggmlpy.opt import EpochResult, FitPosition, Result, fit_epochs, progress_bar
 
-from .checkpoint import Checkpoint, compare_params, data_fingerprint, load_checkpoint, model_fingerprint, save_checkpoint
+from .checkpoint import Checkpoint, compare_params, load_checkpoint, model_fingerprint, save_checkpoint
 from .errors import InputError, TrainingInterrupted
 
 
@@ -29,7 +29,6 @@ def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, st
     """See Context.opt_fit."""
     from .context import validation_windows
     trainer = lctx.trainer
-    trainer.check_dataset(dataset)
     epochs = epochs or trainer.params.schedule.epochs
     if not 0.0 <= val_split < 1.0:
         raise InputError(f"val_split must be in [0, 1), got {val_split}")
@@ -43,7 +42,6 @@ def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, st
     trainer.set_split(dataset, idata_split)
     run = trainer.run
     run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
-    run.position, run.epoch_result = FitPosition(), Result()
     stream = stream or sys.stderr
     say = (lambda line: None) if silent else (lambda line: _write_line(stream, line))
     if resume is not None:
@@ -68,14 +66,13 @@ def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, st
         trainer.epoch = epoch
 
     stop = _StopRequest()
-    n_train_batches = trainer.steps_per_epoch * max(1, trainer.opt.opt_period // trainer.evals_per_batch)
 
     def on_position(position: FitPosition, train: Result) -> None:
         run.position, run.epoch_result = position, train
         if checkpoint is None:
             return
         epoch_end = not position.shuffled and position.ibatch == 0
-        due = save_every and trainer.n_steps % save_every == 0 and position.ibatch != n_train_batches
+        due = save_every and trainer.n_steps % save_every == 0 and position.ibatch != run.n_train_batches
         if epoch_end or due or stop.requested:
             t0 = time.perf_counter()
             save_checkpoint_of(trainer, checkpoint)
@@ -103,7 +100,7 @@ def save_checkpoint_of(trainer, path) -> Path:
         epoch_result=run.epoch_result,
         params=trainer.describe_params(run.shuffle_seed),
         model_fingerprint=model_fingerprint(trainer.model, set(trainer.trained)),
-        data_fingerprint=data_fingerprint(dataset, run.idata_split) if dataset is not None else ""), path)
+        data_fingerprint=run.data_fingerprint()), path)
 
 
 def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
@@ -133,7 +130,7 @@ def _apply_resume(trainer, pending, force: bool) -> tuple[FitPosition, Result]:
     """Put the data order, RNG and position of a loaded checkpoint into the run."""
     path, ckpt = pending
     run = trainer.run
-    if ckpt.data_fingerprint != data_fingerprint(run.dataset, run.idata_split) and not force:
+    if ckpt.data_fingerprint != run.data_fingerprint() and not force:
         raise InputError(f"{path} is a checkpoint of a run on another text (or another -c / -val-split) "
                          "(--force-resume to use it anyway)")
     if (ckpt.rng_state is None) != (run.rng is None):
@@ -147,8 +144,7 @@ def _apply_resume(trainer, pending, force: bool) -> tuple[FitPosition, Result]:
     elif not force:
         raise InputError(f"{path}: the checkpoint's window order does not fit this text")
     position = ckpt.position
-    n_train = trainer.steps_per_epoch * max(1, trainer.opt.opt_period // trainer.evals_per_batch)
-    if position.ibatch > n_train:
+    if position.ibatch > run.n_train_batches:
         raise InputError(f"{path}: the checkpoint's position (window {position.ibatch}) is past this run's epoch")
     return position, ckpt.epoch_result
 

@@ -32,6 +32,7 @@ from ggmlpy import GGMLType, Tensor
 from ggmlpy.opt import Dataset, FitPosition, OptContext, OptParams, Result, TrainingDivergedError, train_batches
 
 from .batch import UBatch
+from .checkpoint import data_fingerprint
 from .errors import InputError
 from .graph_builder import GraphBuilder
 from .train_params import TrainParams
@@ -136,7 +137,7 @@ class Trainer:
         self.check_dataset(dataset)
         n_train, per_step, _, _ = train_batches(self.opt, dataset, idata_split)
         self.steps_per_epoch = max(1, n_train // per_step)
-        self.run.dataset, self.run.idata_split = dataset, idata_split
+        self.run = RunState(dataset, idata_split, n_train, pending=self.run.pending)  # a new run; a loaded checkpoint waits
 
     def describe_params(self, shuffle_seed: int | None) -> dict:
         """The run's training parameters as a checkpoint records them (see checkpoint.STRUCTURE)."""
@@ -243,11 +244,19 @@ class RunState:
 
     dataset: Dataset | None = None
     idata_split: int = -1
+    n_train_batches: int = 0      # training batches of an epoch (whole optimizer steps)
     rng: np.random.Generator | None = None
     shuffle_seed: int | None = None
     position: FitPosition = field(default_factory=FitPosition)
     epoch_result: Result = field(default_factory=Result)
     pending: tuple | None = None  # (path, Checkpoint) loaded by opt_load_checkpoint, applied by the next fit
+    _data_fingerprint: str | None = None
+
+    def data_fingerprint(self) -> str:
+        """The checkpoints' fingerprint of the windows and split (hashed once per split)."""
+        if self._data_fingerprint is None:
+            self._data_fingerprint = data_fingerprint(self.dataset, self.idata_split) if self.dataset is not None else ""
+        return self._data_fingerprint
 
 
 class TrainTiming:
