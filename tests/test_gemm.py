@@ -106,7 +106,7 @@ def test_results_do_not_depend_on_threads():
     """Products are sliced by rows, never by thread count: -t changes no bit."""
     rng = np.random.default_rng(6)
     cases = [(_f(rng, 128, 172), _f(rng, 172, 64)), (_f(rng, 8, 128, 8), _f(rng, 8, 8, 128)),
-             (_f(rng, 512, 64), _f(rng, 64, 128))]
+             (_f(rng, 512, 64), _f(rng, 64, 128)), (_f(rng, 96, 64), _f(rng, 100, 64).T)]  # the last in tiles
     assert cases[0][0].shape[0] > SLICE_ROWS  # the first one is sliced
     before = numba.get_num_threads()
     try:

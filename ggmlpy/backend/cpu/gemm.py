@@ -6,11 +6,15 @@ numba kernels, and two thread pools on two cores either sleep between ops (wakin
 ~80 us an op) or spin against each other. Here BLAS runs on one thread inside each of
 numba's workers, so a single pool serves every op.
 
-A product is cut into slices of SLICE_ROWS rows of its left operand (tokens, for a layer's
-products), one BLAS call each. BLAS rounds a row's dot products according to the shape
-of the call it is in, so fixed slices make a token's result independent of how many tokens
-share its ubatch (n_ubatch changes no bit when it is a multiple of SLICE_ROWS) and of the
-thread count.
+A product is cut into tiles of SLICE_ROWS rows of its left operand (tokens, for a layer's
+products) by a fixed number of columns, one BLAS call each. BLAS rounds a row's dot
+products according to the shape of the call it is in, so fixed tiles make a token's result
+independent of how many tokens share its ubatch (n_ubatch changes no bit when it is a
+multiple of SLICE_ROWS) and of the thread count. Tiles are whole rows, except when the
+right operand is transposed (x @ W.T, a layer's forward product on ggml's row-major
+weights): OpenBLAS packs that layout slowly for a whole row, and SLICE_COLS-wide tiles,
+which its small-matrix kernels take, are 1.3-3x faster on the shapes training meets
+(bench/RESULTS.md, "gemm tiles").
 
 The BLAS is found, not assumed: any library threadpoolctl sees in the process (numpy's
 OpenBLAS from PyPI, MKL, BLIS, FlexiBLAS) that exports a 64-bit-integer cblas_sgemm. With
@@ -33,6 +37,7 @@ from threadpoolctl import ThreadpoolController
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 SLICE_ROWS = 32
+SLICE_COLS = 32  # tile width when the right operand is transposed
 GRAIN = 1 << 17  # multiply-adds worth a thread: ~5 us of work, more than waking it costs
 # cblas_sgemm with 64-bit integers, as OpenBLAS (numpy's wheels: "scipy_" prefix), MKL and BLIS name it.
 ILP64_SGEMM_NAMES = ("scipy_cblas_sgemm64_", "cblas_sgemm64_", "cblas_sgemm_64")
@@ -64,17 +69,22 @@ _sgemm = types.ExternalFunction("ggmlpy_cblas_sgemm", types.void(
 
 
 @njit(parallel=True, cache=True)
-def _sgemm_tasks(trans_a, trans_b, m, n, k, a_ptrs, lda, b_ptrs, ldb, c_ptrs, ldc, beta, slice_rows):
+def _sgemm_tasks(trans_a, trans_b, m, n, k, a_ptrs, lda, b_ptrs, ldb, c_ptrs, ldc, beta, slice_rows, slice_cols):
     """C_i = op(A_i) op(B_i) + beta C_i for each matrix i (row-major C, m x n), one task per
-    block of slice_rows rows."""
-    slices = (m + slice_rows - 1) // slice_rows
-    for t in prange(a_ptrs.shape[0] * slices):
-        i, s = t // slices, t % slices
-        lo = s * slice_rows
+    tile of slice_rows x slice_cols."""
+    row_tiles = (m + slice_rows - 1) // slice_rows
+    col_tiles = (n + slice_cols - 1) // slice_cols
+    tiles = row_tiles * col_tiles
+    for t in prange(a_ptrs.shape[0] * tiles):
+        i, s = t // tiles, t % tiles
+        lo = (s // col_tiles) * slice_rows
         hi = min(m, lo + slice_rows)
+        c0 = (s % col_tiles) * slice_cols
+        c1 = min(n, c0 + slice_cols)
         a = a_ptrs[i] + 4 * lo * (1 if trans_a == _TRANS else lda)
-        c = c_ptrs[i] + 4 * lo * ldc
-        _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, n, k, np.float32(1.0), a, lda, b_ptrs[i], ldb, beta, c, ldc)
+        b = b_ptrs[i] + 4 * c0 * (ldb if trans_b == _TRANS else 1)
+        c = c_ptrs[i] + 4 * (lo * ldc + c0)
+        _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, c1 - c0, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
 
 
 def _operand(x: np.ndarray) -> tuple[int, int] | None:
@@ -134,8 +144,10 @@ class Matmul:
         (m, k), n = lhs.shape[-2:], rhs.shape[-1]
         (ta, lda), (tb, ldb), (_, ldc) = _operand(lhs), _operand(rhs), _operand(out)
         ptrs = [_batch_addresses(x, batch) for x in (lhs, rhs, out)]
+        narrow = slice_rows and tb == _TRANS and k >= SLICE_COLS  # below that, whole rows measure faster
+        slice_cols = SLICE_COLS if narrow else max(n, 1)
         self.args = (np.int32(ta), np.int32(tb), m, n, k, ptrs[0], lda, ptrs[1], ldb, ptrs[2], ldc,
-                     np.float32(1.0 if accumulate else 0.0), slice_rows or max(m, 1))
+                     np.float32(1.0 if accumulate else 0.0), slice_rows or max(m, 1), slice_cols)
 
     def _plan_numpy(self, lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, slice_rows: int | None) -> None:
         """The same (matrix, slice) tasks as views, for numpy.matmul."""
