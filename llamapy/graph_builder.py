@@ -180,7 +180,8 @@ class GraphBuilder:
 
     # ---- common blocks ------------------------------------------------------------------
     def mm(self, name: str, cur: Tensor) -> Tensor:
-        """W x for the model tensor `name`, plus each attached LoRA's scaled B (A x)."""
+        """W x for the model tensor `name`, plus each attached LoRA's scaled B (A x), plus
+        W's bias when the model has one (in llama.cpp's order: LoRA inside, bias after)."""
         c = self.ctx
         res = gg.mul_mat(c, self.model.weight(name), cur)
         for adapter, scale in self.adapters:
@@ -188,7 +189,8 @@ class GraphBuilder:
                 a, b = adapter.tensors[name]
                 delta = gg.mul_mat(c, b, gg.mul_mat(c, a, cur))
                 res = gg.add(c, res, gg.scale(c, delta, scale * adapter.scale_for(name)))
-        return res
+        bias = self.model.tensors.get(name.removesuffix(".weight") + ".bias")
+        return res if bias is None else gg.add(c, res, bias)
 
     def norm_rms(self, x: Tensor, weight: Tensor | None) -> Tensor:
         cur = gg.rms_norm(self.ctx, x, self.hp.norm_rms_eps)
@@ -196,7 +198,7 @@ class GraphBuilder:
 
     def rope(self, x: Tensor, freq_base: float | None = None) -> Tensor:
         hp = self.hp
-        return gg.rope_ext(self.ctx, x, self.inp_pos, None, hp.n_rot, hp.rope_type, hp.n_ctx_train,
+        return gg.rope_ext(self.ctx, x, self.inp_pos, self.model.rope_factors, hp.n_rot, hp.rope_type, hp.n_ctx_train,
                            hp.rope_freq_base if freq_base is None else freq_base, hp.rope_freq_scale)
 
     def select_outputs(self, x: Tensor) -> Tensor:

@@ -51,6 +51,11 @@ class Model:
         return self._tensors.get("output.weight") or self._tensors["token_embd.weight"]
 
     @property
+    def rope_factors(self) -> Tensor | None:
+        """RoPE frequency factors (Llama 3.1+'s rope_freqs.weight), or None."""
+        return self._tensors.get("rope_freqs.weight")
+
+    @property
     def n_params(self) -> int:
         return sum(t.nelements() for t in self.tensors.values())
 
@@ -78,6 +83,13 @@ def model_from(source: GGUFMetadata) -> Model:
     arch = ARCHITECTURES[arch_name]()
     vocab = Vocab.from_gguf(source)
     hp = arch.read_hparams(source, vocab.n_tokens)
-    for name in arch.required_tensors(hp):
+    required = arch.required_tensors(hp)
+    for name in required:
         source.tensor(name)
+    known = set(required) | set(arch.optional_tensors(hp))
+    unknown = [name for name in source.tensors if name not in known]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise UnsupportedModelError(f"{source.path}: tensor {unknown[0]!r}{more} is not part of a {arch_name} model "
+                                    "as llamapy builds it; ignoring it would compute a different model")
     return Model(source, arch, hp, vocab)

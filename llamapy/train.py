@@ -31,6 +31,7 @@ import ggmlpy as gg
 from ggmlpy import GGMLType, Tensor
 from ggmlpy.opt import Dataset, FitPosition, OptContext, OptParams, Result, TrainingDivergedError, train_batches
 
+from .arch.base import FIXED_TENSORS
 from .batch import UBatch
 from .checkpoint import data_fingerprint
 from .errors import InputError
@@ -112,7 +113,7 @@ class Trainer:
             candidates.update(adapter.named_tensors())
         chosen = {}
         for name, t in candidates.items():
-            if not param_filter(name, t):
+            if name in FIXED_TENSORS or not param_filter(name, t):
                 continue
             if t.type != GGMLType.F32:
                 raise InputError(f"training: tensor {name} is {t.type.name}; only F32 tensors train directly")

@@ -2,6 +2,6 @@
 from __future__ import annotations
 
 from .base import ARCHITECTURES, Architecture, register
-from . import gemma3, llama  # noqa: F401  (each registers itself)
+from . import gemma3, llama, qwen2, qwen3  # noqa: F401  (each registers itself)
 
 __all__ = ["ARCHITECTURES", "Architecture", "register"]
