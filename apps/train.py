@@ -31,7 +31,7 @@ DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model star
 def run(
     vocab_model: Annotated[Path, typer.Option("--vocab-model", help="GGUF model whose tokenizer the new model takes")],
     file: T.File = None,
-    arch: Annotated[str, typer.Option("--arch", help="llama or gemma3")] = "llama",
+    arch: Annotated[str, typer.Option("--arch", help="llama, qwen2, qwen3 or gemma3")] = "llama",
     embd: Annotated[int, typer.Option("--embd", help="embedding width")] = 256,
     head: Annotated[int, typer.Option("--head", help="attention heads")] = 8,
     head_kv: Annotated[Optional[int], typer.Option("--head-kv", help="key/value heads (default --head)")] = None,

@@ -9,10 +9,11 @@ decodes, trains and saves like any loaded model; nothing touches the disk until 
 Initialisation (reproducible for a seed): one `numpy.random.default_rng(seed)` draws, in
 the order the tensors are stored — `token_embd.weight`, then for each layer `blk.{il}.*`
 in the architecture's layer order (`Architecture.layer_tensors`), then `output_norm.weight`
-and `output.weight` (llama; gemma3 ties the output to the embeddings) — one float32
-standard-normal matrix per weight matrix, scaled by 0.02; the residual output projections
-(`attn_output`, `ffn_down`) by 0.02 / sqrt(2 n_layer) (GPT-2's scaled init, so the
-residual stream's variance does not grow with depth). Norm weights are 1 and draw nothing.
+and `output.weight` (llama, qwen2, qwen3; gemma3 ties the output to the embeddings) — one
+float32 standard-normal matrix per weight matrix, scaled by 0.02; the residual output
+projections (`attn_output`, `ffn_down`) by 0.02 / sqrt(2 n_layer) (GPT-2's scaled init, so
+the residual stream's variance does not grow with depth). Norm weights are 1 and biases
+(qwen2's Q, K and V) 0; neither draws.
 """
 from __future__ import annotations
 
@@ -34,14 +35,14 @@ RESIDUAL_PROJECTIONS = ("attn_output", "ffn_down")  # written into the residual 
 GEMMA3_SLIDING_WINDOW = 512  # Gemma 3's own window
 LLAMA_FTYPE_ALL_F32 = 0  # general.file_type of a model whose tensors are all F32
 
-_SUPPORTED = ("gemma3", "llama")
+_SUPPORTED = ("gemma3", "llama", "qwen2", "qwen3")
 
 
 def new_model(arch: str = "llama", vocab_from: str | os.PathLike | None = None, *, n_embd: int, n_head: int,
               n_layer: int, n_ff: int, n_ctx_train: int, n_head_kv: int | None = None,
               rope_freq_base: float = 10000.0, rms_eps: float = 1e-5, seed: int = 0,
               head_dim: int | None = None, sliding_window: int | None = None, name: str | None = None) -> Model:
-    """A new model of architecture `arch` ("llama" or "gemma3") with random F32 weights (see the
+    """A new model of architecture `arch` (see `_SUPPORTED`) with random F32 weights (see the
     module docstring for the initialisation) and the tokenizer of the GGUF file `vocab_from`,
     whose vocabulary size it takes. `n_head_kv` defaults to `n_head` (no grouped-query
     attention); `head_dim` to n_embd / n_head. For gemma3, `sliding_window` (default 512) is
@@ -137,7 +138,7 @@ def _model_metadata(arch: str, name: str, *, n_ctx_train: int, n_embd: int, n_la
         f"{arch}.rope.dimension_count": _u32(head_dim),
         f"{arch}.attention.layer_norm_rms_epsilon": _f32(rms_eps),
     }
-    if arch == "gemma3" or head_dim * n_head != n_embd:
+    if arch in ("gemma3", "qwen3") or head_dim * n_head != n_embd:
         meta[f"{arch}.attention.key_length"] = _u32(head_dim)
         meta[f"{arch}.attention.value_length"] = _u32(head_dim)
     if sliding_window is not None:
@@ -149,30 +150,35 @@ def tensor_shapes(arch: str, *, n_vocab: int, n_embd: int, n_layer: int, n_ff: i
                   head_dim: int) -> dict[str, tuple[int, ...]]:
     """Every weight of a new `arch` model by GGUF name, in storage order, with its shape in
     ggml's order (ne0 = inputs of a matrix, ne1 = outputs)."""
-    layer = {
+    layer = {  # matrices (ne0 = inputs) and per-head norms; the remaining layer weights are norms over n_embd
         "attn_q": (n_embd, n_head * head_dim), "attn_k": (n_embd, n_head_kv * head_dim),
         "attn_v": (n_embd, n_head_kv * head_dim), "attn_output": (n_head * head_dim, n_embd),
         "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,),
         "ffn_gate": (n_embd, n_ff), "ffn_up": (n_embd, n_ff), "ffn_down": (n_ff, n_embd),
     }
+    spec = ARCHITECTURES[arch]
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_embd, n_vocab)}
     for il in range(n_layer):
-        for t in ARCHITECTURES[arch].layer_tensors:
-            shapes[f"blk.{il}.{t}.weight"] = layer.get(t, (n_embd,))  # the others are norms over n_embd
+        for t in spec.layer_tensors:
+            shapes[f"blk.{il}.{t}.weight"] = layer.get(t, (n_embd,))
+            if t in spec.layer_biases:
+                shapes[f"blk.{il}.{t}.bias"] = layer[t][1:]  # one per output
     shapes["output_norm.weight"] = (n_embd,)
-    if arch == "llama":
+    if arch != "gemma3":
         shapes["output.weight"] = (n_embd, n_vocab)  # untied
     return shapes
 
 
 def init_tensors(shapes: dict[str, tuple[int, ...]], n_layer: int, seed: int) -> dict[str, Tensor]:
-    """F32 tensors for `shapes`: norms (1-d) are ones; matrices draw, in `shapes` order, from
-    default_rng(seed): normal(0, 0.02), the residual projections normal(0, 0.02 / sqrt(2 n_layer))."""
+    """F32 tensors for `shapes`: norms are ones, biases zeros; matrices draw, in `shapes` order,
+    from default_rng(seed): normal(0, 0.02), the residual projections normal(0, 0.02 / sqrt(2 n_layer))."""
     rng = np.random.default_rng(seed)
     residual_std = INIT_STD / math.sqrt(2 * n_layer)
     tensors = {}
     for name, ne in shapes.items():
-        if len(ne) == 1:
+        if name.endswith(".bias"):
+            values = np.zeros(ne, dtype=np.float32)
+        elif len(ne) == 1:
             values = np.ones(ne, dtype=np.float32)
         else:
             std = residual_std if name.split(".")[-2] in RESIDUAL_PROJECTIONS else INIT_STD
