@@ -193,6 +193,12 @@ CASES = {
     "cross_entropy_loss": (lambda ctx, a: gg.cross_entropy_loss(ctx, a, ctx.from_numpy(_labels())), [rn(7, 3, scale=2.0)], None),
     "shared_input_several_uses": (lambda ctx, a: gg.add(ctx, gg.mul(ctx, a, a), gg.mul_mat(ctx, a, a)), [rn(4, 4)], None),
     "attention_block": (_attention, [rn(4, 2, 5), rn(4, 2, 5, seed=2), rn(4, 2, 5, seed=3)], None),
+    # the pieces qwen2, qwen3 and Llama 3 add to llama's layer
+    "rope_norm_freq_factors": (_rope(gg.ROPE_TYPE_NORM, ff=np.array([1.0, 1.5, 3.0, 8.0], np.float32)), [rn(8, 3, 4)], None),
+    "biased_projection": (lambda ctx, w, x, b: gg.add(ctx, gg.mul_mat(ctx, w, x), b),  # qwen2's Q/K/V: W x + b
+                          [rn(6, 4), rn(6, 3, seed=2), rn(4, seed=3)], None),
+    "per_head_qk_norm": (lambda ctx, q, w: gg.mul(ctx, gg.rms_norm(ctx, q, 1e-6), w),  # qwen3: each head's RMS norm
+                         [rn(8, 3, 4), rn(8, offset=1.0, scale=0.1, seed=2)], None),
 }
 
 
