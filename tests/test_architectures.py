@@ -5,6 +5,7 @@ llama.cpp's perplexities and greedy texts on them are in ../shared/golden.
 """
 from __future__ import annotations
 
+import filecmp
 import os
 import subprocess
 import sys
@@ -68,6 +69,12 @@ def test_greedy_text_matches_llama_cpp(name):
     assert r.returncode == 0, r.stderr
     expected = shared_path("golden", f"greedy_stories260K-{name}.txt").read_text(encoding="utf-8")
     assert r.stdout.strip() == expected.strip()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_saving_an_unchanged_model_writes_the_same_file(name, tmp_path):
+    out = llamapy.save_model_to_file(llamapy.load_model(model_path(name)), tmp_path / "same.gguf")
+    assert filecmp.cmp(model_path(name), out, shallow=False)
 
 
 def test_frequency_factors_are_used():

@@ -159,7 +159,7 @@ def test_gqa_and_gemma3(stories_path, tmp_path):
     (dict(rope_freq_base=0.0), r"^rope_freq_base must be a positive number, got 0.0$"),
     (dict(rms_eps=float("nan")), r"^rms_eps must be a positive number, got nan$"),
     (dict(seed=-1), r"^seed must be a non-negative integer, got -1$"),
-    (dict(arch="gpt2"), r"^cannot create a model of architecture 'gpt2' \(supported: gemma3, llama\)$"),
+    (dict(arch="gpt2"), r"^cannot create a model of architecture 'gpt2' \(supported: gemma3, llama, qwen2, qwen3\)$"),
     (dict(sliding_window=64), r"^sliding_window applies to gemma3 models, not llama$"),
 ])
 def test_bad_shapes_are_refused_in_one_line(stories_path, changes, message):
@@ -187,9 +187,10 @@ def cross_entropy(m: llamapy.Model, tokens: np.ndarray, labels: np.ndarray) -> f
     return float((lse - out[np.arange(len(labels)), labels]).mean())
 
 
-def test_short_training_lowers_the_loss(stories_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_short_training_lowers_the_loss(stories_path, arch, tmp_path):
     text = shared_path("data", "tinyshakespeare.txt").read_text()[:6000]
-    m = llamapy.new_model("llama", stories_path, **SHAPE, seed=3)
+    m = llamapy.new_model(arch, stories_path, **SHAPE, seed=3)
     before = {name: t.numpy() for name, t in m.tensors.items()}
     ds = text_windows(m.vocab, text, 64)
     held_out = ds.data[-1], ds.labels[-1]
@@ -201,5 +202,9 @@ def test_short_training_lowers_the_loss(stories_path):
     train = [h.train.loss()[0] for h in history]
     assert train[-1] < train[0] < loss0, train
     assert cross_entropy(m, *held_out) < loss0 - 1.0
-    # every tensor, norms included, trained in place of the initial weights
+    # every tensor, norms and biases included, trained in place of the initial weights
     assert all(not np.array_equal(t.numpy(), before[name]) for name, t in m.tensors.items())
+    loaded = llamapy.load_model(llamapy.save_model_to_file(m, tmp_path / f"{arch}.gguf"))
+    assert loaded.hparams == m.hparams
+    tokens = [int(t) for t in held_out[0]]
+    assert np.array_equal(logits(loaded, tokens), logits(m, tokens))
