@@ -9,7 +9,23 @@ from pathlib import Path
 from llamapy.errors import InputError, LlamapyError
 
 
+_COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
+
+
+def job():
+    """This run's communicator (llamapy.distributed.world, found once)."""
+    global _COMM
+    if _COMM is None:
+        from llamapy.distributed import world
+        _COMM = world()
+    return _COMM
+
+
 def fail(message: str, code: int = 1) -> None:
+    """One line and a non-zero exit; under MPI it names the rank and ends every rank."""
+    if _COMM is not None and _COMM.size > 1:
+        from llamapy.distributed import abort_job
+        abort_job(_COMM, message, code)
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
@@ -18,6 +34,7 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
     """Run a CLI so that user errors print one clear line and exit non-zero, never a traceback."""
     def run() -> None:
         try:
+            job()  # under an MPI launcher: find the other ranks before anything is printed
             main()
         except LlamapyError as e:
             fail(str(e))
@@ -44,7 +61,9 @@ def default_threads() -> int:
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A progress line (rank 0's only, under MPI)."""
+    if _COMM is None or _COMM.rank == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 PAIR_SEP = "\x1f"

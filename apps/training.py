@@ -17,12 +17,13 @@ import typer
 
 from llamapy.context import Context, validation_windows
 from llamapy.dataset import text_windows
+from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import SGD, AdamW, LRSchedule, TrainParams
 
-from .common import default_threads, fail, log
+from .common import default_threads, fail, job, log
 
 # ---- the shared flags -------------------------------------------------------------------------
 File = Annotated[Optional[Path], typer.Option("-f", "--file", "--train-data", help="text to train on")]
@@ -161,6 +162,8 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
     """Train `model` on `text` and save the result (the adapter to `lora_out` when params
     train one, else the model to `output`); returns the context (for a sample)."""
     args.check()
+    comm = job()
+    main_rank = comm.rank == 0
     for path in ([lora_out] if params.lora else [output]) + [p for p in (args.plot, args.checkpoint_out) if p]:
         check_writable(path)
     dataset = text_windows(model.vocab, text, args.ctx_size, params.window_bos)
@@ -173,9 +176,17 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
         f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "
         f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epochs"
         f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}")
-    ctx = Context(model, n_ctx=args.ctx_size, n_batch=n_batch, n_ubatch=args.ubatch_size,
-                  n_threads=args.threads or default_threads())
-    ctx.opt_init(params)
+    n_threads = args.threads or default_threads()
+    if n_batch > args.ctx_size:  # several windows per step: the context holds the step, windows stay -c long
+        params = params.model_copy(update={"n_ctx_train": args.ctx_size})
+    ctx = Context(model, n_ctx=max(args.ctx_size, n_batch), n_batch=n_batch, n_ubatch=args.ubatch_size,
+                  n_threads=n_threads)
+    if comm.size > 1:
+        log(f"distributed: {comm.size} ranks, {n_batch} tokens per step each ({n_batch * comm.size} per step in all)")
+        warning = oversubscription_warning(comm, n_threads)
+        if warning:
+            log(f"warning: {warning}")
+    ctx.opt_init(params, comm)
     adapter = ctx.trainer.adapter
     if adapter:
         log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices "
@@ -186,8 +197,9 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
                               checkpoint=args.checkpoint_out, save_every=args.save_every,
                               resume=args.checkpoint_in, force_resume=args.force_resume)
     except TrainingDivergedError as e:
-        where = adapter.save(lora_out) if adapter else save_model_to_file(model, output)
-        log(f"saved the last good weights to {where}")
+        if main_rank:
+            where = adapter.save(lora_out) if adapter else save_model_to_file(model, output)
+            log(f"saved the last good weights to {where}")
         raise InputError(str(e)) from None
     except TrainingInterrupted as e:  # click would swallow a KeyboardInterrupt's message
         fail(str(e), 130)
@@ -195,8 +207,10 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
     n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
     timing = ctx.trainer.timing
     log(f"{tool}: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
-        f"{timing.tokens_per_second:.0f} tokens/s after the first window's {timing.startup_seconds:.2f} s "
-        "of start-up (graphs built, kernels loaded)")
+        f"{timing.tokens_per_second * comm.size:.0f} tokens/s after the first window's {timing.startup_seconds:.2f} s "
+        f"of start-up (graphs built, kernels loaded){f' ({comm.size} ranks)' if comm.size > 1 else ''}")
+    if not main_rank:
+        return ctx
     if adapter:
         adapter.save(lora_out)
         log(f"{tool}: saved the LoRA adapter to {lora_out}")

@@ -40,6 +40,7 @@ from .alloc import GraphAllocator
 from .backend.cpu import CpuBackend
 from .backward import build_backward_expand
 from .context import Context
+from .distributed import as_communicator
 from .graph import Graph, new_graph
 from .tensor import Flag, Tensor
 from .types import GGMLType, traits
@@ -184,6 +185,17 @@ class Result:
         self.preds.extend(int(i) for i in preds)
         if self.ncorrect >= 0:
             self.ncorrect += ncorrect
+
+    def extend(self, other: "Result") -> None:
+        """Append `other`'s batches (another rank's share of a step or of a validation pass)."""
+        if other.ndata == 0:
+            return
+        if self.ndata == 0:
+            self.loss_per_datapoint = other.loss_per_datapoint
+        self.ndata += other.ndata
+        self.losses.extend(other.losses)
+        self.preds.extend(other.preds)
+        self.ncorrect = -1 if min(self.ncorrect, other.ncorrect) < 0 else self.ncorrect + other.ncorrect
 
     def to_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of a pass in progress (per-datapoint predictions are not kept)."""
@@ -400,6 +412,7 @@ class OptParams:
     grad_clip: float | None = None        # clip the global gradient L2 norm to this before each step
     backend: CpuBackend | None = None
     feeder: BatchFeeder | None = None     # the static graph's own feeder when None
+    comm: Any = None                      # data parallelism: a Communicator or an mpi4py communicator
 
 
 class OptContext:
@@ -412,6 +425,10 @@ class OptContext:
             raise ValueError(f"grad_clip must be positive, got {params.grad_clip}")
         self.params = params
         self.opt_period = params.opt_period
+        self.comm = as_communicator(params.comm)
+        # per-datapoint losses are scaled so the gradients summed over a step's evaluations on
+        # every rank are the step's mean gradient
+        self.loss_scale = 1.0 / (self.opt_period * self.comm.size)
         self.rng = np.random.default_rng(params.seed)
         self.backend = params.backend or CpuBackend(params.n_threads)
         self.labels: Tensor | None = None
@@ -433,6 +450,7 @@ class OptContext:
         self._step_losses: list[float] = []
         self._last_good: list[np.ndarray] | None = None
         self.last_grad_norm = math.nan  # before clipping, of the last step (with grad_clip)
+        self.reduce_seconds = 0.0  # time spent summing gradients over the ranks
 
     # -- the static graph (ggml_opt_fit's model) --------------------------------------------------
     def _static_params(self) -> list[Tensor]:
@@ -447,7 +465,7 @@ class OptContext:
             _own_memory(self.inputs)
         self.inputs.set_input()
         per_datapoint = p.loss_type != LossType.SUM
-        scale = 1.0 / self.opt_period if per_datapoint else 1.0
+        scale = self.loss_scale if per_datapoint else 1.0
         n_out = outputs.nelements()
         pred = ncorrect = None
         if p.loss_type in (LossType.MEAN, LossType.SUM):
@@ -529,9 +547,14 @@ class OptContext:
         self.optimizer.zero_grad()
         self._step_losses = []
 
-    def step(self, result: Result | None = None) -> None:
+    def step(self, result: Result | None = None, shard: Result | None = None) -> None:
         """Apply the gradients accumulated since zero_grad, with the hyper-parameters of
         `get_opt_pars` (or the optimizer's own); records the step's mean loss in `result`.
+
+        With several ranks, the gradients are first summed over all of them (one in-place
+        reduction of the flat buffer), the step's losses gathered, and `shard` (this rank's
+        evaluations of the step) appended to `result` for every rank in rank order, so every
+        rank holds the same result and takes the same step.
 
         A step whose losses are not all finite is refused with TrainingDivergedError; with
         `keep_last_good` the params are first put back to the copy taken before the last
@@ -539,6 +562,12 @@ class OptContext:
         if self.optimizer is None or self.params.build_type != BuildType.OPT:
             raise ValueError("opt: this context was built without an optimizer step")
         losses = self._step_losses
+        if self.comm.size > 1:
+            parts = self.comm.allgather((losses, shard))
+            losses = [x for part, _ in parts for x in part]
+            if result is not None:
+                for _, other in parts:
+                    result.extend(other)
         if not all(math.isfinite(x) for x in losses):
             step = self.optimizer.state.n_steps + 1
             if self._last_good is not None:
@@ -550,6 +579,10 @@ class OptContext:
         if self.params.keep_last_good:
             self._keep_last_good()
         p = self.params
+        if self.comm.size > 1:
+            t0 = time.perf_counter()
+            self.comm.allreduce_sum(self.optimizer.grad_flat)
+            self.reduce_seconds += time.perf_counter() - t0
         if p.grad_clip is not None:
             self.last_grad_norm = self.optimizer.clip_grad_norm(p.grad_clip)
         self.optimizer.step(p.get_opt_pars(p.get_opt_pars_ud) if p.get_opt_pars else None)
@@ -597,17 +630,23 @@ EpochCallback = Callable[[bool, OptContext, Dataset, Result, int, int, float], N
 
 
 class _Ticks:
-    """Calls an epoch callback after each evaluation with ggml's (ibatch, ibatch_max, t_start)."""
+    """Calls an epoch callback after each evaluation with ggml's (ibatch, ibatch_max, t_start),
+    counting the evaluations of every rank (each of this rank's stands for `stride`); the
+    last call waits for `finish`, when the pass's result is complete on every rank."""
 
     def __init__(self, callback: EpochCallback | None, train: bool, opt_ctx: OptContext, dataset: Dataset,
-                 result: Result | None, total: int) -> None:
+                 result: Result | None, total: int, stride: int = 1) -> None:
         self.callback, self.train, self.opt_ctx, self.dataset, self.result = callback, train, opt_ctx, dataset, result
-        self.total, self.count, self.t_start = total, 0, time.perf_counter()
+        self.total, self.count, self.stride, self.t_start = total, 0, stride, time.perf_counter()
 
     def __call__(self) -> None:
-        self.count += 1
-        if self.callback:
+        self.count = min(self.count + self.stride, self.total)
+        if self.callback and self.count < self.total:
             self.callback(self.train, self.opt_ctx, self.dataset, self.result, self.count, self.total, self.t_start)
+
+    def finish(self) -> None:
+        if self.callback and self.total > 0:
+            self.callback(self.train, self.opt_ctx, self.dataset, self.result, self.total, self.total, self.t_start)
 
 
 def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None, result_eval: Result | None,
@@ -616,34 +655,51 @@ def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None
               after_step: Callable[[int], None] | None = None) -> None:
     """Train on datapoints [0, idata_split), then evaluate on the rest (ggml_opt_epoch).
 
-    Training takes whole optimizer steps of `opt_period` evaluations: datapoints of an
-    incomplete last step are skipped (neither trained on nor evaluated). `start_batch`
-    (a step boundary) resumes an epoch part-way; `after_step(next_batch)` runs after
-    every optimizer step (checkpoints).
+    Training takes whole optimizer steps of `opt_period` evaluations per rank: datapoints
+    of an incomplete last step are skipped (neither trained on nor evaluated). With several
+    ranks a step covers the next `opt_period` batches of every rank, rank r taking the r-th
+    share, and the validation batches are dealt round-robin; every rank ends with the same
+    results. `start_batch` (a step boundary) resumes an epoch part-way; `after_step(next_batch)`
+    runs after every optimizer step (checkpoints).
     """
-    feeder = opt_ctx.feeder
+    feeder, comm = opt_ctx.feeder, opt_ctx.comm
     n_train, per_step, nbatches, ibatch_split = train_batches(opt_ctx, dataset, idata_split)
     if start_batch % per_step or not 0 <= start_batch <= n_train:
         raise ValueError(f"opt: cannot resume an epoch at batch {start_batch} (steps of {per_step}, {n_train} batches)")
-    ticks = _Ticks(callback_train, True, opt_ctx, dataset, result_train, n_train * feeder.evals_per_batch)
-    ticks.count = start_batch * feeder.evals_per_batch
-    for ibatch in range(start_batch, n_train):
-        if ibatch % per_step == 0:
-            opt_ctx.zero_grad()
-        feeder.run_batch(dataset, ibatch, True, result_train, ticks)
-        if (ibatch + 1) % per_step == 0 and opt_ctx.params.build_type == BuildType.OPT:
-            opt_ctx.step(result_train)
+    share = per_step // comm.size  # this rank's batches of each step
+    evals = feeder.evals_per_batch
+    ticks = _Ticks(callback_train, True, opt_ctx, dataset, result_train, n_train * evals, comm.size)
+    ticks.count = start_batch * evals
+    stepping = opt_ctx.params.build_type == BuildType.OPT
+    for first in range(start_batch, n_train, per_step):
+        opt_ctx.zero_grad()
+        shard = Result() if comm.size > 1 and stepping else result_train
+        for ibatch in range(first + comm.rank * share, first + (comm.rank + 1) * share):
+            feeder.run_batch(dataset, ibatch, True, shard, ticks)
+        if stepping:
+            opt_ctx.step(result_train, shard if comm.size > 1 else None)
             if after_step is not None:
-                after_step(ibatch + 1)
-    ticks = _Ticks(callback_eval, False, opt_ctx, dataset, result_eval,
-                   (nbatches - ibatch_split) * feeder.evals_per_batch)
-    for ibatch in range(ibatch_split, nbatches):
-        feeder.run_batch(dataset, ibatch, False, result_eval, ticks)
+                after_step(first + per_step)
+    ticks.finish()
+    ticks = _Ticks(callback_eval, False, opt_ctx, dataset, result_eval, (nbatches - ibatch_split) * evals, comm.size)
+    mine = range(ibatch_split + comm.rank, nbatches, comm.size)
+    if comm.size == 1:
+        for ibatch in mine:
+            feeder.run_batch(dataset, ibatch, False, result_eval, ticks)
+    else:
+        shards = {}
+        for ibatch in mine:
+            shards[ibatch] = Result()
+            feeder.run_batch(dataset, ibatch, False, shards[ibatch], ticks)
+        if result_eval is not None:
+            for ibatch, shard in sorted(kv for part in comm.allgather(shards) for kv in part.items()):
+                result_eval.extend(shard)
+    ticks.finish()
 
 
 def train_batches(opt_ctx: OptContext, dataset: Dataset, idata_split: int) -> tuple[int, int, int, int]:
     """How an epoch splits `dataset` for `opt_ctx`'s feeder: (training batches, batches per
-    optimizer step, batches in all, the first validation batch)."""
+    optimizer step on all ranks together, batches in all, the first validation batch)."""
     batch = opt_ctx.feeder.datapoints_per_batch
     ndata = dataset.ndata
     if ndata % batch:
@@ -652,7 +708,7 @@ def train_batches(opt_ctx: OptContext, dataset: Dataset, idata_split: int) -> tu
     if idata_split % batch:
         raise ValueError(f"opt: the split at {idata_split} is not a multiple of the batch size {batch}")
     nbatches, ibatch_split = ndata // batch, idata_split // batch
-    per_step = max(1, opt_ctx.opt_period // opt_ctx.feeder.evals_per_batch)
+    per_step = max(1, opt_ctx.opt_period // opt_ctx.feeder.evals_per_batch) * opt_ctx.comm.size
     n_train = ibatch_split - ibatch_split % per_step if opt_ctx.optimizer is not None else 0
     return n_train, per_step, nbatches, ibatch_split
 

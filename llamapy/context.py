@@ -345,10 +345,11 @@ class Context:
             self.kv.restore(saved)
 
     # ---- training (llama_opt_*) --------------------------------------------------------------------
-    def opt_init(self, params: TrainParams | None = None) -> None:
+    def opt_init(self, params: TrainParams | None = None, comm=None) -> None:
         """Mark the tensors the filter selects as trainable and create the optimizer state.
         With `params.lora`, a new LoRA adapter is attached first and trains instead of the
-        weights (`trainer.adapter`)."""
+        weights (`trainer.adapter`). `comm` (an mpi4py communicator, or see
+        llamapy.distributed) trains data-parallel over its ranks."""
         from .lora import LoraAdapter
         from .train import Trainer
         params = params or TrainParams()
@@ -357,7 +358,7 @@ class Context:
             lo = params.lora
             adapter = LoraAdapter.new(self.model, lo.rank, lo.alpha, lo.modules, lo.seed)
             self.attach_lora(adapter)
-        self.trainer = Trainer(self, params, adapter)
+        self.trainer = Trainer(self, params, adapter, comm)
 
     def opt_epoch(self, dataset, result_train=None, result_eval=None, idata_split: int = -1,
                   callback_train=None, callback_eval=None) -> None:
@@ -369,7 +370,8 @@ class Context:
 
     def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
                 silent: bool = False, stream=None, on_epoch=None, seed: int | None = None,
-                checkpoint=None, save_every: int | None = None, resume=None, force_resume: bool = False) -> list[EpochResult]:
+                checkpoint=None, save_every: int | None = None, resume=None, force_resume: bool = False,
+                comm=None) -> list[EpochResult]:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
@@ -378,10 +380,14 @@ class Context:
         `checkpoint`: a file written every `save_every` optimizer steps (None: never), at each
         epoch's end and on Ctrl-C (which stops after the current step). `resume`: a checkpoint
         to continue from (refused when it is of another model or text unless `force_resume`).
+        `comm` (e.g. mpi4py's MPI.COMM_WORLD): train data-parallel, every optimizer step
+        covering n_batch tokens on each rank; only rank 0 prints and writes checkpoints.
         """
         from .fit import fit
         if self.trainer is None or params is not None:
-            self.opt_init(params)
+            self.opt_init(params, comm)
+        elif comm is not None and self.trainer.opt.params.comm is not comm:
+            raise InputError("opt_fit: this context's trainer was made for another communicator; pass comm to opt_init")
         return fit(self, dataset, epochs=epochs, val_split=val_split, silent=silent, stream=stream, on_epoch=on_epoch,
                    seed=seed, checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume)
 

@@ -6,6 +6,11 @@ step and at every epoch's end, and this module decides when that position is wri
 as a checkpoint (every `save_every` steps, each epoch's end, a requested stop). A first
 Ctrl-C while checkpointing asks the run to stop after the step in progress (the weights
 are never saved half-updated); a second one stops at once.
+
+Over several ranks (a trainer made with a communicator) only rank 0 prints and writes
+checkpoints; a stop request on any rank stops every rank after the same step; every
+epoch ends with a check that all ranks hold the same weights; and an error on one rank
+ends the whole job with one line instead of leaving the others waiting.
 """
 from __future__ import annotations
 
@@ -21,14 +26,30 @@ import numpy as np
 from ggmlpy.opt import EpochResult, FitPosition, Result, fit_epochs, progress_bar
 
 from .checkpoint import Checkpoint, compare_params, load_checkpoint, model_fingerprint, save_checkpoint
+from .distributed import abort_job, any_rank, check_same_weights
 from .errors import InputError, TrainingInterrupted
 
 
-def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, stream, on_epoch, seed: int | None,
-        checkpoint, save_every: int | None, resume, force_resume: bool) -> list[EpochResult]:
+def fit(lctx, dataset, **kwargs) -> list[EpochResult]:
     """See Context.opt_fit."""
+    comm = lctx.trainer.comm
+    if comm.size == 1:
+        return _fit(lctx, dataset, **kwargs)
+    try:
+        return _fit(lctx, dataset, **kwargs)
+    except TrainingInterrupted:
+        raise  # every rank stops after the same step (the request is shared)
+    except BaseException as e:  # noqa: BLE001 - any failure of one rank must end all of them
+        abort_job(comm, str(e) or type(e).__name__)
+        raise
+
+
+def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, stream, on_epoch, seed: int | None,
+         checkpoint, save_every: int | None, resume, force_resume: bool) -> list[EpochResult]:
     from .context import validation_windows
     trainer = lctx.trainer
+    comm = trainer.comm
+    silent = silent or comm.rank != 0
     epochs = epochs or trainer.params.schedule.epochs
     if not 0.0 <= val_split < 1.0:
         raise InputError(f"val_split must be in [0, 1), got {val_split}")
@@ -65,25 +86,31 @@ def fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, st
     def start_epoch(epoch: int) -> None:
         trainer.epoch = epoch
 
+    def end_epoch(result: EpochResult) -> None:
+        check_same_weights(comm, trainer.trained.values(), f"after epoch {result.epoch + 1}")
+        if on_epoch is not None:
+            on_epoch(result)
+
     stop = _StopRequest()
 
     def on_position(position: FitPosition, train: Result) -> None:
         run.position, run.epoch_result = position, train
         if checkpoint is None:
             return
+        stopping = any_rank(comm, stop.requested)
         epoch_end = not position.shuffled and position.ibatch == 0
         due = save_every and trainer.n_steps % save_every == 0 and position.ibatch != run.n_train_batches
-        if epoch_end or due or stop.requested:
+        if (epoch_end or due or stopping) and comm.rank == 0:
             t0 = time.perf_counter()
             save_checkpoint_of(trainer, checkpoint)
             say(f"checkpoint: {checkpoint} after {trainer.n_steps} steps ({time.perf_counter() - t0:.2f} s)")
-        if stop.requested:
+        if stopping:
             raise TrainingInterrupted(f"interrupted after {trainer.n_steps} optimizer steps; resume from the "
                                       f"checkpoint with --checkpoint-in {checkpoint} (Python: opt_fit(resume=...))")
 
     with stop.armed(checkpoint is not None, say):
         return fit_epochs(trainer.opt, dataset, epochs, idata_split, shuffle=run.rng, callback_train=bar,
-                          callback_eval=bar, before_epoch=start_epoch, on_epoch=on_epoch, start=start,
+                          callback_eval=bar, before_epoch=start_epoch, on_epoch=end_epoch, start=start,
                           start_result=start_result, on_position=on_position)
 
 

@@ -77,7 +77,7 @@ class Trainer:
 
     datapoints_per_batch = 1  # a physical batch is one window
 
-    def __init__(self, lctx, params: TrainParams, adapter=None) -> None:
+    def __init__(self, lctx, params: TrainParams, adapter=None, comm=None) -> None:
         self.lctx, self.params = lctx, params
         self.adapter = adapter  # the LoRA adapter opt_init made for params.lora, if any
         model = self.model = lctx.model
@@ -97,7 +97,8 @@ class Trainer:
         self.opt = OptContext(OptParams(
             optimizer=params.optimizer_params(0, 1), opt_period=self.n_batch // self.n_ubatch,
             get_opt_pars=Trainer._step_params, get_opt_pars_ud=self, grad_clip=params.grad_clip,
-            params=list(self.trained.values()), keep_last_good=True, backend=lctx.backend, feeder=self))
+            params=list(self.trained.values()), keep_last_good=True, backend=lctx.backend, feeder=self, comm=comm))
+        self.comm = self.opt.comm
         self.run = RunState()
         self.timing = TrainTiming()
         self._t_last = 0.0
@@ -144,7 +145,7 @@ class Trainer:
         """The run's training parameters as a checkpoint records them (see checkpoint.STRUCTURE)."""
         p = self.params
         return {"kind": "lora" if p.lora else "full", "optimizer_kind": p.optimizer.kind,
-                "n_ctx": self.n_ctx, "n_batch": self.n_batch,
+                "n_ctx": self.n_ctx, "n_batch": self.n_batch * self.comm.size,  # tokens per step, all ranks
                 "lora": p.lora.model_dump(mode="json", exclude={"seed"}) if p.lora else None,
                 "trained": [[n, list(t.ne)] for n, t in self.trained.items()],
                 "optimizer": p.optimizer.model_dump(mode="json", exclude={"alpha"}),
@@ -168,7 +169,7 @@ class Trainer:
         key = (n_prev, inject)
         if key not in self._graphs:
             self._graphs[key] = UbatchGraph(self.opt, self.model, n_prev, self.n_ubatch, inject,
-                                            1.0 / self.opt.opt_period, self.lctx.adapters)
+                                            self.opt.loss_scale, self.lctx.adapters)
         return self._graphs[key]
 
     def _eval(self, g: UbatchGraph, backward: bool, tokens: np.ndarray, labels: np.ndarray, u: int,
