@@ -1,0 +1,210 @@
+"""Data-parallel training under mpirun (the `mpi` extra; .ci/run installs it).
+
+Two ranks with -b 64 each take the same steps as one process with -b 128 (the same two
+windows per step, accumulated): the weights agree to float rounding. Checkpoints move
+between rank counts; a rank that dies or fails ends the whole job quickly, in one line.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import llamapy
+
+from conftest import REPO_ROOT, shared_path
+
+pytest.importorskip("mpi4py", reason="the mpi extra: pip install -e '.[mpi]'")
+MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="no mpirun")
+ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mpi") / "stories.txt"
+    path.write_text(shared_path("data", "tinystories_sample.txt").read_text(encoding="utf-8")[:16_000])
+    return path
+
+
+def finetune(ranks: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "apps.finetune", *args]
+    if ranks > 1:
+        cmd = [MPIRUN, "-n", str(ranks), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=ENV, timeout=timeout)
+
+
+def max_relative_difference(a, b) -> float:
+    worst = 0.0
+    for name, t in a.tensors.items():
+        x, y = t.numpy().astype(np.float64), b.tensors[name].numpy().astype(np.float64)
+        worst = max(worst, float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)))
+    return worst
+
+
+def common_args(text, tmp_path, *extra: str) -> list[str]:
+    return ["-m", str(shared_path("models", "stories260K.gguf")), "-f", str(text), "-c", "64", "--epochs", "2",
+            "-t", "1", "--seed", "3", "-lr", "1e-3", *extra]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_two_ranks_equal_one_process_with_both_windows_per_step(kind, text, tmp_path):
+    lora = ["--lora-rank", "4"] if kind == "lora" else []
+    outs = {}
+    for ranks, batch in ((2, "64"), (1, "128")):
+        out = tmp_path / f"{kind}-{ranks}.gguf"
+        target = ["--lora-out", str(out)] if lora else ["-o", str(out)]
+        r = finetune(ranks, *common_args(text, tmp_path, "-b", batch, *lora, *target))
+        assert r.returncode == 0, r.stderr
+        outs[ranks] = (out, r.stderr)
+    assert "distributed: 2 ranks, 64 tokens per step each (128 per step in all)" in outs[2][1]
+    assert outs[2][1].count("epoch 1: train:") == 1  # rank 0 alone prints
+    base = llamapy.load_model(shared_path("models", "stories260K.gguf"))
+    if lora:
+        from llamapy.lora import LoraAdapter
+        a, b = (LoraAdapter.load(outs[r][0], base) for r in (2, 1))
+        assert a.tensors.keys() == b.tensors.keys()
+        worst = max(float(np.abs(x.numpy() - y.numpy()).max() / np.abs(y.numpy()).max())
+                    for name in a.tensors for x, y in zip(a.tensors[name], b.tensors[name]) if y.numpy().any())
+    else:
+        worst = max_relative_difference(llamapy.load_model(outs[2][0]), llamapy.load_model(outs[1][0]))
+    assert worst <= 1e-6
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process(text, tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    r = finetune(2, *common_args(text, tmp_path, "-b", "64", "--epochs", "1", "--checkpoint-out", str(ckpt),
+                                 "-o", str(tmp_path / "half.gguf")))
+    assert r.returncode == 0, r.stderr
+    resumed, whole = tmp_path / "resumed.gguf", tmp_path / "whole.gguf"
+    r = finetune(1, *common_args(text, tmp_path, "-b", "128", "--checkpoint-in", str(ckpt), "-o", str(resumed)))
+    assert r.returncode == 0, r.stderr
+    assert "resume: epoch 2" in r.stderr
+    r = finetune(1, *common_args(text, tmp_path, "-b", "128", "-o", str(whole)))
+    assert r.returncode == 0, r.stderr
+    assert max_relative_difference(llamapy.load_model(resumed), llamapy.load_model(whole)) <= 1e-6
+    # the same checkpoint with the per-rank -b in one process is another run: refused in one line
+    r = finetune(1, *common_args(text, tmp_path, "-b", "64", "--checkpoint-in", str(ckpt), "-o", str(whole)))
+    assert r.returncode != 0 and "n_batch is 128, this run's is 64" in r.stderr and "Traceback" not in r.stderr
+
+
+def python_processes_of(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.add(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def rank_pids(root: int) -> set[int]:
+    """The python processes under the launcher `root` (its ranks)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout.split("\n")
+    children: dict[int, list[tuple[int, str]]] = {}
+    for line in out:
+        parts = line.split(None, 2)
+        if len(parts) == 3:
+            children.setdefault(int(parts[1]), []).append((int(parts[0]), parts[2]))
+    found, todo = set(), [root]
+    while todo:
+        for pid, comm in children.get(todo.pop(), []):
+            todo.append(pid)
+            if comm.startswith("python"):
+                found.add(pid)
+    return found
+
+
+def test_killing_one_rank_ends_the_job(text, tmp_path):
+    big = tmp_path / "long.txt"
+    big.write_text(shared_path("data", "tinystories_sample.txt").read_text(encoding="utf-8")[:400_000])
+    cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "apps.finetune",
+           *common_args(big, tmp_path, "-b", "64", "--epochs", "5", "-o", str(tmp_path / "never.gguf"))]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=ENV)
+    try:
+        ranks: set[int] = set()
+        deadline = time.time() + 60
+        while len(ranks) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+            ranks = rank_pids(job.pid)
+        assert len(ranks) == 2, "the two ranks did not start"
+        time.sleep(4)  # well into training
+        assert job.poll() is None
+        os.kill(max(ranks), signal.SIGKILL)
+        t0 = time.time()
+        out, err = job.communicate(timeout=30)
+        assert time.time() - t0 < 10
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert "signal 9" in out + err  # the launcher names the dead rank's signal
+    time.sleep(1)
+    assert python_processes_of(ranks) == set()  # no rank left behind
+    assert not (tmp_path / "never.gguf").exists()
+
+
+def run_script(tmp_path, body: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import numpy as np, llamapy
+        from llamapy.dataset import text_windows
+        from llamapy.distributed import world
+        from llamapy.train_params import TrainParams, LRSchedule
+        comm = world()
+        model = llamapy.load_model({str(shared_path("models", "stories260K.gguf"))!r})
+        text = open({str(shared_path("data", "tinystories_sample.txt"))!r}).read()[:8000]
+        ds = text_windows(model.vocab, text, 64)
+        ctx = llamapy.Context(model, n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1)
+        ctx.opt_init(TrainParams(schedule=LRSchedule(lr0=1e-3)), comm)
+    """) + textwrap.dedent(body))
+    return subprocess.run([MPIRUN, "-n", str(ranks), sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env=ENV, timeout=120)
+
+
+def test_an_error_on_one_rank_ends_every_rank_in_one_line(tmp_path):
+    t0 = time.time()
+    r = run_script(tmp_path, """
+        def on_epoch(result):
+            if comm.rank == 1:
+                raise OSError("No space left on device")
+        ctx.opt_fit(ds, epochs=3, silent=True, on_epoch=on_epoch)
+        print("finished", comm.rank)
+    """)
+    assert time.time() - t0 < 60
+    assert r.returncode != 0 and "finished" not in r.stdout
+    assert "error: rank 1: No space left on device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ranks_with_different_weights_are_stopped(tmp_path):
+    r = run_script(tmp_path, """
+        def on_epoch(result):
+            if comm.rank == 1 and result.epoch == 0:
+                w = ctx.trainer.trained["blk.0.attn_q.weight"]
+                w.array()[0, 0] += 1.0
+        ctx.opt_fit(ds, epochs=2, silent=True, on_epoch=on_epoch)
+    """)
+    assert r.returncode != 0
+    assert "the weights of rank 1 differ from rank 0's after epoch 2: the run cannot continue" in r.stderr
+
+
+def test_python_api_takes_mpi4py_communicator(tmp_path):
+    r = run_script(tmp_path, """
+        from mpi4py import MPI
+        ctx2 = llamapy.Context(model, n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1)
+        history = ctx2.opt_fit(ds, epochs=1, silent=True, comm=MPI.COMM_WORLD, seed=1)
+        digest = np.concatenate([t.numpy().reshape(-1) for t in ctx2.trainer.trained.values()]).sum()
+        print("rank", comm.rank, "steps", len(history[0].train.steps), "val", round(history[0].val.loss()[0], 6),
+              "sum", repr(float(digest)))
+    """)
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.split("\n"))[-2:]
+    assert lines[0].split()[2:] == lines[1].split()[2:]  # the same steps, validation and weights on both ranks
