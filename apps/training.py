@@ -209,6 +209,10 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
     log(f"{tool}: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
         f"{timing.tokens_per_second * comm.size:.0f} tokens/s after the first window's {timing.startup_seconds:.2f} s "
         f"of start-up (graphs built, kernels loaded){f' ({comm.size} ranks)' if comm.size > 1 else ''}")
+    if comm.size > 1 and ctx.trainer.n_steps:
+        opt = ctx.trainer.opt
+        log(f"distributed: summing the gradients took {1e3 * opt.reduce_seconds / ctx.trainer.n_steps:.2f} ms per step "
+            f"({4 * opt.optimizer.grad_flat.size / 1e6:.2f} MB of gradients)")
     if not main_rank:
         return ctx
     if adapter:
