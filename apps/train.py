@@ -19,7 +19,7 @@ from llamapy.from_scratch import new_model
 from llamapy.sampling.samplers import default_chain
 
 from . import training as T
-from .common import guarded, log, read_text
+from .common import guarded, job, log, read_text
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -56,7 +56,7 @@ def run(
     log(f"model: new {m.describe()} ({m.n_params:,} parameters), vocabulary of {vocab_model.name}")
     params = args.train_params(m, DEFAULT_LR)
     ctx = T.train(m, params, text, args, output, None, "train")
-    if predict > 0:
+    if predict > 0 and job().rank == 0:
         sample(ctx.model, prompt if prompt is not None else " ".join(text.split()[:4]), predict, args.seed, args.ctx_size)
 
 
