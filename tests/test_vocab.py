@@ -18,8 +18,8 @@ import pytest
 from conftest import REPO_ROOT, shared_path
 from llamapy.errors import VocabError
 from llamapy.gguf_file import GGUFFile, MetaValue, ValueType
-from llamapy.vocab import (_PRE_TOKENIZERS, TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_UNKNOWN, Vocab,
-                           _byte_to_unicode, _PreTokenizer)
+from llamapy.pretokenizers import PRE_TOKENIZERS, PreTokenizer
+from llamapy.vocab import TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_UNKNOWN, Vocab, _byte_to_unicode
 
 VOCABS = ["llama-spm", "llama-bpe", "gpt-2", "qwen2", "phi-3", "deepseek-coder", "command-r", "mpt", "refact",
           "qwen35", "gemma-4"]
@@ -259,9 +259,9 @@ def pair_bpe_metadata(pre: str) -> dict[str, MetaValue]:
 
 
 @lru_cache(maxsize=None)
-def pair_bpe_vocab(pre_type: _PreTokenizer) -> Vocab:
+def pair_bpe_vocab(pre_type: PreTokenizer) -> Vocab:
     """Built once per pre type (aliases share one), under the first name it has."""
-    name = next(name for name, known in _PRE_TOKENIZERS.items() if known == pre_type)
+    name = next(name for name, known in PRE_TOKENIZERS.items() if known == pre_type)
     return Vocab.from_gguf(pair_bpe_metadata(name))
 
 
@@ -272,23 +272,23 @@ def pre_golden() -> dict:
 
 def test_pre_tokenizer_recordings_cover_every_type() -> None:
     """Every pre type llama.cpp knows is registered, and recorded on today's texts."""
-    assert sorted(pre_golden()["pre"]) == sorted(_PRE_TOKENIZERS)
+    assert sorted(pre_golden()["pre"]) == sorted(PRE_TOKENIZERS)
     assert pre_golden()["texts"] == PRE_TEXTS and pre_golden()["clean_probe"] == CLEAN_PROBE
 
 
-@pytest.mark.parametrize("pre", sorted(_PRE_TOKENIZERS))
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
 def test_pre_tokenizer_matches_llama_cpp(pre: str) -> None:
     """Ids, BOS/SEP flags and clean_spaces of each pre type, as llama.cpp gave them on the
     pair vocab; byte-level ones also round-trip."""
     golden = pre_golden()
     record = golden["records"][golden["pre"][pre]]
-    vocab = pair_bpe_vocab(_PRE_TOKENIZERS[pre])
+    vocab = pair_bpe_vocab(PRE_TOKENIZERS[pre])
     assert (vocab.add_bos, vocab.bos_id, vocab.add_sep) == (record["add_bos"], record["bos"], record["add_sep"])
     for text, expected in zip(PRE_TEXTS, record["ids"]):
         if expected is not None:  # None: llama.cpp aborts on this text
             assert vocab.tokenize(text, add_special=False) == [int(t) for t in expected.split()], text
     assert vocab.detokenize(vocab.tokenize(CLEAN_PROBE, add_special=False)) == record["clean_probe"]
-    if _PRE_TOKENIZERS[pre].byte_encode:  # SPM-style ones drop what GPT-2 has no token for
+    if PRE_TOKENIZERS[pre].byte_encode:  # SPM-style ones drop what GPT-2 has no token for
         for text in PLAIN_TEXTS:
             assert vocab.detokenize(vocab.tokenize(text, add_special=False)) == text
 
@@ -329,7 +329,7 @@ def test_unsupported_pre_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(VocabError, match="tokenizer.ggml.pre = 'no-such-pre'; llamapy supports ") as error:
         Vocab.from_gguf(gguf.GGUFReader(path))
     message = str(error.value)
-    assert "\n" not in message and all(f" {name}," in message or message.endswith(name) for name in _PRE_TOKENIZERS)
+    assert "\n" not in message and all(f" {name}," in message or message.endswith(name) for name in PRE_TOKENIZERS)
 
 
 @pytest.mark.parametrize("model, pre, expected", [
