@@ -6,11 +6,13 @@ LLAMA_CPP_BIN holds llama-server and libllama.so (cmake --build BUILD --target l
 Three templates, each rendered by a llama-server run on Gemma 3 270M through /apply-template:
 - gemma3: Gemma 3's own Jinja template (tests/data/gemma3-chat-template.jinja; the GGUF
   file, converted from the base model, carries none), given with --chat-template-file;
-- chatml, llama3: llama.cpp's built-in templates (--no-jinja --chat-template NAME).
+- chatml, llama3, gemma, phi3, mistral-v7, mistral-v7-tekken: llama.cpp's built-in
+  templates (--no-jinja --chat-template NAME).
 Every prompt is then tokenized by libllama (ctypes, vocab only) as llama-server tokenizes a
 prompt: llama_tokenize(add_special=true, parse_special=true), with Gemma 3's vocabulary for
-gemma3 (cross-checked against the server's own /tokenize), Qwen2's for chatml, Llama 3's
-for llama3. The result goes to tests/data/llama_cpp_chat_templates.json.
+gemma3 and gemma (cross-checked against the server's own /tokenize), Qwen2's for chatml,
+Llama 3's for llama3, Phi-3's for phi3, Llama 2's for the mistral ones (its </s> ends a turn).
+The result goes to tests/data/llama_cpp_chat_templates.json.
 """
 from __future__ import annotations
 
@@ -82,6 +84,11 @@ TEMPLATES = {
     "gemma3": (["--chat-template-file", str(GEMMA3_TEMPLATE)], None),
     "chatml": (["--no-jinja", "--chat-template", "chatml"], SHARED_VOCAB / "ggml-vocab-qwen2.gguf"),
     "llama3": (["--no-jinja", "--chat-template", "llama3"], SHARED_VOCAB / "ggml-vocab-llama-bpe.gguf"),
+    "gemma": (["--no-jinja", "--chat-template", "gemma"], None),
+    "phi3": (["--no-jinja", "--chat-template", "phi3"], SHARED_VOCAB / "ggml-vocab-phi-3.gguf"),
+    "mistral-v7": (["--no-jinja", "--chat-template", "mistral-v7"], SHARED_VOCAB / "ggml-vocab-llama-spm.gguf"),
+    "mistral-v7-tekken": (["--no-jinja", "--chat-template", "mistral-v7-tekken"],
+                          SHARED_VOCAB / "ggml-vocab-llama-spm.gguf"),
 }
 
 

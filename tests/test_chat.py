@@ -2,8 +2,9 @@
 
 Token ids of 25 conversations are checked against llama.cpp's, recorded by
 record_chat_templates.py (llama-server's /apply-template, then llama_tokenize with special
-tokens parsed): Gemma 3's own template with Gemma 3 270M's vocabulary, and llama.cpp's
-built-in chatml and llama3 templates with the Qwen2 and Llama 3 vocabularies.
+tokens parsed): Gemma 3's own template with Gemma 3 270M's vocabulary, and each of
+llama.cpp's built-in templates written here (chatml, llama3, gemma, phi3, mistral-v7,
+mistral-v7-tekken) with a vocabulary that has its special tokens.
 """
 from __future__ import annotations
 
@@ -41,11 +42,20 @@ def gemma_vocab(gemma3_path: Path) -> Vocab:
     return load_vocab(gemma3_path)
 
 
+# Recorded template -> the shared vocabulary its ids use (None: Gemma 3 270M's).
+VOCAB_OF = {"gemma3": None, "chatml": "qwen2", "llama3": "llama-bpe", "gemma": None, "phi3": "phi-3",
+            "mistral-v7": "llama-spm", "mistral-v7-tekken": "llama-spm"}
+# An assistant turn as the template writes it: text before the content (after the header),
+# whether the content is trimmed, and the end-of-turn token.
+TURN = {"gemma3": ("", True, "<end_of_turn>"), "chatml": ("", False, "<|im_end|>"), "llama3": ("", True, "<|eot_id|>"),
+        "gemma": ("", True, "<end_of_turn>"), "phi3": ("", False, "<|end|>"), "mistral-v7": (" ", False, "</s>"),
+        "mistral-v7-tekken": ("", False, "</s>")}
+
+
 def template_and_vocab(name: str, request: pytest.FixtureRequest) -> tuple[ChatTemplate, Vocab]:
+    vocab = request.getfixturevalue("gemma_vocab") if VOCAB_OF[name] is None else shared_vocab(VOCAB_OF[name])
     if name == "gemma3":
-        vocab = request.getfixturevalue("gemma_vocab")
         return ChatTemplate.from_file(GEMMA3_TEMPLATE, vocab), vocab
-    vocab = shared_vocab({"chatml": "qwen2", "llama3": "llama-bpe"}[name])
     return ChatTemplate.named(name, vocab), vocab
 
 
@@ -87,10 +97,10 @@ def test_reference_covers_the_required_cases() -> None:
     assert any(r[-1] == "user" and c["add_generation_prompt"] for r, c in zip(roles, conversations))
     assert any(m["content"] == "" for c in conversations for m in c["messages"])
     assert any(any(ord(ch) > 0x3000 for ch in m["content"]) for c in conversations for m in c["messages"])
-    assert set(REFERENCE["templates"]) == {"gemma3", "chatml", "llama3"}
+    assert set(REFERENCE["templates"]) == set(VOCAB_OF) == {"gemma3", *NAMED_TEMPLATES}
 
 
-@pytest.mark.parametrize("name", ["gemma3", "chatml", "llama3"])
+@pytest.mark.parametrize("name", list(VOCAB_OF))
 def test_token_ids_equal_llama_cpp(name: str, request: pytest.FixtureRequest) -> None:
     template, vocab = template_and_vocab(name, request)
     record = REFERENCE["templates"][name]
@@ -101,24 +111,27 @@ def test_token_ids_equal_llama_cpp(name: str, request: pytest.FixtureRequest) ->
         assert " ".join(map(str, ids.tolist())) == expected, f"{name} conversation {i}: {text!r} vs {prompt!r}"
 
 
-END_OF_TURN = {"gemma3": "<end_of_turn>", "chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
-
-
-@pytest.mark.parametrize("name", ["gemma3", "chatml", "llama3"])
+@pytest.mark.parametrize("name", list(VOCAB_OF))
 def test_masks_of_the_reference_conversations(name: str, request: pytest.FixtureRequest) -> None:
-    r"""Each assistant turn is learned as its content (trimmed where the template trims it) and
-    the end-of-turn token; nothing else is, except whitespace of the header that one token
-    merges with the content's first characters (chatml: "\n" + "\n padded" -> "\n\n", " padded")."""
+    """Each assistant turn is learned as its content (trimmed where the template trims it) and
+    its end-of-turn token. Only its first token may hold more: the end of the header it
+    merges with (mistral's "[/INST]" + "```" gives "]```" in the Llama 2 vocabulary), a
+    space prefix, or less: whitespace a special token strips (Phi-3's <|assistant|>)."""
     template, vocab = template_and_vocab(name, request)
+    before, trims, marker = TURN[name]
     for i, conv in enumerate(REFERENCE["conversations"]):
         ids, mask = template.tokenize(vocab, conv["messages"], conv["add_generation_prompt"])
         runs = np.split(ids, np.flatnonzero(np.diff(mask.astype(np.int8))) + 1)[int(not mask[0])::2]
-        got = [b"".join(vocab.token_to_piece(t, special=True) for t in run.tolist()).decode() for run in runs]
         turns = [m["content"] for m in conv["messages"] if m["role"] == "assistant"]
-        expected = [(c if name == "chatml" else c.strip(" \t\n\v\f\r")) + END_OF_TURN[name] for c in turns]
-        assert len(got) == len(expected), f"{name} conversation {i}: {got}"
-        for g, e in zip(got, expected):
-            assert g.endswith(e) and not g[:-len(e)].strip(), f"{name} conversation {i}: {g!r} != {e!r}"
+        assert len(runs) == len(turns), f"{name} conversation {i}"
+        for run, content in zip(runs, turns):
+            pieces = [vocab.token_to_piece(t, special=True) for t in run.tolist()]
+            got = b"".join(pieces).decode()
+            expected = before + (content.strip(" \t\n\v\f\r") if trims else content) + marker
+            if not got.endswith(expected):
+                expected = expected.lstrip(" \t\n\v\f\r")
+            assert got.endswith(expected) and len(got) - len(expected) < len(pieces[0]), \
+                f"{name} conversation {i}: {got!r} for {expected!r}"
 
 
 def test_bos_is_not_doubled(gemma_vocab: Vocab) -> None:
