@@ -1,0 +1,294 @@
+"""Chat templates: conversations rendered to text and token ids, with a mask of what to learn.
+
+A template is Jinja, as Hugging Face models publish it in `tokenizer.chat_template` (which
+GGUF files copy). It runs in a jinja2 sandbox set up as transformers sets it up (trim_blocks,
+lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, its `tojson`), with the
+variables templates expect: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
+`tools` (None). One difference: whitespace is stripped as llama.cpp's Jinja engine strips it
+(ASCII only), so the text is the one llama.cpp renders at inference. Models without a
+template can use one of llama.cpp's built-in templates by name (`ChatTemplate.named`),
+written here in Jinja so they render what llama.cpp renders.
+
+Token ids follow llama.cpp (common_chat_templates_apply, then tokenizing the prompt with
+special tokens parsed): a BOS (EOS) the template writes is dropped when the tokenizer adds
+one itself, so it is never doubled.
+
+The training mask is True exactly on the tokens of assistant turns. Each assistant message
+i is located by rendering, as TRL does: the turn starts where `messages[:i]` with the
+generation prompt (the assistant header) stops agreeing with `messages[:i+1]`, and ends
+where `messages[:i+1]` stops agreeing with the whole conversation (its end, unless the
+template closes a conversation with text it does not write between turns, like Phi-3's EOS).
+A template that renders a turn differently once later messages follow (Qwen3 drops the
+empty <think> block from earlier turns) gives an InputError instead of a wrong mask.
+A token belongs to a turn when its last byte does, so a token that merges the header's last
+characters with the content's first ones is learned. What the template writes after the
+turn's last end-of-generation token (the newline after chatml's `<|im_end|>` or gemma's
+`<end_of_turn>`) is not learned: the model stops at that token.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import InputError
+from .vocab import Vocab
+
+if TYPE_CHECKING:
+    from .model import Model
+
+Message = dict[str, Any]
+
+# llama.cpp's built-in templates (src/llama-chat.cpp, llm_chat_apply_template) as Jinja.
+NAMED_TEMPLATES: dict[str, str] = {
+    "chatml": (
+        "{%- for message in messages -%}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"),
+    "llama3": (
+        "{%- for message in messages -%}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' -}}"
+        "{{- (message['content'] | trim) + '<|eot_id|>' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"),
+    "gemma": (  # no system role: system texts go before the next user turn
+        "{%- set ns = namespace(system='') -%}"
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'system' -%}"
+        "{%- set ns.system = ns.system + (message['content'] | trim) -%}"
+        "{%- else -%}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+        "{{- '<start_of_turn>' + role + '\\n' -}}"
+        "{%- if ns.system and role != 'model' -%}{{- ns.system + '\\n\\n' -}}{%- set ns.system = '' -%}{%- endif -%}"
+        "{{- (message['content'] | trim) + '<end_of_turn>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"),
+    "phi3": (
+        "{%- for message in messages -%}"
+        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"),
+}
+for _name, _space in (("mistral-v7", " "), ("mistral-v7-tekken", "")):  # no generation prompt in llama.cpp
+    NAMED_TEMPLATES[_name] = (
+        "{%- for message in messages -%}"
+        "{%- if message['role'] == 'system' -%}"
+        f"{{{{- '[SYSTEM_PROMPT]{_space}' + message['content'] + '[/SYSTEM_PROMPT]' -}}}}"
+        "{%- elif message['role'] == 'user' -%}"
+        f"{{{{- '[INST]{_space}' + message['content'] + '[/INST]' -}}}}"
+        "{%- else -%}"
+        f"{{{{- '{_space}' + message['content'] + '</s>' -}}}}"
+        "{%- endif -%}"
+        "{%- endfor -%}")
+
+
+class _Raised(jinja2.TemplateError):
+    """An error the template raised itself (raise_exception): its message is the whole story."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _Raised(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+_C_SPACES = " \t\n\v\f\r"  # C isspace(): what llama.cpp's Jinja engine strips
+
+
+def _trim(value: Any, chars: str | None = None) -> str:
+    return str(value).strip(_C_SPACES if chars is None else chars)
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, except that stripping whitespace (`trim`, `.strip()`, `.lstrip()`,
+    `.rstrip()` without arguments) strips C whitespace as llama.cpp does: Python's also strips
+    Unicode spaces (U+00A0, U+3000), which llama.cpp keeps, and the ids must be llama.cpp's."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, str) and attribute in ("strip", "lstrip", "rstrip"):
+            method = getattr(obj, attribute)
+            return lambda chars=None: method(_C_SPACES if chars is None else chars)
+        return super().getattr(obj, attribute)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.filters["trim"] = _trim
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _environment()
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).splitlines()).strip()
+
+
+def _special_text(vocab: Vocab, token: int | None) -> str:
+    """A special token's text as llama.cpp gives it to templates (its piece, special rendered)."""
+    return "" if token is None else vocab.token_to_piece(token, special=True).decode("utf-8", "replace")
+
+
+class ChatTemplate:
+    """A Jinja chat template, ready to render conversations and tokenize them for training."""
+
+    def __init__(self, source: str, name: str = "chat template", bos_token: str = "", eos_token: str = "") -> None:
+        self.source = source
+        self.name = name
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._template = _ENV.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InputError(f"{name} is not a valid Jinja template (line {exc.lineno}): {_one_line(exc.message)}"
+                             ) from None
+
+    @classmethod
+    def from_model(cls, model: Model) -> ChatTemplate:
+        """The template the model file carries (tokenizer.chat_template), with its BOS/EOS texts."""
+        source = model.file.get("tokenizer.chat_template")
+        if not isinstance(source, str) or not source:
+            raise InputError(f"{model.path} has no chat template (tokenizer.chat_template); name a built-in one "
+                             f"({', '.join(NAMED_TEMPLATES)}) or give a template file")
+        return cls(source, f"chat template of {model.path.name}", *cls._specials(model.vocab))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, vocab: Vocab | None = None) -> ChatTemplate:
+        """A template from a .jinja file; `vocab` gives the bos_token/eos_token texts."""
+        path = Path(path)
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read chat template {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        return cls(source, f"chat template {path}", *cls._specials(vocab))
+
+    @classmethod
+    def named(cls, name: str, vocab: Vocab | None = None) -> ChatTemplate:
+        """One of llama.cpp's built-in templates (its --chat-template names), for models without one."""
+        if name not in NAMED_TEMPLATES:
+            raise InputError(f"unknown chat template {name!r}; built-in templates: {', '.join(NAMED_TEMPLATES)}")
+        return cls(NAMED_TEMPLATES[name], f"chat template {name}", *cls._specials(vocab))
+
+    @staticmethod
+    def _specials(vocab: Vocab | None) -> tuple[str, str]:
+        return ("", "") if vocab is None else (_special_text(vocab, vocab.bos_id), _special_text(vocab, vocab.eos_id))
+
+    # -- rendering -------------------------------------------------------------------
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        """The conversation as the model reads it; InputError (one line) if the template fails."""
+        return self._render(messages, add_generation_prompt, self.bos_token, self.eos_token)
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos_token, eos_token=eos_token, tools=None)
+        except _Raised as exc:
+            raise InputError(f"{self.name}: {_one_line(exc.message)}") from None
+        except Exception as exc:  # the template is code: any error it hits is its failure on these messages
+            raise InputError(f"{self.name} failed to render: {type(exc).__name__}: {_one_line(exc)}") from None
+
+    # -- tokens and loss mask ----------------------------------------------------------
+
+    def tokenize(self, vocab: Vocab, messages: list[Message], add_generation_prompt: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (int32) of the rendered conversation, as llama.cpp gets them, and the mask
+        (bool) of the tokens to learn: the assistant turns (see the module docstring)."""
+        bos, eos = self._specials(vocab)
+
+        def render(msgs: list[Message], gen: bool) -> str:
+            return self._render(msgs, gen, bos, eos)
+
+        text = render(messages, add_generation_prompt)
+        spans = self._assistant_spans(messages, text, render)
+        # llama.cpp drops a BOS/EOS text the tokenizer will add as a token (common_chat_template_direct_apply).
+        start, end = 0, len(text)
+        if vocab.add_bos and bos and text.startswith(bos):
+            start = len(bos)
+        if vocab.add_eos and eos and text.endswith(eos) and end - len(eos) >= start:
+            end -= len(eos)
+        body = vocab.tokenize(text[start:end], add_special=False, parse_special=True)
+        base = len(text[:start].encode("utf-8"))
+        ids = [vocab.bos_id] if vocab.add_bos else []
+        ends = [base] if vocab.add_bos else []  # the added BOS stands for the dropped text, if any
+        ids += body
+        ends += [base + e for e in _token_ends(vocab, body, text[start:end].encode("utf-8"))]
+        if vocab.add_eos:
+            ids.append(vocab.eos_id)
+            ends.append(len(text.encode("utf-8")))
+        return np.asarray(ids, dtype=np.int32), self._mask(vocab, ids, ends, text, spans)
+
+    def tokenize_pair(self, vocab: Vocab, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:
+        """A prompt/completion sample: one user turn and the assistant turn that answers it."""
+        return self.tokenize(vocab, [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}])
+
+    def _assistant_spans(self, messages: list[Message], text: str, render) -> list[tuple[int, int]]:
+        """Character ranges of the assistant turns in `text` (content and end-of-turn marker)."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            done = render(messages[:i + 1], False)
+            start = len(os.path.commonprefix([render(messages[:i], True), done]))
+            end = len(os.path.commonprefix([done, text]))  # what closes a conversation (Phi-3's EOS) is not the turn's
+            content = message.get("content")
+            if end <= start or (isinstance(content, str) and content.strip() not in text[start:end]):
+                raise InputError(f"{self.name}: assistant message {i + 1} cannot be located for the loss mask (the "
+                                 "template renders it differently once later messages follow, or alters its content)")
+            spans.append((start, end))
+        return spans
+
+    @staticmethod
+    def _mask(vocab: Vocab, ids: list[int], ends: list[int], text: str, spans: list[tuple[int, int]]) -> np.ndarray:
+        """True for the tokens whose last byte lies in an assistant span, up to its last end-of-generation token."""
+        mask = np.zeros(len(ids), dtype=bool)
+        end = np.asarray(ends, dtype=np.int64)
+        start = np.concatenate([[0], end[:-1]]).astype(np.int64)
+        for first, last in spans:
+            lo, hi = len(text[:first].encode("utf-8")), len(text[:last].encode("utf-8"))
+            inside = np.flatnonzero((start < end) & (end > lo) & (end <= hi))
+            eog = [k for k in inside if vocab.is_eog(ids[k])]
+            mask[inside[inside <= eog[-1]] if eog else inside] = True
+        return mask
+
+
+def _token_ends(vocab: Vocab, ids: list[int], data: bytes) -> list[int]:
+    """Byte offset in `data` where each token's text ends.
+
+    Pieces are matched to the text in order. Where a piece is not next in the text, it is
+    looked for further on without its leading space: llama.cpp adds the SPM space prefix
+    after special tokens, which may also strip the whitespace beside them (Phi-3's RSTRIP),
+    and drops characters no token covers.
+    """
+    ends, pos = [], 0
+    for token in ids:
+        piece = vocab.token_to_piece(token, special=True)
+        if data.startswith(piece, pos):
+            pos += len(piece)
+        else:
+            core = piece[1:] if piece[:1] == b" " else piece
+            found = data.find(core, pos) if core else -1
+            if found >= 0:
+                pos = found + len(core)
+        ends.append(pos)
+    return ends
