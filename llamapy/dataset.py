@@ -100,8 +100,10 @@ def one_sequence(n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _sample_arrays(tokens, train_mask, where: str) -> tuple[np.ndarray, np.ndarray]:
     """A sample's inputs and labels: position i predicts token i + 1, and that prediction
-    counts where train_mask[i] is set. The last token is only a label (nothing follows
-    it), so a sample of L tokens takes L - 1 positions and its last mask entry is unused."""
+    counts where train_mask[i + 1] is set: the mask marks the tokens to learn, as
+    chat.ChatTemplate.tokenize marks the assistant turns (so its first entry is unused:
+    nothing predicts the first token). The last token is only a label (nothing follows
+    it), so a sample of L tokens takes L - 1 positions."""
     tokens = np.asarray(tokens)
     mask = np.asarray(train_mask)
     if tokens.ndim != 1 or mask.shape != tokens.shape:
@@ -112,13 +114,14 @@ def _sample_arrays(tokens, train_mask, where: str) -> tuple[np.ndarray, np.ndarr
     if not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max:
         raise InputError(f"{where}: tokens must be non-negative int32 ids")
     tokens = tokens.astype(np.int32)
-    labels = np.where(mask[:-1].astype(bool), tokens[1:], IGNORE).astype(np.int32)
+    labels = np.where(mask[1:].astype(bool), tokens[1:], IGNORE).astype(np.int32)
     return tokens[:-1], labels
 
 
 def pack_samples(samples: Sequence[tuple[np.ndarray, np.ndarray]], n_ctx: int, pad_id: int,
                  truncate: bool = True) -> PackedWindows:
-    """Pack samples (tokens int32, train_mask bool) into windows of n_ctx positions, greedily
+    """Pack samples (tokens int32, train_mask bool: the tokens to learn) into windows of n_ctx
+    positions, greedily
     in order: a sample goes into the current window when it fits in what is left, else it
     starts the next; the positions left at the end of a window are padding (pad_id,
     IGNORE). Each sample is a sequence of its own (positions from 0, attention within it),

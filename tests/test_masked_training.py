@@ -21,6 +21,7 @@ import pytest
 import llamapy
 from ggmlpy import GGMLType
 from ggmlpy.opt import Result
+from llamapy.chat import ChatTemplate
 from llamapy.checkpoint import data_fingerprint
 from llamapy.dataset import IGNORE, PackedWindows, pack_samples, token_windows, window_layout
 from llamapy.errors import InputError
@@ -90,7 +91,7 @@ def sample_places(ds) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("n_ubatch", [32, 64])
 def test_masked_prompt_gives_the_answers_loss_and_gradients(stories_path, story_tokens, n_ubatch):
     tokens = story_tokens[:N_CTX + 1]
-    mask = np.arange(N_CTX + 1) >= 32  # positions 32..63 predict the answer, tokens 33..64
+    mask = np.arange(N_CTX + 1) >= 33  # the answer: tokens 33..64, predicted at positions 32..63
     ds = pack_samples([(tokens, mask)], N_CTX, PAD)
     assert ds.ndata == 1 and np.array_equal(ds.labels[0] == IGNORE, np.arange(N_CTX) < 32)
     result, got = one_step(stories_path, ds, n_ubatch)
@@ -124,7 +125,7 @@ def test_ignored_positions_contribute_exactly_nothing(stories_path, story_tokens
     """Other tokens (inputs and labels) behind the counted positions change no bit: the
     ignored rows get exactly zero gradient and nothing counted attends to them."""
     tokens = story_tokens[:N_CTX + 1].copy()
-    mask = np.arange(N_CTX + 1) < 32
+    mask = np.arange(N_CTX + 1) < 33  # tokens 1..32 learned, at positions 0..31
     other = tokens.copy()
     other[33:] = np.random.default_rng(1).integers(1, 512, N_CTX - 32)
     runs = [one_step(stories_path, pack_samples([(t, mask)], N_CTX, PAD), n_ubatch) for t in (tokens, other)]
@@ -160,13 +161,28 @@ def test_packing_is_greedy_in_order_with_positions_from_zero(samples):
         fill[w] = at[-1] + 1
         assert np.array_equal(ds.pos[w, at], np.arange(len(tokens) - 1))
         assert np.array_equal(ds.data[w, at], tokens[:-1])
-        assert np.array_equal(ds.labels[w, at], np.where(mask[:-1], tokens[1:], IGNORE))
+        assert np.array_equal(ds.labels[w, at], np.where(mask[1:], tokens[1:], IGNORE))
     for w in range(ds.ndata):  # padding: pad_id, ignored; the next sample did not fit
         pad = ds.seq[w] < 0
         assert np.all(ds.data[w, pad] == PAD) and np.all(ds.labels[w, pad] == IGNORE)
         if w + 1 < ds.ndata:
             next_len = np.count_nonzero(ds.seq[w + 1] == 0)
             assert np.count_nonzero(pad) < next_len
+
+
+def test_chat_masks_count_exactly_the_assistant_tokens(stories_path):
+    """ChatTemplate.tokenize marks the tokens to learn; packed, those are the counted labels."""
+    vocab = llamapy.load_model(stories_path).vocab
+    template = ChatTemplate.named("chatml", vocab)
+    conversations = [[("user", "Hi there"), ("assistant", "Hello!")],
+                     [("user", "Two and two?"), ("assistant", "Four."), ("user", "And three?"), ("assistant", "Five.")]]
+    samples = [template.tokenize(vocab, [{"role": r, "content": c} for r, c in conv]) for conv in conversations]
+    ds = pack_samples(samples, 4 * N_CTX, PAD)
+    assert ds.ndata == 1
+    for (ids, mask), (w, s) in zip(samples, sample_places(ds)):
+        labels = ds.labels[w, ds.seq[w] == s]
+        assert not mask[0] and mask.any()
+        assert np.array_equal(labels[labels != IGNORE], ids[mask])
 
 
 def test_packed_samples_have_the_losses_they_have_alone(stories_path, samples):
@@ -179,7 +195,7 @@ def test_packed_samples_have_the_losses_they_have_alone(stories_path, samples):
         tr.window(ds.data[w], only_k, False, packed, layout=window_layout(ds, w))
         single = pack_samples([samples[k]], N_CTX, PAD)
         tr.window(single.data[0], single.labels[0], False, alone, layout=window_layout(single, 0))
-        assert packed.ndata == alone.ndata == np.count_nonzero(samples[k][1][:-1])
+        assert packed.ndata == alone.ndata == np.count_nonzero(samples[k][1][1:])
         assert packed.loss()[0] == pytest.approx(alone.loss()[0], rel=2e-6), k
 
 
@@ -193,7 +209,7 @@ def test_a_packed_step_equals_the_step_over_samples_alone(stories_path, samples)
             getattr(one_per_window, name)[k] = getattr(single, name)[0]
     r0, g0 = one_step(stories_path, pack_samples(samples, N_CTX, PAD), 32)
     r1, g1 = one_step(stories_path, one_per_window, 32)
-    assert r0.ndata == r1.ndata == sum(np.count_nonzero(m[:-1]) for _, m in samples)
+    assert r0.ndata == r1.ndata == sum(np.count_nonzero(m[1:]) for _, m in samples)
     assert r0.steps[0] == pytest.approx(r1.steps[0], rel=2e-6)
     assert r0.loss()[0] == pytest.approx(r1.loss()[0], rel=2e-6)
     assert_grads_close(g0, g1, 2e-5)
@@ -242,7 +258,7 @@ def test_the_data_fingerprint_covers_masks_and_sequences(samples):
     ds = pack_samples(samples, N_CTX, PAD)
     base = data_fingerprint(ds, ds.ndata)
     flipped = [(t, m.copy()) for t, m in samples]
-    flipped[3][1][-2] = not flipped[3][1][-2]
+    flipped[3][1][-1] = not flipped[3][1][-1]
     assert data_fingerprint(pack_samples(flipped, N_CTX, PAD), ds.ndata) != base
     for name in ("pos", "seq"):
         other = pack_samples(samples, N_CTX, PAD)
