@@ -13,13 +13,18 @@ from .types import GGMLType
 
 # ---- losses -------------------------------------------------------------------------------
 def cross_entropy_loss(ctx: Context, logits: Tensor, labels: Tensor) -> Tensor:
-    """-sum(labels * log_softmax(logits)) over each row, averaged over rows: a 1-element tensor."""
+    """-sum(labels * log_softmax(logits)) over each row, averaged over rows: a 1-element tensor.
+
+    A label row is a distribution, or one scaled by a weight: the loss is linear in the
+    labels, so an all-zero row (a datapoint whose label is ignored) adds nothing to the
+    sum (the mean still divides by every row) and gets no gradient."""
     _check(logits.ne == labels.ne, f"CROSS_ENTROPY_LOSS: logits {logits.ne} and labels {labels.ne} differ")
     return _node(ctx, Op.CROSS_ENTROPY_LOSS, GGMLType.F32, (1, 1, 1, 1), (logits, labels))
 
 
 def cross_entropy_loss_back(ctx: Context, grad: Tensor, logits: Tensor, labels: Tensor) -> Tensor:
-    """d loss / d logits = (softmax(logits) - labels) * grad / rows."""
+    """d loss / d logits = (softmax(logits) * sum(labels) - labels) * grad / rows, per row
+    (ggml's softmax - labels where a row sums to 1)."""
     _check(grad.nelements() == 1, "CROSS_ENTROPY_LOSS_BACK: the loss gradient must be a scalar")
     return _node(ctx, Op.CROSS_ENTROPY_LOSS_BACK, GGMLType.F32, logits.ne, (grad, logits, labels))
 

@@ -80,9 +80,13 @@ class Dataset:
             labels = np.reshape(labels_batch.array(), (-1, self.labels.shape[1]), copy=False)
             labels[...] = self.labels[shards]
 
+    def index(self, i: int) -> int:
+        """The row of the i-th datapoint in the current (shuffled) order."""
+        return int(self.permutation[i // self.ndata_shard]) * self.ndata_shard + i % self.ndata_shard
+
     def datapoint(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Data and labels of the i-th datapoint in the current (shuffled) order."""
-        j = self.permutation[i // self.ndata_shard] * self.ndata_shard + i % self.ndata_shard
+        j = self.index(i)
         return self.data[j], None if self.labels is None else self.labels[j]
 
     def _shards(self, n_batch: int, ibatch: int) -> np.ndarray:
@@ -142,9 +146,19 @@ class TrainingDivergedError(ArithmeticError):
 
 
 # ---- results ---------------------------------------------------------------------------------------
+def _weighted_mean(values: Sequence[float], counts: Sequence[int]) -> float:
+    """The mean of per-batch mean losses over all their datapoints (batch i counting
+    counts[i]). Equal counts give the plain mean bit for bit: the weights are then 1.0."""
+    w = np.asarray(counts, dtype=np.float64)
+    w /= w.max()
+    return float((w * np.asarray(values, dtype=np.float64)).sum() / w.sum())
+
+
 class Result:
-    """One pass over data: the loss of each evaluated batch, predictions, the correct count,
-    and the mean loss of each optimizer step taken (for loss curves)."""
+    """One pass over data: the loss of each evaluated batch, the datapoints it counted,
+    predictions, the correct count, and the mean loss of each optimizer step taken (for
+    loss curves). A batch's datapoints whose labels are ignored are not counted: they are
+    in neither its loss, nor ndata, nor the predictions."""
 
     def __init__(self) -> None:
         self.reset()
@@ -152,33 +166,45 @@ class Result:
     def reset(self) -> None:
         self.ndata = 0
         self.losses: list[float] = []
+        self.counts: list[int] = []  # datapoints counted in each batch's loss
         self.steps: list[float] = []
         self.preds: list[int] = []
         self.ncorrect = 0
         self.loss_per_datapoint = False
 
     def loss(self) -> tuple[float, float]:
-        """(loss, uncertainty): the mean over batches for per-datapoint losses, else the sum."""
+        """(loss, uncertainty): for per-datapoint losses the mean over every counted datapoint
+        (batches weighted by their counts), else the sum over batches."""
         n = len(self.losses)
         if n == 0:
             return 0.0, math.nan
         values = np.asarray(self.losses, dtype=np.float32).astype(np.float64)
-        mean = values.sum() / n
-        loss = mean if self.loss_per_datapoint else values.sum()
+        if not self.loss_per_datapoint:
+            total = values.sum()
+            if n < 2:
+                return float(total), math.nan
+            mean = total / n
+            sample_var = max((values ** 2).sum() / n - mean * mean, 0.0) * n / (n - 1)
+            # (ggml reports the sample standard deviation for sums, without the sqrt(n).)
+            return float(total), math.sqrt(sample_var * n)
+        w = np.asarray(self.counts, dtype=np.float64)
+        w /= w.max()  # 1.0 each when the batches count alike: the unweighted statistics bit for bit
+        total = w.sum()
+        mean = (w * values).sum() / total
         if n < 2:
-            return float(loss), math.nan
-        sample_var = max((values ** 2).sum() / n - mean * mean, 0.0) * n / (n - 1)
-        # standard error of the mean; for a summed loss, of the sum (n times the mean).
-        # (ggml reports the sample standard deviation for sums, without the sqrt(n).)
-        unc = math.sqrt(sample_var / n) if self.loss_per_datapoint else math.sqrt(sample_var * n)
-        return float(loss), unc
+            return float(mean), math.nan
+        n_eff = total * total / (w * w).sum()  # Kish's effective number of batches (n for equal weights)
+        sample_var = max((w * values ** 2).sum() / total - mean * mean, 0.0) * n_eff / (n_eff - 1)
+        return float(mean), math.sqrt(sample_var / n_eff)  # the standard error of the mean
 
     def add_batch(self, ndata: int, loss: float, preds, ncorrect: int | None, loss_per_datapoint: bool) -> None:
-        """Record one evaluated batch (ncorrect None: no accuracy for this loss)."""
+        """Record one evaluated batch of `ndata` counted datapoints (ncorrect None: no accuracy
+        for this loss)."""
         if self.ndata == 0:
             self.loss_per_datapoint = loss_per_datapoint
         self.ndata += ndata
         self.losses.append(loss)
+        self.counts.append(ndata)
         if ncorrect is None:
             self.ncorrect = -1
             return
@@ -194,19 +220,22 @@ class Result:
             self.loss_per_datapoint = other.loss_per_datapoint
         self.ndata += other.ndata
         self.losses.extend(other.losses)
+        self.counts.extend(other.counts)
         self.preds.extend(other.preds)
         self.ncorrect = -1 if min(self.ncorrect, other.ncorrect) < 0 else self.ncorrect + other.ncorrect
 
     def to_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of a pass in progress (per-datapoint predictions are not kept)."""
-        return {"ndata": self.ndata, "losses": list(self.losses), "steps": list(self.steps),
-                "ncorrect": self.ncorrect, "loss_per_datapoint": self.loss_per_datapoint}
+        return {"ndata": self.ndata, "losses": list(self.losses), "counts": list(self.counts),
+                "steps": list(self.steps), "ncorrect": self.ncorrect, "loss_per_datapoint": self.loss_per_datapoint}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Result":
         r = cls()
         r.ndata, r.ncorrect, r.loss_per_datapoint = int(d["ndata"]), int(d["ncorrect"]), bool(d["loss_per_datapoint"])
         r.losses, r.steps = [float(x) for x in d["losses"]], [float(x) for x in d["steps"]]
+        # a pass saved before counts were kept counted every batch alike
+        r.counts = [int(x) for x in d.get("counts", [1] * len(r.losses))]
         return r
 
     def accuracy(self) -> tuple[float, float]:
@@ -364,24 +393,42 @@ class TrainGraph:
         self.allocator = GraphAllocator()
         self.allocator.alloc_graph(self.backward or self.forward)
 
-    def record(self, result: Result | None) -> float:
-        """The evaluation's unscaled loss, added to `result` with its predictions."""
+    def record(self, result: Result | None, counted: np.ndarray | None = None,
+               label_weight: float = 1.0) -> tuple[float, int]:
+        """The evaluation's unscaled loss and how many datapoints it counts; added to `result`
+        with its predictions.
+
+        `counted` (bool per datapoint) marks the datapoints whose labels count, the others'
+        label rows being all zero, and `label_weight` is the sum of a counted datapoint's
+        label row (the loss is linear in it): the loss is then the mean over the counted
+        datapoints alone (NaN when none is, and nothing is recorded), and only their
+        predictions are kept. The graph's `ncorrect` must not count them either (compare
+        the predictions with labels an ignored datapoint never equals)."""
         loss = float(self.loss.array().reshape(-1)[0]) / self.loss_scale
-        if result is not None:
+        ndata = self.ndata
+        if counted is not None:
+            ndata = int(np.count_nonzero(counted))
+            loss = loss * (self.ndata / (ndata * label_weight)) if ndata else math.nan
+        if result is not None and ndata:
             has_acc = self.pred is not None
-            result.add_batch(self.ndata, loss, self.pred.array().reshape(-1) if has_acc else (),
+            preds = self.pred.array().reshape(-1) if has_acc else ()
+            result.add_batch(ndata, loss, preds if counted is None or not has_acc else preds[counted],
                              int(self.ncorrect.array().reshape(-1)[0]) if has_acc else None, self.loss_per_datapoint)
-        return loss
+        return loss, ndata
 
 
 # ---- the optimization context -----------------------------------------------------------------------------
 class BatchFeeder(Protocol):
     """How one physical batch of a dataset is evaluated: `run_batch` evaluates (train: with
     gradients) the datapoints of batch `ibatch`, records into `result` and calls `tick()`
-    after each of its `evals_per_batch` evaluations (the progress counter)."""
+    after each of its `evals_per_batch` evaluations (the progress counter). `begin_step`
+    sees the batches of every rank before an optimizer step (where a feeder whose labels
+    may be ignored counts the datapoints the step's loss is the mean over)."""
 
     datapoints_per_batch: int
     evals_per_batch: int
+
+    def begin_step(self, dataset: Dataset, batches: range) -> None: ...
 
     def run_batch(self, dataset: Dataset, ibatch: int, train: bool, result: Result | None,
                   tick: Callable[[], None]) -> None: ...
@@ -447,7 +494,7 @@ class OptContext:
         self._graph: TrainGraph | None = None
         self._backward = False
         self._last_graph = self.static
-        self._step_losses: list[float] = []
+        self._step_losses: list[tuple[float, int]] = []  # (loss, datapoints counted) per evaluation
         self._last_good: list[np.ndarray] | None = None
         self.last_grad_norm = math.nan  # before clipping, of the last step (with grad_clip)
         self.reduce_seconds = 0.0  # time spent summing gradients over the ranks
@@ -529,16 +576,17 @@ class OptContext:
             raise ValueError("opt: this graph was built for forward passes only")
         self._graph, self._backward = graph, backward
 
-    def eval(self, result: Result | None) -> float:
-        """Compute the chosen graph and record its loss (ggml_opt_eval); returns the loss."""
+    def eval(self, result: Result | None, counted: np.ndarray | None = None, label_weight: float = 1.0) -> float:
+        """Compute the chosen graph and record its loss (ggml_opt_eval); returns the loss.
+        `counted` and `label_weight`: the datapoints whose labels count (TrainGraph.record)."""
         graph = self._graph
         if graph is None:
             raise RuntimeError("opt: call alloc() before eval()")
         self.backend.compute(graph.backward if self._backward else graph.forward)
         self._graph, self._last_graph = None, graph
-        loss = graph.record(result)
-        if self._backward:
-            self._step_losses.append(loss)
+        loss, ndata = graph.record(result, counted, label_weight)
+        if self._backward and ndata:
+            self._step_losses.append((loss, ndata))
         return loss
 
     # -- optimizer steps ---------------------------------------------------------------------------
@@ -568,13 +616,13 @@ class OptContext:
             if result is not None:
                 for _, other in parts:
                     result.extend(other)
-        if not all(math.isfinite(x) for x in losses):
+        if not all(math.isfinite(x) for x, _ in losses):
             step = self.optimizer.state.n_steps + 1
             if self._last_good is not None:
                 for p, saved in zip(self.optimizer.params, self._last_good):
                     np.copyto(p.array(), saved)
             raise TrainingDivergedError(
-                f"training: the loss became {sum(losses)} at optimizer step {step}"
+                f"training: the loss became {sum(x for x, _ in losses)} at optimizer step {step}"
                 + ("; the weights are back to the last ones that gave a finite loss" if self.params.keep_last_good else ""))
         if self.params.keep_last_good:
             self._keep_last_good()
@@ -587,7 +635,7 @@ class OptContext:
             self.last_grad_norm = self.optimizer.clip_grad_norm(p.grad_clip)
         self.optimizer.step(p.get_opt_pars(p.get_opt_pars_ud) if p.get_opt_pars else None)
         if result is not None and losses:
-            result.steps.append(float(np.mean(losses)))
+            result.steps.append(_weighted_mean(*zip(*losses)))
         self._step_losses = []
 
     def _keep_last_good(self) -> None:
@@ -609,6 +657,9 @@ class _StaticFeeder:
     @property
     def datapoints_per_batch(self) -> int:
         return self.opt_ctx.inputs.ne[1]
+
+    def begin_step(self, dataset: Dataset, batches: range) -> None:
+        """Every datapoint counts: the constant loss scale is the step's mean."""
 
     def run_batch(self, dataset: Dataset, ibatch: int, train: bool, result: Result | None,
                   tick: Callable[[], None]) -> None:
@@ -673,6 +724,7 @@ def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None
     stepping = opt_ctx.params.build_type == BuildType.OPT
     for first in range(start_batch, n_train, per_step):
         opt_ctx.zero_grad()
+        feeder.begin_step(dataset, range(first, first + per_step))
         shard = Result() if comm.size > 1 and stepping else result_train
         for ibatch in range(first + comm.rank * share, first + (comm.rank + 1) * share):
             feeder.run_batch(dataset, ibatch, True, shard, ticks)

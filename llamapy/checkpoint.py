@@ -29,6 +29,7 @@ from gguf import GGUFReader, GGUFWriter
 
 from ggmlpy.opt import Dataset, FitPosition, Result
 
+from .dataset import PackedWindows
 from .errors import InputError
 from .gguf_file import GGUFFile
 from .save import write_atomically
@@ -151,11 +152,14 @@ def model_fingerprint(model, trained: set[str] = frozenset()) -> str:
 
 
 def data_fingerprint(dataset: Dataset, idata_split: int) -> str:
-    """The windows a run trains on (tokens, labels, split): the same text cut the same way."""
+    """The windows a run trains on (tokens, labels with their ignored positions, split, and
+    for packed samples each token's position and sequence): the same data cut the same way."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(np.ascontiguousarray(dataset.data).view(np.uint8).reshape(-1))
-    if dataset.labels is not None:
-        digest.update(np.ascontiguousarray(dataset.labels).view(np.uint8).reshape(-1))
+    arrays = [dataset.data] + ([dataset.labels] if dataset.labels is not None else [])
+    if isinstance(dataset, PackedWindows):
+        arrays += [dataset.pos, dataset.seq]
+    for a in arrays:
+        digest.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
     digest.update(f"{dataset.ndata}:{dataset.ndata_shard}:{idata_split}".encode())
     return digest.hexdigest()
 

@@ -1,12 +1,20 @@
-"""Token streams as training datasets: windows of n_ctx tokens, labels shifted by one.
+"""Training datasets: windows of n_ctx tokens, each token with the label its prediction
+is trained on (the next token) or IGNORE where that prediction does not count.
 
-Window i covers tokens [i*stride, i*stride + n_ctx) and its labels are the next tokens
-[i*stride + 1, i*stride + n_ctx + 1), as llama.cpp's finetune cuts them (stride n_ctx/2
-by default). With `bos` set, every window starts with the BOS token followed by n_ctx-1
-text tokens, and its labels are those text tokens and the next one: models such as Gemma
-score text badly without BOS in front.
+Two ways to fill windows:
+- a token stream (plain text), cut as llama.cpp's finetune cuts it: window i covers
+  tokens [i*stride, i*stride + n_ctx) and its labels are the next tokens [i*stride + 1,
+  i*stride + n_ctx + 1) (stride n_ctx/2 by default). With `bos` set, every window starts
+  with the BOS token followed by n_ctx-1 text tokens, and its labels are those text tokens
+  and the next one: models such as Gemma score text badly without BOS in front.
+- samples (instruction or chat examples) packed into windows as separate sequences: each
+  sample's positions start at 0 and its tokens attend only to its own earlier tokens, so
+  a sample trains as it would alone in a window, and the positions its train mask leaves
+  out (a prompt) and the padding after the last sample carry IGNORE.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -15,14 +23,16 @@ from ggmlpy.opt import Dataset
 
 from .errors import InputError
 
+IGNORE = -1  # the label of a position whose next-token prediction does not count
+
 
 def window_count(n_tokens: int, n_ctx: int, stride: int) -> int:
     return 0 if n_tokens < n_ctx + 1 else (n_tokens - n_ctx - 1) // stride + 1
 
 
 class TokenWindows(Dataset):
-    """A ggmlpy Dataset of I32 windows (data) and next-token windows (labels), with where
-    they came from: the token count, the window length and the stride."""
+    """A text's windows: a ggmlpy Dataset of I32 windows (data) and next-token windows
+    (labels), with where they came from: the token count, the window length and the stride."""
 
     def __init__(self, n_tokens: int, n_ctx: int, stride: int, ndata: int) -> None:
         super().__init__(n_ctx, n_ctx, ndata, 1, GGMLType.I32, GGMLType.I32)
@@ -58,3 +68,98 @@ def text_windows(vocab, text: str, n_ctx: int, window_bos: bool = False, stride:
     with BOS at the start of every window instead (TrainParams.window_bos)."""
     tokens = vocab.tokenize(text, add_special=not window_bos)
     return token_windows(tokens, n_ctx, stride, vocab.bos_id if window_bos else None)
+
+
+# ---- packed samples ---------------------------------------------------------------------
+class PackedWindows(Dataset):
+    """Samples packed into windows: I32 tokens (data) and labels (the next token, or IGNORE),
+    and per token its position in its sample (`pos`, from 0: RoPE) and the sample it belongs
+    to (`seq`, its index in the window, -1 for padding: the attention mask). `n_samples`
+    samples were packed, `n_truncated` of them cut to fit a window (a front end warns)."""
+
+    def __init__(self, n_ctx: int, ndata: int, n_samples: int, n_truncated: int) -> None:
+        super().__init__(n_ctx, n_ctx, ndata, 1, GGMLType.I32, GGMLType.I32)
+        self.n_ctx, self.n_samples, self.n_truncated = n_ctx, n_samples, n_truncated
+        self.pos = np.zeros((ndata, n_ctx), dtype=np.int32)
+        self.seq = np.full((ndata, n_ctx), -1, dtype=np.int32)
+
+
+def window_layout(dataset: Dataset, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and sequence ids of the i-th window in the current (shuffled) order: a
+    packed window's, else one sequence from position 0 (a text's windows)."""
+    if isinstance(dataset, PackedWindows):
+        j = dataset.index(i)
+        return dataset.pos[j], dataset.seq[j]
+    return one_sequence(dataset.data.shape[1])
+
+
+def one_sequence(n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """The layout of a window that is one sequence from position 0."""
+    return np.arange(n_ctx, dtype=np.int32), np.zeros(n_ctx, dtype=np.int32)
+
+
+def _sample_arrays(tokens, train_mask, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A sample's inputs and labels: position i predicts token i + 1, and that prediction
+    counts where train_mask[i + 1] is set: the mask marks the tokens to learn, as
+    chat.ChatTemplate.tokenize marks the assistant turns (so its first entry is unused:
+    nothing predicts the first token). The last token is only a label (nothing follows
+    it), so a sample of L tokens takes L - 1 positions."""
+    tokens = np.asarray(tokens)
+    mask = np.asarray(train_mask)
+    if tokens.ndim != 1 or mask.shape != tokens.shape:
+        raise InputError(f"{where}: tokens and train mask must be 1-D and of one length "
+                         f"(got shapes {tokens.shape} and {mask.shape})")
+    if len(tokens) < 2:
+        raise InputError(f"{where}: a sample needs at least 2 tokens (a token and the next), got {len(tokens)}")
+    if not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max:
+        raise InputError(f"{where}: tokens must be non-negative int32 ids")
+    tokens = tokens.astype(np.int32)
+    labels = np.where(mask[1:].astype(bool), tokens[1:], IGNORE).astype(np.int32)
+    return tokens[:-1], labels
+
+
+def pack_samples(samples: Sequence[tuple[np.ndarray, np.ndarray]], n_ctx: int, pad_id: int,
+                 truncate: bool = True) -> PackedWindows:
+    """Pack samples (tokens int32, train_mask bool: the tokens to learn) into windows of n_ctx
+    positions, greedily
+    in order: a sample goes into the current window when it fits in what is left, else it
+    starts the next; the positions left at the end of a window are padding (pad_id,
+    IGNORE). Each sample is a sequence of its own (positions from 0, attention within it),
+    so its loss and gradients are those of the sample alone in a window.
+
+    A sample of L tokens takes L - 1 positions (see _sample_arrays); one that needs more
+    than n_ctx is cut to its first n_ctx positions (counted in `n_truncated`), or refused
+    with `truncate=False`."""
+    if n_ctx < 1:
+        raise InputError(f"pack_samples: n_ctx must be at least 1, got {n_ctx}")
+    if not samples:
+        raise InputError("pack_samples: no samples")
+    if pad_id < 0:
+        raise InputError(f"pack_samples: pad_id must be a token id, got {pad_id}")
+    placed: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (window, offset, inputs, labels)
+    window, fill, n_truncated = 0, 0, 0
+    for k, (tokens, train_mask) in enumerate(samples):
+        inputs, labels = _sample_arrays(tokens, train_mask, f"sample {k}")
+        if len(inputs) > n_ctx:
+            if not truncate:
+                raise InputError(f"sample {k} has {len(inputs) + 1} tokens: it needs {len(inputs)} positions, "
+                                 f"the window has {n_ctx} (truncate=True cuts it to fit)")
+            inputs, labels = inputs[:n_ctx], labels[:n_ctx]
+            n_truncated += 1
+        if fill + len(inputs) > n_ctx:
+            window, fill = window + 1, 0
+        placed.append((window, fill, inputs, labels))
+        fill += len(inputs)
+    ds = PackedWindows(n_ctx, window + 1, len(samples), n_truncated)
+    ds.data[:], ds.labels[:] = pad_id, IGNORE
+    ends = np.zeros(ds.ndata, dtype=np.int64)  # the first padding position of each window
+    seq = np.zeros(ds.ndata, dtype=np.int32)   # samples placed in each window so far
+    for w, offset, inputs, labels in placed:
+        span = slice(offset, offset + len(inputs))
+        ds.data[w, span], ds.labels[w, span] = inputs, labels
+        ds.pos[w, span], ds.seq[w, span] = np.arange(len(inputs)), seq[w]
+        seq[w] += 1
+        ends[w] = offset + len(inputs)
+    for w, end in enumerate(ends):  # padding: one more sequence, which nothing else sees
+        ds.pos[w, end:] = np.arange(n_ctx - end)
+    return ds

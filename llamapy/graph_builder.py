@@ -21,7 +21,7 @@ from ggmlpy import GGMLType, Tensor
 
 from .batch import UBatch
 from .hparams import HParams
-from .kv_cache import KVMemory, fill_kq_mask
+from .kv_cache import KVMemory
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,16 @@ class KVCacheInput(_AttentionInput):
             self.kv.caches[cache].fill_mask(ub, self.shape.n_kv[cache], mask.array(), n_swa)
 
 
+@dataclass(frozen=True)
+class WindowCells:
+    """The position and sequence of each token of a training window up to the end of the
+    ubatch (the cells a WindowInput attends over). Several sequences in one window are
+    packed samples, which never see each other."""
+
+    pos: np.ndarray  # int32 [n_prev + n_tokens]
+    seq: np.ndarray  # int32 [n_prev + n_tokens]
+
+
 class WindowInput(_AttentionInput):
     """Attention inside a training window without a cache: the K and V of the window's
     n_prev earlier tokens are graph inputs flagged param (so their gradients can be
@@ -121,13 +131,16 @@ class WindowInput(_AttentionInput):
         # [head_dim, n_head_kv, n_kv] -> [head_dim, n_kv, n_head_kv], as the cache's views
         return gg.permute(c, k, 0, 2, 1, 3), gg.permute(c, v, 0, 2, 1, 3)
 
-    def set_inputs(self, ub: UBatch, k_rows=None) -> None:
-        n_kv = self.shape.n_kv[0]
-        cell_pos = (ub.pos[0] - self.n_prev + np.arange(n_kv, dtype=np.int32))[None, :]
-        cell_seqs = np.ones((1, n_kv), dtype=np.uint64)
-        tok_bits = np.ones(ub.n_tokens, dtype=np.uint64)
+    def set_inputs(self, ub: UBatch, cells: WindowCells) -> None:
+        """The KQ masks: a token sees the cells of its own sequence at earlier or equal
+        positions (less than n_swa back with a sliding window), as kv_cache.fill_kq_mask
+        sees cache cells. Sequence ids are compared, not bit sets: a window may pack more
+        samples than a bit set holds."""
+        same_seq = cells.seq[None, :] == ub.seq_id[:, None]
+        back = ub.pos[:, None] - cells.pos[None, :]  # [n_tokens, n_kv]: how far back each cell is
         for (_, n_swa), mask in self.masks.items():
-            fill_kq_mask(cell_pos, cell_seqs, ub.pos, tok_bits, n_swa, mask.array())
+            visible = same_seq & (back >= 0) & ((back < n_swa) if n_swa > 0 else True)
+            mask.array()[0, 0] = np.where(visible, np.float32(0.0), np.float32(-np.inf))
 
 
 class GraphBuilder:
@@ -171,10 +184,12 @@ class GraphBuilder:
     def token_embeddings(self, tok_embd: Tensor) -> Tensor:
         return gg.get_rows(self.ctx, tok_embd, self.inp_tokens)
 
-    def set_inputs(self, ub: UBatch, k_rows: list[np.ndarray] | None = None) -> None:
+    def set_inputs(self, ub: UBatch, attn_inputs: list[np.ndarray] | WindowCells) -> None:
+        """The ubatch's inputs; `attn_inputs` is what the attention input needs beside the
+        ubatch: each KV cache's row indices (inference) or the window's cells (training)."""
         self.inp_tokens.array().reshape(-1)[:] = ub.tokens
         self.inp_pos.array().reshape(-1)[:] = ub.pos
-        self.attn.set_inputs(ub, k_rows)
+        self.attn.set_inputs(ub, attn_inputs)
         if self.inp_out_ids is not None:
             self.inp_out_ids.array().reshape(-1)[:] = np.flatnonzero(ub.output)
 

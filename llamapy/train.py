@@ -18,6 +18,13 @@ For a window cut into ubatches u = 0..U-1:
    earlier cells. By the chain rule the accumulators then hold the exact gradient of
    the window's mean cross-entropy (llama.cpp instead drops those gradients and warns).
 With n_ubatch = n_ctx_train a window is one graph and step 1 is empty.
+
+Labels are token ids, IGNORE (-1) where a prediction does not count (prompts, padding);
+the graph takes them as one-hot rows, all zero where ignored, so those positions add no
+loss and get no gradient. The loss of an optimizer step is the mean over the positions
+that count in all its windows (every rank's): the graph's constant loss scale makes it
+the mean over all positions, and each counted row is weighted by positions / counted
+(exactly 1 when every position counts, as in plain text).
 """
 from __future__ import annotations
 
@@ -34,8 +41,9 @@ from ggmlpy.opt import Dataset, FitPosition, OptContext, OptParams, Result, Trai
 from .arch.base import FIXED_TENSORS
 from .batch import UBatch
 from .checkpoint import data_fingerprint
+from .dataset import IGNORE, one_sequence, window_layout
 from .errors import InputError
-from .graph_builder import GraphBuilder
+from .graph_builder import GraphBuilder, WindowCells
 from .train_params import TrainParams
 
 __all__ = ["Trainer", "TrainingDivergedError"]
@@ -51,9 +59,11 @@ class UbatchGraph:
         c, attn = b.ctx, b.attn
         logits = model.arch.build(b, model)
         self.labels = c.new_tensor_2d(GGMLType.F32, model.hparams.n_vocab, n_tokens, "labels").set_input()
+        # the label ids again, for the accuracy: IGNORE equals no prediction
+        self.label_ids = c.new_tensor_1d(GGMLType.I32, n_tokens, "label_ids").set_input()
         loss = gg.scale(c, gg.cross_entropy_loss(c, logits, self.labels), loss_scale)
         pred = gg.argmax(c, logits)
-        ncorrect = gg.count_equal(c, pred, gg.argmax(c, self.labels))
+        ncorrect = gg.count_equal(c, pred, self.label_ids)
         objective = loss
         self.grad_k: list[Tensor] = []
         self.grad_v: list[Tensor] = []
@@ -101,6 +111,7 @@ class Trainer:
         self.comm = self.opt.comm
         self.run = RunState()
         self.timing = TrainTiming()
+        self.label_weight = 1.0  # of a counted position in the step being trained (begin_step)
         self._t_last = 0.0
         self._graphs: dict[tuple[int, bool], UbatchGraph] = {}
         hp = model.hparams
@@ -160,6 +171,12 @@ class Trainer:
         """The accumulated gradient of trained tensor `name` (numpy shape of the tensor)."""
         return self.opt.optimizer.grad(self.trained[name]).numpy()
 
+    def begin_step(self, dataset: Dataset, batches: range) -> None:
+        """Weigh the counted positions of the optimizer step over `batches` (every rank's
+        windows) so that its loss is their mean (ggmlpy's BatchFeeder)."""
+        n_counted = sum(int(np.count_nonzero(dataset.datapoint(i)[1] != IGNORE)) for i in batches)
+        self.label_weight = len(batches) * self.n_ctx / n_counted if n_counted else 1.0
+
     def check_dataset(self, dataset: Dataset) -> None:
         if dataset.data.shape[1] != self.n_ctx:
             raise InputError(f"training: dataset windows have {dataset.data.shape[1]} tokens, the trainer uses {self.n_ctx}")
@@ -172,35 +189,47 @@ class Trainer:
                                             self.opt.loss_scale, self.lctx.adapters)
         return self._graphs[key]
 
-    def _eval(self, g: UbatchGraph, backward: bool, tokens: np.ndarray, labels: np.ndarray, u: int,
+    def _eval(self, g: UbatchGraph, backward: bool, window: tuple[np.ndarray, ...], u: int, label_weight: float,
               k_store: np.ndarray, v_store: np.ndarray, result: Result | None) -> float:
+        """Evaluate ubatch u of `window` (tokens, labels, positions, sequences), the earlier
+        ubatches' K/V read from the stores; counted positions' one-hot rows weigh label_weight."""
+        tokens, labels, pos, seq = window
         n = self.n_ubatch
         rows = slice(u * n, (u + 1) * n)
-        pos = np.arange(u * n, (u + 1) * n, dtype=np.int32)
-        ub = UBatch(tokens[rows], pos, np.zeros(n, np.int32), np.ones(n, bool), np.arange(n), n, 1, 0)
-        g.builder.set_inputs(ub)
+        ub = UBatch(tokens[rows], pos[rows], seq[rows], np.ones(n, bool), np.arange(n), n, 1, 0)
+        g.builder.set_inputs(ub, WindowCells(pos[:(u + 1) * n], seq[:(u + 1) * n]))
+        ids = labels[rows]
+        counted = ids != IGNORE
         onehot = g.labels.array()[0, 0]
         onehot.fill(0.0)
-        onehot[np.arange(n), labels[rows]] = 1.0
+        onehot[np.flatnonzero(counted), ids[counted]] = label_weight
+        g.label_ids.array().reshape(-1)[:] = ids
         attn = g.builder.attn
         for il in range(len(attn.k_prev)):
             attn.k_prev[il].array()[0] = k_store[il, :u * n]
             attn.v_prev[il].array()[0] = v_store[il, :u * n]
         self.opt.alloc(backward, g.train)
-        return self.opt.eval(result)
+        return self.opt.eval(result, counted, label_weight)
 
     # -- one window ----------------------------------------------------------------------------
     def window(self, tokens: np.ndarray, labels: np.ndarray, train: bool, result: Result | None = None,
-               tick: Callable[[], None] | None = None) -> list[float]:
+               tick: Callable[[], None] | None = None,
+               layout: tuple[np.ndarray, np.ndarray] | None = None) -> list[float]:
         """Forward one window (with `train`, backward too: its gradients add into the
-        optimizer's accumulators); returns the ubatch losses, in evaluation order."""
+        optimizer's accumulators, its counted positions weighted as begin_step set for the
+        step); returns the ubatch losses (means over their counted positions, NaN where
+        none counts), in evaluation order. `layout`: each token's position and sequence
+        (packed samples); one sequence from position 0 when None."""
         U, n = self.n_ctx // self.n_ubatch, self.n_ubatch
+        pos, seq = layout if layout is not None else one_sequence(self.n_ctx)
+        win = (tokens, labels, pos, seq)
+        label_weight = self.label_weight if train else 1.0
         k_store = np.zeros(self._kv_shape, np.float32)
         v_store = np.zeros(self._vv_shape, np.float32)
         losses = []
         for u in range(U - 1 if train else U):
             g = self._graph(u * n, u < U - 1)
-            loss = self._eval(g, False, tokens, labels, u, k_store, v_store, None if train else result)
+            loss = self._eval(g, False, win, u, label_weight, k_store, v_store, None if train else result)
             for il, (k, v) in enumerate(zip(g.builder.attn.k_cur, g.builder.attn.v_cur)):
                 k_store[il, u * n:(u + 1) * n] = k.array()[0]
                 v_store[il, u * n:(u + 1) * n] = v.array()[0]
@@ -217,7 +246,7 @@ class Trainer:
             for il, t in enumerate(g.grad_k):
                 t.array()[0] = dk[il, u * n:(u + 1) * n]
                 g.grad_v[il].array()[0] = dv[il, u * n:(u + 1) * n]
-            losses.append(self._eval(g, True, tokens, labels, u, k_store, v_store, result))
+            losses.append(self._eval(g, True, win, u, label_weight, k_store, v_store, result))
             for il in range(len(g.builder.attn.k_prev)):
                 gk, gv = g.kv_prev_grads(il)
                 dk[il, :u * n] += gk
@@ -232,7 +261,7 @@ class Trainer:
         tokens, labels = dataset.datapoint(ibatch)
         if train and ibatch == 0:
             self._t_last = time.perf_counter()
-        self.window(tokens, labels, train, result, tick)
+        self.window(tokens, labels, train, result, tick, window_layout(dataset, ibatch))
         if train:  # the time since the last window ended: this window and the step before it
             now = time.perf_counter()
             self.timing.add_window(self.n_ctx, now - self._t_last)

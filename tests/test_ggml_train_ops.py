@@ -303,10 +303,13 @@ def ce_inputs(rng, shape, kind: str, logit_offset: float = 0.0):
     logits = randn(rng, shape, 3.0, logit_offset)
     if kind == "soft":
         labels = softmax64(randn(rng, shape, 2.0)).astype(np.float32)
-    else:  # one-hot
+    else:  # one-hot; "weighted": rows scaled by weights in [0, 3), the first row ignored (all zero)
         labels = np.zeros(shape, np.float32)
         flat = labels.reshape(-1, shape[-1])
         flat[np.arange(flat.shape[0]), rng.integers(0, shape[-1], flat.shape[0])] = 1.0
+        if kind == "weighted":
+            flat *= rng.uniform(0.0, 3.0, (flat.shape[0], 1)).astype(np.float32)
+            flat[0] = 0.0
     return logits, labels
 
 
@@ -321,7 +324,7 @@ CE_SHAPES = {"2d": (1, 1, 6, 11), "4d": (2, 3, 4, 9)}
 
 @pytest.mark.parametrize("layouts", [("contig", "contig"), ("perm", "contig"), ("trans", "pad"), ("pad", "perm")],
                          ids=lambda l: "-".join(l))
-@pytest.mark.parametrize("kind", ["soft", "one_hot"])
+@pytest.mark.parametrize("kind", ["soft", "one_hot", "weighted"])
 @pytest.mark.parametrize("shape", CE_SHAPES.values(), ids=CE_SHAPES.keys())
 @pytest.mark.parametrize("offset", [0.0, 1000.0], ids=["centred", "large_logits"])
 def test_cross_entropy_loss(rng, shape, kind, layouts, offset):
@@ -340,7 +343,7 @@ def test_cross_entropy_loss(rng, shape, kind, layouts, offset):
 
 @pytest.mark.parametrize("layouts", [("contig", "contig"), ("perm", "contig"), ("trans", "pad"), ("pad", "perm")],
                          ids=lambda l: "-".join(l))
-@pytest.mark.parametrize("kind", ["soft", "one_hot"])
+@pytest.mark.parametrize("kind", ["soft", "one_hot", "weighted"])
 @pytest.mark.parametrize("shape", CE_SHAPES.values(), ids=CE_SHAPES.keys())
 @pytest.mark.parametrize("d", [1.0, -0.37])
 def test_cross_entropy_loss_back(rng, shape, kind, layouts, d):
@@ -352,10 +355,14 @@ def test_cross_entropy_loss_back(rng, shape, kind, layouts, d):
     n_rows = math.prod(shape[:-1])
     p = softmax64(logits)
     dd = np.float64(np.float32(d))
-    ref = (p - labels) * dd / n_rows
+    weight = labels.astype(np.float64).sum(axis=-1, keepdims=True)  # 1 but for weighted rows
+    ref = (p * weight - labels) * dd / n_rows
     v = np.abs(logits.astype(np.float64) - logits.max(axis=-1, keepdims=True))
-    scale = (p * (1.0 + v) + np.abs(labels)) * abs(dd) / n_rows
-    assert_close(run(out), ref, scale)
+    scale = (p * (1.0 + v) * weight + np.abs(labels)) * abs(dd) / n_rows
+    result = run(out)
+    assert_close(result, ref, scale)
+    if kind == "weighted":  # an ignored row has no gradient at all
+        assert not result.reshape(-1, shape[-1])[0].any()
 
 
 # ---- rms_norm_back ------------------------------------------------------------------------------------------

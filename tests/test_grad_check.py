@@ -191,6 +191,9 @@ CASES = {
     "transpose_intermediate": (lambda ctx, a, b: gg.mul_mat(ctx, gg.transpose(ctx, gg.sqr(ctx, a)), b),
                                [rn(4, 6), rn(6, 5, seed=2)], None),
     "cross_entropy_loss": (lambda ctx, a: gg.cross_entropy_loss(ctx, a, ctx.from_numpy(_labels())), [rn(7, 3, scale=2.0)], None),
+    # rows weighted, one ignored (all zero): a masked language-model loss
+    "cross_entropy_loss_weighted_rows": (lambda ctx, a: gg.cross_entropy_loss(
+        ctx, a, ctx.from_numpy(_labels() * np.array([[0.0], [2.5], [0.7]], np.float32))), [rn(7, 3, scale=2.0)], None),
     "shared_input_several_uses": (lambda ctx, a: gg.add(ctx, gg.mul(ctx, a, a), gg.mul_mat(ctx, a, a)), [rn(4, 4)], None),
     "attention_block": (_attention, [rn(4, 2, 5), rn(4, 2, 5, seed=2), rn(4, 2, 5, seed=3)], None),
     # the pieces qwen2, qwen3 and Llama 3 add to llama's layer

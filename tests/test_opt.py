@@ -140,6 +140,23 @@ def test_result_statistics_match_numpy():
     assert summed.loss()[0] == 7.0 and summed.loss()[1] == pytest.approx(np.std([1, 2, 4], ddof=1) * math.sqrt(3))
 
 
+def test_result_weighs_batches_by_their_counted_datapoints():
+    """Batches whose ignored datapoints were left out count what they counted: the loss is
+    the mean over all counted datapoints; a pass saved without counts reads as equal ones."""
+    r = opt.Result()
+    r.add_batch(3, 1.0, [0, 1, 2], 2, True)
+    r.add_batch(1, 5.0, [4], 1, True)
+    assert r.loss()[0] == 2.0 and r.ndata == 4 and r.accuracy()[0] == 0.75
+    other = opt.Result()
+    other.add_batch(4, 2.0, [0, 0, 0, 0], 0, True)
+    r.extend(other)
+    assert r.counts == [3, 1, 4] and r.loss()[0] == 2.0
+    back = opt.Result.from_dict(r.to_dict())
+    assert back.counts == r.counts and back.loss() == r.loss()
+    legacy = {k: v for k, v in r.to_dict().items() if k != "counts"}
+    assert opt.Result.from_dict(legacy).loss()[0] == pytest.approx(np.mean([1.0, 5.0, 2.0]))
+
+
 def _state_tensors(opt_ctx: opt.OptContext) -> list[gg.Tensor]:
     """Tensors with memory of their own that the optimizer created, beside the gradient
     accumulators every optimizer has and its step's hyper-parameters."""

@@ -106,7 +106,12 @@ def cross_entropy_rows(logits, labels, out):
 
 @njit(parallel=True, cache=True)
 def cross_entropy_back_f32(d, logits, labels, dst):
-    """dst = (softmax(logits) - labels) * d / rows, in float as ggml."""
+    """dst = (softmax(logits) * sum(labels) - labels) * d / rows, in float as ggml.
+
+    The gradient of the forward for label rows of any sum: ggml's (softmax - labels)
+    assumes each row sums to 1; a weighted row scales its gradient and an all-zero row
+    (an ignored datapoint) has none. For a distribution the sum is 1.0 and the product by
+    it exact, so those rows get ggml's bits."""
     n3, n2, n1, n0 = logits.shape
     n_rows = n3 * n2 * n1
     sc = F32(d / n_rows)
@@ -115,8 +120,9 @@ def cross_entropy_back_f32(d, logits, labels, dst):
         dr, lab = dst[i3, i2, i1], labels[i3, i2, i1]
         _, s = exp_sum(logits[i3, i2, i1], dr)
         inv = F32(1.0 / s)
+        weight = F32(sum_f64(lab))
         for i0 in range(n0):
-            dr[i0] = (dr[i0] * inv - lab[i0]) * sc
+            dr[i0] = (dr[i0] * inv * weight - lab[i0]) * sc
 
 
 @njit(cache=True)
