@@ -163,3 +163,44 @@ def pack_samples(samples: Sequence[tuple[np.ndarray, np.ndarray]], n_ctx: int, p
     for w, end in enumerate(ends):  # padding: one more sequence, which nothing else sees
         ds.pos[w, end:] = np.arange(n_ctx - end)
     return ds
+
+
+def load_samples(path, vocab, n_ctx: int, *, data_format: str | None = None, chat_template=None,
+                 mask_prompt: bool = True, sample_start: str | None = None, include_sample_start: bool = False,
+                 truncate: bool = True) -> PackedWindows:
+    """Training examples from a file, tokenized and packed into windows of n_ctx.
+
+    A `.jsonl` file holds text, prompt/completion or chat samples (llamapy.samples); the
+    conversations are rendered with `chat_template` (a llamapy.chat.ChatTemplate, required
+    for them) and, with `mask_prompt`, only the assistant turns are learned. Any other file
+    is plain text: one sample, or one per `sample_start` as llama.cpp's old finetune cut it.
+    Text samples are learned whole (BOS as the vocabulary adds it)."""
+    from pathlib import Path
+
+    from .samples import read_jsonl, split_text
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        samples, _ = read_jsonl(path, data_format)
+    else:
+        if not path.is_file():
+            raise InputError(f"text file not found: {path}")
+        samples = split_text(path.read_text(encoding="utf-8", errors="replace"), sample_start, str(path),
+                             include_sample_start)
+    tokenized = []
+    for sample in samples:
+        if sample.is_chat:
+            if chat_template is None:
+                raise InputError(f"{sample.where}: a conversation needs a chat template (the model has none: "
+                                 "give one by file or name)")
+            tokens, mask = chat_template.tokenize(vocab, sample.messages)
+            tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
+            if not mask_prompt:
+                mask = np.ones_like(mask)
+        else:
+            tokens = np.asarray(vocab.tokenize(sample.text, add_special=True), np.int32)
+            mask = np.ones(len(tokens), bool)
+        if len(tokens) < 2:
+            raise InputError(f"{sample.where}: the sample gives {len(tokens)} token(s); at least 2 are needed")
+        tokenized.append((tokens, mask))
+    pad = vocab.pad_id if vocab.pad_id is not None else (vocab.eos_id if vocab.eos_id is not None else 0)
+    return pack_samples(tokenized, n_ctx, pad, truncate)

@@ -69,3 +69,33 @@ def test_sample_start_splits_as_llama_cpps_finetune():
     with pytest.raises(InputError, match=r"t\.txt: the sample start '<e>' does not occur in the text"):
         split_text(text, "<e>", "t.txt")
     assert unescape(r"\n\t\\x\"") == "\n\t\\x\""
+
+
+def test_load_samples_tokenizes_masks_and_packs(stories_path, tmp_path):
+    import numpy as np
+
+    import llamapy
+    from llamapy.chat import ChatTemplate
+    from llamapy.dataset import IGNORE, load_samples
+
+    model = llamapy.load_model(stories_path)
+    path = write(tmp_path, [{"prompt": "What is two and two?", "completion": "Four."},
+                            {"prompt": "Name a color.", "completion": "Blue."}])
+    template = ChatTemplate.named("chatml", model.vocab)
+    ds = load_samples(path, model.vocab, 128, chat_template=template)
+    assert ds.ndata == 1  # both conversations fit one window, as two sequences
+    counted = ds.labels[0] != IGNORE
+    expected = []
+    for messages in ([{"role": "user", "content": "What is two and two?"}, {"role": "assistant", "content": "Four."}],
+                     [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]):
+        tokens, mask = template.tokenize(model.vocab, messages)
+        expected += list(np.asarray(tokens)[np.asarray(mask)])
+    assert list(ds.labels[0][counted]) == expected  # exactly the assistant tokens are learned
+    unmasked = load_samples(path, model.vocab, 128, chat_template=template, mask_prompt=False)
+    assert (unmasked.labels[0] != IGNORE).sum() > counted.sum()
+    with pytest.raises(InputError, match=r"train\.jsonl:1: a conversation needs a chat template"):
+        load_samples(path, model.vocab, 128)
+    text = tmp_path / "stories.txt"
+    text.write_text("junk<s>Once upon a time there was a cat.<s>The dog ran home.")
+    ds = load_samples(text, model.vocab, 64, sample_start="<s>")
+    assert ds.seq[0].max() >= 1 and (ds.labels != IGNORE).sum() > 10
