@@ -333,7 +333,7 @@ class Optimizer:
 
     def grad_norm(self) -> float:
         """The global L2 norm of the accumulated gradients (all params, float64)."""
-        return math.sqrt(self.backend.sum_squares([self.grad_flat]))
+        return math.sqrt(self.backend.sum_squares(self.grad_flat))
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the accumulated gradients so their global L2 norm is at most `max_norm`
@@ -342,7 +342,7 @@ class Optimizer:
         norm = self.grad_norm()
         factor = max_norm / (norm + 1e-6)
         if factor < 1.0:
-            self.backend.scale([self.grad_flat], factor)
+            self.backend.scale(self.grad_flat, factor)
         return norm
 
     def step(self, hparams: AdamW | SGD | None = None) -> None:

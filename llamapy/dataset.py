@@ -15,6 +15,7 @@ Two ways to fill windows:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from ggmlpy import GGMLType
 from ggmlpy.opt import Dataset
 
 from .errors import InputError
+from .samples import read_jsonl, split_text
 
 IGNORE = -1  # the label of a position whose next-token prediction does not count
 
@@ -175,9 +177,6 @@ def load_samples(path, vocab, n_ctx: int, *, data_format: str | None = None, cha
     for them) and, with `mask_prompt`, only the assistant turns are learned. Any other file
     is plain text: one sample, or one per `sample_start` as llama.cpp's old finetune cut it.
     Text samples are learned whole (BOS as the vocabulary adds it)."""
-    from pathlib import Path
-
-    from .samples import read_jsonl, split_text
     path = Path(path)
     if path.suffix == ".jsonl":
         samples, _ = read_jsonl(path, data_format)

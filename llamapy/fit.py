@@ -64,7 +64,8 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
     run = trainer.run
     run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
     stream = stream or sys.stderr
-    say = (lambda line: None) if silent else (lambda line: _write_line(stream, line))
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    say = (lambda line: None) if silent else (lambda line: _write_line(stream, line, tty))
     if resume is not None:
         for note in load_checkpoint_into(trainer, resume, force_resume):
             say(f"resume: {note}")
@@ -74,7 +75,6 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
         run.pending = None
         say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
             f"optimizer steps")
-    tty = hasattr(stream, "isatty") and stream.isatty()
 
     def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
         if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
@@ -200,7 +200,7 @@ class _StopRequest:
             signal.signal(signal.SIGINT, previous)
 
 
-def _write_line(stream, line: str) -> None:
-    tty = hasattr(stream, "isatty") and stream.isatty()
+def _write_line(stream, line: str, tty: bool) -> None:
+    """A whole line; on a terminal it first clears the progress bar drawn there."""
     stream.write(("\r\033[K" if tty else "") + line + "\n")
     stream.flush()

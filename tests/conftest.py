@@ -57,3 +57,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
     count = {k: sum(any(c in r.nodeid for c in cases) for r in stats.get(k, [])) for k in ("passed", "failed")}
     if count["passed"] or count["failed"]:
         terminalreporter.write_line(f"gradient checks: {count['passed']} op/shape cases passed, {count['failed']} failed")
+
+
+class Killed(Exception):
+    """Stands for the process dying: the test drops every object of the run."""
+
+
+def kill_after(ctx, n_steps: int) -> None:
+    """Make `ctx`'s training run die right after optimizer step n_steps."""
+    step = ctx.trainer.opt.step
+
+    def dying_step(*args):
+        step(*args)
+        if ctx.trainer.n_steps == n_steps:
+            raise Killed
+    ctx.trainer.opt.step = dying_step

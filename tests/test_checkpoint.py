@@ -23,14 +23,10 @@ from llamapy.lora import LoraAdapter, merge_adapters
 from llamapy.save import save_model_to_file
 from llamapy.train_params import SGD, AdamW, LoraParams, LRSchedule, TrainParams
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, Killed, kill_after
 
 N_CTX = 32
 EPOCHS = 3
-
-
-class Killed(Exception):
-    """Stands for the process dying: the test drops every object of the run."""
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +73,6 @@ def trained(ctx) -> dict[str, np.ndarray]:
 def fit(ctx, text, **kw):
     ds = token_windows(ctx.model.vocab.tokenize(text), N_CTX)
     return ctx.opt_fit(ds, epochs=EPOCHS, val_split=0.2, seed=11, silent=True, **kw)
-
-
-def kill_after(ctx, n_steps: int) -> None:
-    """Make the run die right after optimizer step n_steps."""
-    step = ctx.trainer.opt.step
-
-    def dying_step(*args):
-        step(*args)
-        if ctx.trainer.n_steps == n_steps:
-            raise Killed
-    ctx.trainer.opt.step = dying_step
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "lora", "scratch"])

@@ -27,7 +27,7 @@ from llamapy.dataset import IGNORE, PackedWindows, pack_samples, token_windows, 
 from llamapy.errors import InputError
 from llamapy.train_params import TrainParams
 
-from conftest import REPO_ROOT, shared_path
+from conftest import REPO_ROOT, Killed, kill_after, shared_path
 
 N_CTX = 64
 PAD = 0
@@ -266,10 +266,6 @@ def test_the_data_fingerprint_covers_masks_and_sequences(samples):
         assert data_fingerprint(other, ds.ndata) != base, name
 
 
-class Killed(Exception):
-    """Stands for the process dying."""
-
-
 def test_a_packed_run_resumes_bit_identically(stories_path, story_tokens, tmp_path):
     rng = np.random.default_rng(8)
     samples, start = [], 0
@@ -280,13 +276,7 @@ def test_a_packed_run_resumes_bit_identically(stories_path, story_tokens, tmp_pa
     def run(ckpt=None, resume=None, die_at=None):
         ctx = context(stories_path, 32, n_batch=2 * N_CTX)
         if die_at is not None:
-            step = ctx.trainer.opt.step
-
-            def dying_step(*args):
-                step(*args)
-                if ctx.trainer.n_steps == die_at:
-                    raise Killed
-            ctx.trainer.opt.step = dying_step
+            kill_after(ctx, die_at)
         ctx.opt_fit(pack_samples(samples, N_CTX, PAD), epochs=2, val_split=0.2, seed=4, silent=True,
                     checkpoint=ckpt, save_every=1 if ckpt else None, resume=resume)
         return {n: t.numpy().copy() for n, t in ctx.trainer.trained.items()}

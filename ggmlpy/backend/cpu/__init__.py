@@ -81,17 +81,16 @@ class CpuBackend:
             run()
             profile[name] += time.perf_counter() - t0
 
-    def sum_squares(self, arrays) -> float:
-        """Sum of the squares of every element of F32 `arrays` (contiguous), in float64 (a
-        global gradient norm); the same for any thread count."""
+    def sum_squares(self, array: np.ndarray) -> float:
+        """Sum of the squares of the elements of a contiguous F32 array, in float64 (a global
+        gradient norm over the flat gradient buffer); the same for any thread count."""
         _set_threads(self.n_threads)
-        return float(sum(train_kernels.sum_sq_f64(a.reshape(-1)) for a in arrays))
+        return float(train_kernels.sum_sq_f64(array.reshape(-1)))
 
-    def scale(self, arrays, factor: float) -> None:
-        """Multiply every element of F32 `arrays` (contiguous) by `factor` in place (clipping)."""
+    def scale(self, array: np.ndarray, factor: float) -> None:
+        """Multiply a contiguous F32 array by `factor` in place (gradient clipping)."""
         _set_threads(self.n_threads)
-        for a in arrays:
-            train_kernels.scale_f32(a.reshape(-1), factor)
+        train_kernels.scale_f32(array.reshape(-1), factor)
 
     def enable_profile(self) -> dict[str, float]:
         self.profile = defaultdict(float)
