@@ -15,12 +15,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from llamapy.dataset import TokenWindows
 from llamapy.defaults import default_model_path, demo_corpus
 from llamapy.lora import DEFAULT_MODULES
 from llamapy.model import load_model
 
 from . import training as T
-from .common import guarded, log, read_text
+from .common import guarded, log
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -42,7 +43,7 @@ def run(
     demo_chars: Annotated[int, typer.Option("--demo-chars", help="characters of the demo corpus used when no -f is given")] = DEMO_CHARS,
     *, args: T.TrainingArgs,
 ) -> None:
-    """Finetune MODEL on the text in FILE; writes the trained model to -o (or the adapter to --lora-out)."""
+    """Finetune MODEL on the text in FILE or the samples in --data DIR (or a .jsonl FILE); writes the trained model to -o (or the adapter to --lora-out)."""
     args.check()
     t_load = time.perf_counter()
     model = model or default_model_path(log)
@@ -52,18 +53,21 @@ def run(
                                lora_modules=[x.strip() for x in lora_modules.split(",") if x.strip()])
     if params.lora is not None and lora_rank is None:
         log(f"finetune: the model's weights are quantized: training a LoRA adapter of rank {params.lora.rank}")
-    if file is None:
-        text = demo_corpus()[:demo_chars]
-        log(f"text: no -f given: the first {len(text)} characters of the Python documentation "
-            f"(pydoc_data.topics; --demo-chars to change, -f for your own text)")
-    else:
-        text = read_text(file)
-    T.train(m, params, text, args, output, lora_out, "finetune")
+    demo = None
+    if file is None and args.data is None:
+        demo = demo_corpus()[:demo_chars]
+        log(f"text: no -f given: the first {len(demo)} characters of the Python documentation "
+            f"(pydoc_data.topics; --demo-chars to change, -f or --data for your own data)")
+    data = args.load_data(m, params.window_bos, file, demo)
+    T.train(m, params, data, args, output, lora_out, "finetune")
     if params.lora:
-        if file is None:
+        if demo is not None:
             log(f'try it: llamapy-cli -m {model} --lora {lora_out} -p "The with statement" -n 64')
-        else:
+        elif isinstance(data.train, TokenWindows):
             log(f"try it: llamapy-perplexity -m {model} --lora {lora_out} -f {file} -c {args.ctx_size}")
+        else:
+            template = f" --chat-template {args.chat_template}" if args.chat_template else ""
+            log(f"try it: llamapy-cli -m {model} --lora {lora_out}{template} -cnv")
 
 
 def main() -> None:

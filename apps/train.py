@@ -19,7 +19,7 @@ from llamapy.from_scratch import new_model
 from llamapy.sampling.samplers import default_chain
 
 from . import training as T
-from .common import guarded, job, log, read_text
+from .common import guarded, job, log
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -47,17 +47,20 @@ def run(
     """Train a new model on the text in FILE; writes it to -o. The seed (--seed) initialises
     the weights and shuffles the windows."""
     args.check()
-    if file is None:
-        raise InputError("give the text to train on with -f FILE")
-    text = read_text(file)
+    if file is None and args.data is None:
+        raise InputError("give the text to train on with -f FILE (or samples with --data DIR)")
     m = new_model(arch, vocab_model, n_embd=embd, n_head=head, n_head_kv=head_kv, n_layer=layer,
                   n_ff=ff or _llama_ff(embd), n_ctx_train=args.ctx_size, rope_freq_base=rope_freq_base, rms_eps=rms_eps,
                   seed=args.seed)
     log(f"model: new {m.describe()} ({m.n_params:,} parameters), vocabulary of {vocab_model.name}")
     params = args.train_params(m, DEFAULT_LR)
-    ctx = T.train(m, params, text, args, output, None, "train")
+    data = args.load_data(m, params.window_bos, file)
+    ctx = T.train(m, params, data, args, output, None, "train")
     if predict > 0 and job().rank == 0:
-        sample(ctx.model, prompt if prompt is not None else " ".join(text.split()[:4]), predict, args.seed, args.ctx_size)
+        if prompt is None:
+            first = data.train.data[0][data.train.data[0] != m.vocab.bos_id][:8]
+            prompt = " ".join(m.vocab.detokenize(first.tolist()).split()[:4])
+        sample(ctx.model, prompt, predict, args.seed, args.ctx_size)
 
 
 def sample(model, prompt: str, n: int, seed: int, n_ctx: int) -> None:

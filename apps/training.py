@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import time
 from collections.abc import Callable
@@ -16,7 +17,6 @@ from typing import Annotated, Any, Optional
 import typer
 
 from llamapy.context import Context, validation_windows
-from llamapy.dataset import text_windows
 from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
@@ -24,6 +24,7 @@ from llamapy.train import TrainingDivergedError
 from llamapy.train_params import SGD, AdamW, LRSchedule, TrainParams
 
 from .common import default_threads, fail, job, log
+from .training_data import DataOptions, TrainingData, load_training_data
 
 # ---- the shared flags -------------------------------------------------------------------------
 File = Annotated[Optional[Path], typer.Option("-f", "--file", "--train-data", help="text to train on")]
@@ -50,6 +51,16 @@ CheckpointOut = Annotated[Optional[Path], typer.Option("--checkpoint-out", help=
 SaveEvery = Annotated[Optional[int], typer.Option("--save-every", help="optimizer steps between checkpoints (default: only at epoch ends and on Ctrl-C)")]
 CheckpointIn = Annotated[Optional[Path], typer.Option("--checkpoint-in", help="resume from this checkpoint")]
 ForceResume = Annotated[bool, typer.Option("--force-resume", help="resume even from a checkpoint of another model or text")]
+Data = Annotated[Optional[Path], typer.Option("--data", help="directory of train.jsonl (and valid.jsonl, test.jsonl)")]
+DataFormat = Annotated[Optional[str], typer.Option("--data-format", help="text, completions or chat (default: detected per file)")]
+ChatTemplateFlag = Annotated[Optional[str], typer.Option("--chat-template", help="built-in template name or Jinja file (default: the model's)")]
+MaskPrompt = Annotated[bool, typer.Option("--mask-prompt/--no-mask-prompt", help="learn only the answers of chat and prompt/completion samples")]
+SampleStart = Annotated[Optional[str], typer.Option("--sample-start", help="cut a text into samples at each occurrence of this string")]
+IncludeSampleStart = Annotated[bool, typer.Option("--include-sample-start", help="keep the --sample-start string at the start of each sample")]
+Escape = Annotated[bool, typer.Option("--escape", help="read \\n, \\t, ... in --sample-start as escapes")]
+Truncate = Annotated[bool, typer.Option("--truncate/--no-truncate", help="cut samples longer than -c (--no-truncate: refuse them)")]
+ValFile = Annotated[Optional[Path], typer.Option("--val-file", help="validate on this file instead of -val-split")]
+StepsPerEval = Annotated[Optional[int], typer.Option("--steps-per-eval", help="validate also every N optimizer steps")]
 
 
 @dataclass
@@ -79,6 +90,16 @@ class TrainingArgs:
     save_every: int | None
     checkpoint_in: Path | None
     force_resume: bool
+    data: Path | None
+    data_format: str | None
+    chat_template: str | None
+    mask_prompt: bool
+    sample_start: str | None
+    include_sample_start: bool
+    escape: bool
+    truncate: bool
+    val_file: Path | None
+    steps_per_eval: int | None
 
     def check(self) -> None:
         if self.optimizer.lower() not in ("adamw", "sgd"):
@@ -93,6 +114,16 @@ class TrainingArgs:
             raise InputError("--save-every needs --checkpoint-out FILE")
         if self.checkpoint_in is not None and not self.checkpoint_in.is_file():
             raise InputError(f"checkpoint not found: {self.checkpoint_in}")
+        if self.steps_per_eval is not None and self.steps_per_eval <= 0:
+            raise InputError(f"--steps-per-eval must be a positive number of optimizer steps, got {self.steps_per_eval}")
+
+    def data_options(self, window_bos: bool) -> DataOptions:
+        return DataOptions(self.ctx_size, window_bos, self.data_format, self.chat_template, self.mask_prompt,
+                           self.sample_start, self.include_sample_start, self.escape, self.truncate)
+
+    def load_data(self, model, window_bos: bool, file: Path | None, default_text: str | None = None) -> TrainingData:
+        """The windows to train, validate and test on, from -f / --data / --val-file and the data flags."""
+        return load_training_data(model, self.data_options(window_bos), file, self.data, self.val_file, default_text)
 
     def train_params(self, model, default_lr: float | None = None, **policy) -> TrainParams:
         """TrainParams for `model` by llamapy's policy (TrainParams.for_model) and these flags."""
@@ -118,6 +149,10 @@ SHARED_FLAGS: dict[str, tuple[Any, Any]] = {
     "optimizer": (OptimizerName, "adamw"), "val_split": (ValSplit, 0.05), "epochs": (Epochs, 2),
     "seed": (Seed, 0), "threads": (Threads, None), "plot": (Plot, None), "checkpoint_out": (CheckpointOut, None),
     "save_every": (SaveEvery, None), "checkpoint_in": (CheckpointIn, None), "force_resume": (ForceResume, False),
+    "data": (Data, None), "data_format": (DataFormat, None), "chat_template": (ChatTemplateFlag, None),
+    "mask_prompt": (MaskPrompt, True), "sample_start": (SampleStart, None),
+    "include_sample_start": (IncludeSampleStart, False), "escape": (Escape, False), "truncate": (Truncate, True),
+    "val_file": (ValFile, None), "steps_per_eval": (StepsPerEval, None),
 }
 
 
@@ -157,20 +192,23 @@ def first_error(e: ValueError) -> str:
     return str(e)
 
 
-def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Path, lora_out: Path | None,
+def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, lora_out: Path | None,
           tool: str) -> Context:
-    """Train `model` on `text` and save the result (the adapter to `lora_out` when params
+    """Train `model` on `data` and save the result (the adapter to `lora_out` when params
     train one, else the model to `output`); returns the context (for a sample)."""
     args.check()
     comm = job()
     main_rank = comm.rank == 0
     for path in ([lora_out] if params.lora else [output]) + [p for p in (args.plot, args.checkpoint_out) if p]:
         check_writable(path)
-    dataset = text_windows(model.vocab, text, args.ctx_size, params.window_bos)
+    dataset = data.train
     n_batch = args.batch_size or args.ctx_size
-    n_val = validation_windows(dataset.ndata, args.val_split)
-    log(f"dataset: {dataset.n_tokens} tokens, {dataset.ndata} windows of {args.ctx_size} (stride {dataset.stride}), "
-        f"{dataset.ndata - n_val} for training, {n_val} for validation")
+    if data.val is not None:
+        log(f"dataset: {dataset.ndata} windows for training, {data.val.ndata} for validation (the validation file; "
+            "-val-split unused)")
+    else:
+        n_val = validation_windows(dataset.ndata, args.val_split)
+        log(f"dataset: {dataset.ndata - n_val} windows for training, {n_val} for validation (-val-split {args.val_split:g})")
     sched = params.schedule
     log(f"training: {args.optimizer.lower()}, lr {sched.lr0:g} ({sched.kind}"
         f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "
@@ -195,7 +233,8 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
     try:
         history = ctx.opt_fit(dataset, epochs=args.epochs, val_split=args.val_split, seed=args.seed,
                               checkpoint=args.checkpoint_out, save_every=args.save_every,
-                              resume=args.checkpoint_in, force_resume=args.force_resume)
+                              resume=args.checkpoint_in, force_resume=args.force_resume, val_data=data.val,
+                              eval_every=args.steps_per_eval)
     except TrainingDivergedError as e:
         if main_rank:
             where = adapter.save(lora_out) if adapter else save_model_to_file(model, output)
@@ -213,6 +252,11 @@ def train(model, params: TrainParams, text: str, args: TrainingArgs, output: Pat
         opt = ctx.trainer.opt
         log(f"distributed: summing the gradients took {1e3 * opt.reduce_seconds / ctx.trainer.n_steps:.2f} ms per step "
             f"({4 * opt.optimizer.grad_flat.size / 1e6:.2f} MB of gradients)")
+    if data.test is not None:
+        result = ctx.opt_evaluate(data.test)
+        (loss, loss_unc), (acc, acc_unc) = result.loss(), result.accuracy()
+        log(f"test: loss={loss:.5f}±{loss_unc:.5f} (perplexity {math.exp(min(loss, 700)):.3f}) "
+            f"acc={100 * acc:.2f}±{100 * acc_unc:.2f}% over {data.test.ndata} windows")
     if not main_rank:
         return ctx
     if adapter:
@@ -239,12 +283,15 @@ def plot_history(history, path: Path) -> None:
     for h in history:
         train_loss += h.train.steps
         steps = list(range(1, len(train_loss) + 1))
+        for n, result in h.evals:  # --steps-per-eval, after optimizer step n
+            val_x.append(n)
+            val_loss.append(result.loss()[0])
         if h.val.losses:
             val_x.append(len(train_loss))
             val_loss.append(h.val.loss()[0])
     ax.plot(steps, train_loss, lw=0.8, label="train (per step)")
     if val_loss:
-        ax.plot(val_x, val_loss, "o-", label="validation (per epoch)")
+        ax.plot(val_x, val_loss, "o-", label="validation")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.legend()

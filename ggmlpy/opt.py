@@ -27,7 +27,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Annotated, Any, Literal, Protocol, TextIO
 
@@ -733,19 +733,28 @@ def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None
             if after_step is not None:
                 after_step(first + per_step)
     ticks.finish()
-    ticks = _Ticks(callback_eval, False, opt_ctx, dataset, result_eval, (nbatches - ibatch_split) * evals, comm.size)
-    mine = range(ibatch_split + comm.rank, nbatches, comm.size)
+    evaluate_batches(opt_ctx, dataset, range(ibatch_split, nbatches), result_eval, callback_eval)
+
+
+def evaluate_batches(opt_ctx: OptContext, dataset: Dataset, batches: range, result: Result | None,
+                     callback: EpochCallback | None = None) -> None:
+    """Evaluate `batches` of `dataset` (no gradients, no step) into `result`: the validation
+    part of an epoch, a mid-epoch validation or a test set. With several ranks the batches
+    are dealt round-robin and every rank ends with all the results, in batch order."""
+    feeder, comm = opt_ctx.feeder, opt_ctx.comm
+    ticks = _Ticks(callback, False, opt_ctx, dataset, result, len(batches) * feeder.evals_per_batch, comm.size)
+    mine = batches[comm.rank::comm.size]
     if comm.size == 1:
         for ibatch in mine:
-            feeder.run_batch(dataset, ibatch, False, result_eval, ticks)
+            feeder.run_batch(dataset, ibatch, False, result, ticks)
     else:
         shards = {}
         for ibatch in mine:
             shards[ibatch] = Result()
             feeder.run_batch(dataset, ibatch, False, shards[ibatch], ticks)
-        if result_eval is not None:
+        if result is not None:
             for ibatch, shard in sorted(kv for part in comm.allgather(shards) for kv in part.items()):
-                result_eval.extend(shard)
+                result.extend(shard)
     ticks.finish()
 
 
@@ -811,6 +820,7 @@ class EpochResult:
     epoch: int
     train: Result
     val: Result
+    evals: list[tuple[int, Result]] = field(default_factory=list)  # validations within the epoch: (step, result)
 
 
 @dataclass(frozen=True)

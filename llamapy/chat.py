@@ -78,6 +78,9 @@ NAMED_TEMPLATES: dict[str, str] = {
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"),
 }
+# the built-in template for a model file of this architecture without its own (else chatml)
+FAMILY_TEMPLATES: dict[str, str] = {"gemma3": "gemma"}
+
 for _name, _space in (("mistral-v7", " "), ("mistral-v7-tekken", "")):  # no generation prompt in llama.cpp
     NAMED_TEMPLATES[_name] = (
         "{%- for message in messages -%}"
@@ -188,6 +191,26 @@ class ChatTemplate:
         if name not in NAMED_TEMPLATES:
             raise InputError(f"unknown chat template {name!r}; built-in templates: {', '.join(NAMED_TEMPLATES)}")
         return cls(NAMED_TEMPLATES[name], f"chat template {name}", *cls._specials(vocab))
+
+    @classmethod
+    def for_model(cls, model: Model, choice: str | os.PathLike | None = None) -> tuple[ChatTemplate, str | None]:
+        """The template for `model`'s conversations and, when it is not the one asked for or
+        carried by the model, a note saying which it is: `choice` is a built-in name or a
+        Jinja file; without it, the model's own template, else the built-in one of its
+        family (gemma for Gemma 3; chatml otherwise, llama.cpp's default)."""
+        if choice is not None:
+            if str(choice) in NAMED_TEMPLATES:
+                return cls.named(str(choice), model.vocab), None
+            if not Path(choice).is_file():
+                raise InputError(f"chat template {choice!r} is neither a built-in name "
+                                 f"({', '.join(NAMED_TEMPLATES)}) nor a file")
+            return cls.from_file(choice, model.vocab), None
+        own = model.file.get("tokenizer.chat_template")
+        if isinstance(own, str) and own:
+            return cls.from_model(model), None
+        name = FAMILY_TEMPLATES.get(model.hparams.arch, "chatml")
+        return cls.named(name, model.vocab), (f"{model.path.name if model.path else 'the model'} has no chat template: "
+                                              f"using the built-in {name!r} (--chat-template to choose another)")
 
     @staticmethod
     def _specials(vocab: Vocab | None) -> tuple[str, str]:

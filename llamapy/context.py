@@ -13,7 +13,7 @@ import numpy as np
 
 import ggmlpy as gg
 from ggmlpy import CpuBackend, GGMLType, GraphAllocator
-from ggmlpy.opt import EpochResult, opt_epoch
+from ggmlpy.opt import EpochResult, Result, evaluate_batches, opt_epoch
 
 from .batch import Batch, split_equal, split_simple
 from .errors import InputError
@@ -371,7 +371,7 @@ class Context:
     def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
                 silent: bool = False, stream=None, on_epoch=None, seed: int | None = None,
                 checkpoint=None, save_every: int | None = None, resume=None, force_resume: bool = False,
-                comm=None) -> list[EpochResult]:
+                comm=None, val_data=None, eval_every: int | None = None) -> list[EpochResult]:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
@@ -382,6 +382,8 @@ class Context:
         to continue from (refused when it is of another model or text unless `force_resume`).
         `comm` (e.g. mpi4py's MPI.COMM_WORLD): train data-parallel, every optimizer step
         covering n_batch tokens on each rank; only rank 0 prints and writes checkpoints.
+        `val_data`: a dataset to validate on instead of splitting val_split off `dataset`.
+        `eval_every`: validate also after every that many optimizer steps (EpochResult.evals).
         """
         from .fit import fit
         if self.trainer is None or params is not None:
@@ -389,7 +391,18 @@ class Context:
         elif comm is not None and self.trainer.opt.params.comm is not comm:
             raise InputError("opt_fit: this context's trainer was made for another communicator; pass comm to opt_init")
         return fit(self, dataset, epochs=epochs, val_split=val_split, silent=silent, stream=stream, on_epoch=on_epoch,
-                   seed=seed, checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume)
+                   seed=seed, checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume,
+                   val_data=val_data, eval_every=eval_every)
+
+    def opt_evaluate(self, dataset) -> Result:
+        """The loss and accuracy of the trained model on every window of `dataset` (a test
+        set): no gradients, no step; over several ranks the windows are shared out."""
+        if self.trainer is None:
+            raise InputError("opt_evaluate: call opt_init first")
+        self.trainer.check_dataset(dataset)
+        result = Result()
+        evaluate_batches(self.trainer.opt, dataset, range(dataset.ndata // self.trainer.datapoints_per_batch), result)
+        return result
 
     def opt_save_checkpoint(self, path) -> None:
         """Write the training state (trained tensors, optimizer state, position) to `path`."""

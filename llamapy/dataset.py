@@ -23,7 +23,7 @@ from ggmlpy import GGMLType
 from ggmlpy.opt import Dataset
 
 from .errors import InputError
-from .samples import read_jsonl, split_text
+from .samples import Sample, read_jsonl, split_text
 
 IGNORE = -1  # the label of a position whose next-token prediction does not count
 
@@ -100,6 +100,30 @@ def one_sequence(n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(n_ctx, dtype=np.int32), np.zeros(n_ctx, dtype=np.int32)
 
 
+def as_packed(dataset: Dataset) -> PackedWindows:
+    """`dataset`'s windows (in their stored order) with an explicit layout: a PackedWindows
+    as it is, a text's windows as one sequence each."""
+    if isinstance(dataset, PackedWindows):
+        return dataset
+    n_ctx = dataset.data.shape[1]
+    out = PackedWindows(n_ctx, dataset.ndata, dataset.ndata, 0)
+    out.data[:], out.labels[:] = dataset.data, dataset.labels
+    out.pos[:], out.seq[:] = one_sequence(n_ctx)
+    return out
+
+
+def join_windows(train: Dataset, val: Dataset) -> tuple[PackedWindows, int]:
+    """`train`'s windows followed by `val`'s, and the index of the first validation window:
+    a fit's data when the validation set is given apart (a file) rather than split off."""
+    a, b = as_packed(train), as_packed(val)
+    if a.n_ctx != b.n_ctx:
+        raise InputError(f"training windows have {a.n_ctx} tokens, validation windows {b.n_ctx}")
+    out = PackedWindows(a.n_ctx, a.ndata + b.ndata, a.n_samples + b.n_samples, a.n_truncated + b.n_truncated)
+    for name in ("data", "labels", "pos", "seq"):
+        getattr(out, name)[:] = np.concatenate([getattr(a, name), getattr(b, name)])
+    return out, a.ndata
+
+
 def _sample_arrays(tokens, train_mask, where: str) -> tuple[np.ndarray, np.ndarray]:
     """A sample's inputs and labels: position i predicts token i + 1, and that prediction
     counts where train_mask[i + 1] is set: the mask marks the tokens to learn, as
@@ -167,31 +191,37 @@ def pack_samples(samples: Sequence[tuple[np.ndarray, np.ndarray]], n_ctx: int, p
     return ds
 
 
-def load_samples(path, vocab, n_ctx: int, *, data_format: str | None = None, chat_template=None,
-                 mask_prompt: bool = True, sample_start: str | None = None, include_sample_start: bool = False,
-                 truncate: bool = True) -> PackedWindows:
-    """Training examples from a file, tokenized and packed into windows of n_ctx.
-
-    A `.jsonl` file holds text, prompt/completion or chat samples (llamapy.samples); the
-    conversations are rendered with `chat_template` (a llamapy.chat.ChatTemplate, required
-    for them) and, with `mask_prompt`, only the assistant turns are learned. Any other file
-    is plain text: one sample, or one per `sample_start` as llama.cpp's old finetune cut it.
-    Text samples are learned whole (BOS as the vocabulary adds it)."""
+def read_samples(path, data_format: str | None = None, sample_start: str | None = None,
+                 include_sample_start: bool = False) -> list[Sample]:
+    """The samples of a file: a `.jsonl` file's lines (text, prompt/completion or chat; see
+    llamapy.samples), or plain text as one sample, or one per `sample_start` as llama.cpp's
+    old finetune cut it."""
     path = Path(path)
     if path.suffix == ".jsonl":
-        samples, _ = read_jsonl(path, data_format)
-    else:
-        if not path.is_file():
-            raise InputError(f"text file not found: {path}")
-        samples = split_text(path.read_text(encoding="utf-8", errors="replace"), sample_start, str(path),
-                             include_sample_start)
+        return read_jsonl(path, data_format)[0]
+    if not path.is_file():
+        raise InputError(f"text file not found: {path}")
+    return split_text(path.read_text(encoding="utf-8", errors="replace"), sample_start, str(path), include_sample_start)
+
+
+def samples_to_windows(samples: Sequence[Sample], vocab, n_ctx: int, *, chat_template=None, mask_prompt: bool = True,
+                       truncate: bool = True) -> PackedWindows:
+    """Samples tokenized and packed into windows of n_ctx. Conversations (and prompt/completion
+    pairs) are rendered with `chat_template` (a llamapy.chat.ChatTemplate, required for them)
+    and, with `mask_prompt`, only their assistant turns are learned; text samples are learned
+    whole (BOS as the vocabulary adds it). A sample longer than a window is cut to fit
+    (`n_truncated` counts them), or refused with `truncate=False`. Errors name the sample's
+    file and line."""
     tokenized = []
     for sample in samples:
         if sample.is_chat:
             if chat_template is None:
                 raise InputError(f"{sample.where}: a conversation needs a chat template (the model has none: "
                                  "give one by file or name)")
-            tokens, mask = chat_template.tokenize(vocab, sample.messages)
+            try:
+                tokens, mask = chat_template.tokenize(vocab, sample.messages)
+            except InputError as e:
+                raise InputError(f"{sample.where}: {e}") from None
             tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
             if not mask_prompt:
                 mask = np.ones_like(mask)
@@ -200,6 +230,21 @@ def load_samples(path, vocab, n_ctx: int, *, data_format: str | None = None, cha
             mask = np.ones(len(tokens), bool)
         if len(tokens) < 2:
             raise InputError(f"{sample.where}: the sample gives {len(tokens)} token(s); at least 2 are needed")
+        if not truncate and len(tokens) - 1 > n_ctx:
+            raise InputError(f"{sample.where}: the sample is {len(tokens)} tokens, more than a window of {n_ctx} "
+                             "takes (a longer -c, or let it be cut by dropping --no-truncate)")
         tokenized.append((tokens, mask))
+    if not tokenized:
+        raise InputError("no samples to train on")
     pad = vocab.pad_id if vocab.pad_id is not None else (vocab.eos_id if vocab.eos_id is not None else 0)
     return pack_samples(tokenized, n_ctx, pad, truncate)
+
+
+def load_samples(path, vocab, n_ctx: int, *, data_format: str | None = None, chat_template=None,
+                 mask_prompt: bool = True, sample_start: str | None = None, include_sample_start: bool = False,
+                 truncate: bool = True) -> PackedWindows:
+    """Training examples from a file (read_samples), tokenized and packed into windows of
+    n_ctx (samples_to_windows): the dataset Context.opt_fit takes."""
+    samples = read_samples(path, data_format, sample_start, include_sample_start)
+    return samples_to_windows(samples, vocab, n_ctx, chat_template=chat_template, mask_prompt=mask_prompt,
+                              truncate=truncate)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmlpy.opt import EpochResult, FitPosition, Result, fit_epochs, progress_bar
+from ggmlpy.opt import EpochResult, FitPosition, Result, evaluate_batches, fit_epochs, progress_bar
 
 from .checkpoint import Checkpoint, compare_params, load_checkpoint, model_fingerprint, save_checkpoint
+from .dataset import join_windows
 from .distributed import abort_job, any_rank, check_same_weights
 from .errors import InputError, TrainingInterrupted
 
@@ -45,7 +46,8 @@ def fit(lctx, dataset, **kwargs) -> list[EpochResult]:
 
 
 def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, stream, on_epoch, seed: int | None,
-         checkpoint, save_every: int | None, resume, force_resume: bool) -> list[EpochResult]:
+         checkpoint, save_every: int | None, resume, force_resume: bool, val_data=None,
+         eval_every: int | None = None) -> list[EpochResult]:
     from .context import validation_windows
     trainer = lctx.trainer
     comm = trainer.comm
@@ -56,10 +58,19 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
     if save_every is not None and (save_every <= 0 or checkpoint is None):
         raise InputError(f"save_every must be a positive number of optimizer steps, with a checkpoint file "
                          f"(got {save_every}, checkpoint {checkpoint})")
-    idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
-    if idata_split < trainer.windows_per_step:
-        raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
-                         f"one optimizer step after holding out {val_split:.0%} for validation")
+    if val_data is not None:  # validation windows given apart: they follow the training windows
+        dataset, idata_split = join_windows(dataset, val_data)
+        if idata_split < trainer.windows_per_step:
+            raise InputError(f"the training data gives {idata_split} windows; {trainer.windows_per_step} are "
+                             "needed for one optimizer step")
+    else:
+        idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
+        if idata_split < trainer.windows_per_step:
+            raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
+                             f"one optimizer step after holding out {val_split:.0%} for validation")
+    if eval_every is not None and (eval_every <= 0 or idata_split == dataset.ndata):
+        raise InputError(f"eval_every must be a positive number of optimizer steps, with validation data "
+                         f"(got {eval_every}, {dataset.ndata - idata_split} validation windows)")
     trainer.set_split(dataset, idata_split)
     run = trainer.run
     run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
@@ -79,22 +90,38 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
     def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
         if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
             return
-        prefix = f"epoch {trainer.epoch}: "
+        prefix = f"epoch {trainer.epoch + 1}: "
         stream.write(prefix if is_train else " " * len(prefix))
         progress_bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start, stream=stream)
 
     def start_epoch(epoch: int) -> None:
         trainer.epoch = epoch
 
+    evals: list[tuple[int, Result]] = []  # this epoch's validations every eval_every steps
+
     def end_epoch(result: EpochResult) -> None:
         check_same_weights(comm, trainer.trained.values(), f"after epoch {result.epoch + 1}")
+        result.evals[:] = evals
+        evals.clear()
         if on_epoch is not None:
             on_epoch(result)
 
     stop = _StopRequest()
 
+    def evaluate_now(position: FitPosition) -> None:
+        """A validation pass between optimizer steps (the epoch's last step has its own)."""
+        if position.ibatch == run.n_train_batches:
+            return
+        result = Result()
+        evaluate_batches(trainer.opt, dataset, range(idata_split, dataset.ndata), result)
+        evals.append((trainer.n_steps, result))
+        (loss, loss_unc), (acc, acc_unc) = result.loss(), result.accuracy()
+        say(f"step {trainer.n_steps}: val loss={loss:.5f}±{loss_unc:.5f} acc={100 * acc:.2f}±{100 * acc_unc:.2f}%")
+
     def on_position(position: FitPosition, train: Result) -> None:
         run.position, run.epoch_result = position, train
+        if eval_every and position.shuffled and trainer.n_steps % eval_every == 0:
+            evaluate_now(position)
         if checkpoint is None:
             return
         stopping = any_rank(comm, stop.requested)
