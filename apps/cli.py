@@ -1,5 +1,12 @@
 """llamapy-cli: text generation as llama.cpp's llama-completion does it (prompt echoed, text
-streamed as it is produced, llama_perf lines at the end)."""
+streamed as it is produced, llama_perf lines at the end), and chat as llama-cli does it:
+`-cnv` talks with the model turn by turn through its chat template (`-sys` a system
+prompt, `-p` the first user message), `--chat` answers the `-p` message once.
+
+In a conversation the KV cache keeps what was already computed: each turn the whole
+conversation is rendered and tokenized again (so the model sees exactly what the template
+writes, as in training) and only the tokens after the longest prefix already in the cache
+are decoded."""
 from __future__ import annotations
 
 import codecs
@@ -11,12 +18,15 @@ from typing import Annotated, Optional
 import typer
 
 from llamapy import Batch, Context, load_model
+from llamapy.chat import ChatTemplate
 from llamapy.errors import InputError
 from llamapy.sampling import DEFAULT_SEED, default_chain
 
 from .common import default_threads, guarded, join_pairs, load_adapters, log
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+EXIT_COMMANDS = ("/exit", "/quit")
 
 
 class TextStream:
@@ -38,6 +48,56 @@ class TextStream:
         self.out.flush()
 
 
+class Generator:
+    """A context, its sampler chain and the tokens its KV cache holds (sequence 0), with
+    llama_perf's counters: prompt tokens decoded in batches, generated ones one by one."""
+
+    def __init__(self, ctx: Context, chain) -> None:
+        self.ctx, self.chain, self.vocab = ctx, chain, ctx.model.vocab
+        self.cached: list[int] = []
+        self.t_prompt = self.t_eval = 0.0
+        self.n_prompt = self.n_eval = 0
+
+    def feed(self, tokens: list[int]) -> None:
+        """Make the cache hold `tokens`: keep the longest prefix it already holds (at least
+        one token is decoded, for the logits), decode the rest in batches."""
+        if len(tokens) >= self.ctx.n_ctx:
+            raise InputError(f"the prompt is {len(tokens)} tokens, the context only {self.ctx.n_ctx} (-c)")
+        keep = 0
+        while keep < min(len(tokens) - 1, len(self.cached)) and tokens[keep] == self.cached[keep]:
+            keep += 1
+        if keep < len(self.cached):
+            self.ctx.memory_seq_rm(0, keep, -1)
+        t0 = time.perf_counter()
+        for start in range(keep, len(tokens), self.ctx.n_batch):
+            self.ctx.decode(Batch.from_tokens(tokens[start:start + self.ctx.n_batch], pos0=start))
+        self.t_prompt += time.perf_counter() - t0
+        self.n_prompt += len(tokens) - keep
+        self.cached = list(tokens)
+
+    def generate(self, limit: int, stream: TextStream) -> tuple[list[int], str]:
+        """Sample up to `limit` tokens (-1: until the context is full), streaming them;
+        returns them and why it stopped: "eog", "limit" or "full". The end-of-generation
+        token is not kept."""
+        out: list[int] = []
+        limit = limit if limit >= 0 else self.ctx.n_ctx
+        while True:
+            token = self.chain.sample(self.ctx, -1)
+            if self.vocab.is_eog(token):
+                return out, "eog"
+            stream.write(token)
+            out.append(token)
+            if len(out) >= limit:
+                return out, "limit"
+            if len(self.cached) >= self.ctx.n_ctx:
+                return out, "full"
+            t1 = time.perf_counter()
+            self.ctx.decode(Batch.from_tokens([token], pos0=len(self.cached)))
+            self.t_eval += time.perf_counter() - t1
+            self.n_eval += 1
+            self.cached.append(token)
+
+
 def _perf(name: str, ms: float, n: int, unit: str) -> str:
     per = ms / n if n else 0.0
     tps = 1e3 * n / ms if ms > 0 else 0.0
@@ -45,11 +105,24 @@ def _perf(name: str, ms: float, n: int, unit: str) -> str:
             f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)")
 
 
+def print_perf(gen: Generator, t_load: float, t_total: float) -> None:
+    chain = gen.chain
+    n_s = chain.n_sample
+    log("")
+    log(f"llama_perf_sampler_print:    sampling time = {chain.t_sample * 1e3:10.2f} ms / {n_s:5d} runs   "
+        f"({chain.t_sample * 1e3 / max(n_s, 1):8.2f} ms per token, {n_s / chain.t_sample if chain.t_sample else 0:8.2f} "
+        "tokens per second)")
+    log(f"llama_perf_context_print:        load time = {t_load * 1e3:10.2f} ms")
+    log(_perf("prompt eval time", gen.t_prompt * 1e3, gen.n_prompt, "tokens"))
+    log(_perf("eval time", gen.t_eval * 1e3, gen.n_eval, "runs"))
+    log(f"llama_perf_context_print:       total time = {t_total * 1e3:10.2f} ms / {gen.n_prompt + gen.n_eval:5d} tokens")
+
+
 @cli.command()
 def run(
     model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file")],
-    prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt to continue")] = "",
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate (-1: until end of text or context)")] = -1,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt to continue (with -cnv or --chat: the first user message)")] = "",
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate, per turn in a chat (-1: until end of text or context)")] = -1,
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="context size (0: the model's)")] = 4096,
     batch_size: Annotated[int, typer.Option("-b", "--batch-size", help="prompt tokens per decode")] = 2048,
     ubatch_size: Annotated[int, typer.Option("-ub", "--ubatch-size", help="tokens computed at once")] = 512,
@@ -70,20 +143,27 @@ def run(
     lora: Annotated[Optional[list[Path]], typer.Option("--lora", help="LoRA adapter (repeatable)")] = None,
     lora_scaled: Annotated[Optional[list[str]], typer.Option("--lora-scaled", help="FILE SCALE: LoRA adapter and its scale (repeatable)")] = None,
     display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt")] = True,
+    conversation: Annotated[bool, typer.Option("-cnv", "--conversation", help="chat turn by turn through the chat template (stdin; /exit or Ctrl-D ends)")] = False,
+    chat: Annotated[bool, typer.Option("--chat", "-st", "--single-turn", help="answer the -p message as a chat turn, then exit")] = False,
+    system_prompt: Annotated[Optional[str], typer.Option("-sys", "--system-prompt", help="system message of the chat")] = None,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="built-in template name or Jinja file (default: the model's)")] = None,
 ) -> None:
-    """Generate text continuing PROMPT with MODEL."""
+    """Generate text continuing PROMPT with MODEL, or chat with it (-cnv, --chat)."""
     t_start = time.perf_counter()
+    if chat and not prompt:
+        raise InputError("--chat answers the -p message: give one (or use -cnv to type them)")
     m = load_model(model)
     ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads())
     for adapter, scale in load_adapters(m, lora, lora_scaled):
         ctx.attach_lora(adapter, scale)
+    template = None
+    if conversation or chat:
+        template, note = ChatTemplate.for_model(m, chat_template)
+        log(f"chat template: {note or template.name}")
+    elif system_prompt is not None or chat_template is not None:
+        raise InputError("-sys and --chat-template are for chats: add -cnv (interactive) or --chat (one turn)")
     t_load = time.perf_counter() - t_start
     vocab = m.vocab
-    tokens = vocab.tokenize(prompt, add_special=True)
-    if not tokens:
-        raise InputError("the prompt is empty and the model adds no BOS: nothing to continue")
-    if len(tokens) >= ctx.n_ctx:
-        raise InputError(f"the prompt is {len(tokens)} tokens, the context only {ctx.n_ctx}")
     chain = default_chain(vocab.n_tokens, seed=DEFAULT_SEED if seed < 0 else seed, temp=temp, top_k=top_k, top_p=top_p,
                           min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                           freq_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -93,47 +173,89 @@ def run(
     if backend_sampling:
         ctx.set_sampler(0, chain)
     ctx.set_warmup(True)
-    stream = TextStream(vocab)
+    gen = Generator(ctx, chain)
+    if template is not None:
+        talk(gen, template, prompt, system_prompt, n_predict, interactive=conversation)
+    else:
+        complete(gen, prompt, n_predict, display_prompt)
+    print_perf(gen, t_load, time.perf_counter() - t_start)
+
+
+def complete(gen: Generator, prompt: str, n_predict: int, display_prompt: bool) -> None:
+    """Continue `prompt` (llama-completion)."""
+    tokens = gen.vocab.tokenize(prompt, add_special=True)
+    if not tokens:
+        raise InputError("the prompt is empty and the model adds no BOS: nothing to continue")
+    stream = TextStream(gen.vocab)
     if display_prompt:
         for t in tokens:
             stream.write(t)
-
-    t0 = time.perf_counter()
-    for start in range(0, len(tokens), ctx.n_batch):
-        ctx.decode(Batch.from_tokens(tokens[start:start + ctx.n_batch], pos0=start))
-    t_prompt = time.perf_counter() - t0
-
-    n_gen, n_eval, t_eval, pos = 0, 0, 0.0, len(tokens)
-    limit = n_predict if n_predict >= 0 else ctx.n_ctx
-    while n_gen < limit:
-        token = chain.sample(ctx, -1)
-        if vocab.is_eog(token):
-            break
-        stream.write(token)
-        n_gen += 1
-        if pos >= ctx.n_ctx:
-            log("\ncontext full: stopping")
-            break
-        if n_gen >= limit:
-            break
-        t1 = time.perf_counter()
-        ctx.decode(Batch.from_tokens([token], pos0=pos))
-        t_eval += time.perf_counter() - t1
-        n_eval += 1
-        pos += 1
+    gen.feed(tokens)
+    _, why = gen.generate(n_predict, stream)
     stream.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    t_total = time.perf_counter() - t_start
-    n_s = chain.n_sample
-    log("")
-    log(f"llama_perf_sampler_print:    sampling time = {chain.t_sample * 1e3:10.2f} ms / {n_s:5d} runs   "
-        f"({chain.t_sample * 1e3 / max(n_s, 1):8.2f} ms per token, {n_s / chain.t_sample if chain.t_sample else 0:8.2f} "
-        "tokens per second)")
-    log(f"llama_perf_context_print:        load time = {t_load * 1e3:10.2f} ms")
-    log(_perf("prompt eval time", t_prompt * 1e3, len(tokens), "tokens"))
-    log(_perf("eval time", t_eval * 1e3, n_eval, "runs"))
-    log(f"llama_perf_context_print:       total time = {t_total * 1e3:10.2f} ms / {len(tokens) + n_eval:5d} tokens")
+    if why == "full":
+        log("context full: stopping")
+
+
+def talk(gen: Generator, template: ChatTemplate, first: str, system_prompt: str | None, n_predict: int,
+         interactive: bool) -> None:
+    """A chat: each user message (the first from -p, the others read from stdin when
+    interactive) is answered through the template; the answers join the conversation."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    message = first
+    while True:
+        if not message:
+            if not interactive:
+                return
+            message = read_message()
+            if message is None:
+                return
+            if not message:
+                continue
+        messages.append({"role": "user", "content": message})
+        tokens, _ = template.tokenize(gen.vocab, messages, add_generation_prompt=True)
+        gen.feed([int(t) for t in tokens])
+        stream = TextStream(gen.vocab)
+        try:
+            reply, why = gen.generate(n_predict, stream)
+        except KeyboardInterrupt:  # Ctrl-C ends the answer, not the chat
+            reply, why = [], "interrupted"
+            if not interactive:
+                raise
+        stream.close()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": gen.vocab.detokenize(reply)})
+        if why == "full":
+            log("context full: ending the chat")
+            return
+        if not interactive:
+            return
+        message = ""
+
+
+def read_message() -> str | None:
+    """The next user message from stdin after a "> " prompt (a line ending in \\ continues
+    on the next); None at end of input or /exit."""
+    lines = []
+    while True:
+        sys.stdout.write("\n> " if not lines else "")
+        sys.stdout.flush()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            return None
+        if not line:
+            return None if not lines else "\n".join(lines)
+        line = line.rstrip("\n")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        text = "\n".join(lines).strip()
+        return None if text in EXIT_COMMANDS else text
 
 
 def main() -> None:
