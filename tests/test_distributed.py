@@ -208,3 +208,24 @@ def test_python_api_takes_mpi4py_communicator(tmp_path):
     assert r.returncode == 0, r.stderr
     ranks = [(tmp_path / f"rank{i}.txt").read_text() for i in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0].startswith("steps ")  # the same steps, validation and weights
+
+
+def test_samples_with_validation_steps_and_test_set_equal_one_process(tmp_path):
+    """Packed chat samples, a validation file every 2 steps and a test set: two ranks print
+    the validations and the test result one process with both ranks' windows per step prints."""
+    import json
+    d = tmp_path / "data"
+    d.mkdir()
+    for name, n in (("train", 16), ("valid", 3), ("test", 3)):
+        lines = [json.dumps({"prompt": f"What is {i} plus {i}?", "completion": f"It is {2 * i}."}) for i in range(n)]
+        (d / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    args = ["-m", str(shared_path("models", "stories260K.gguf")), "--data", str(d), "-c", "256", "--epochs", "2",
+            "-t", "1", "--seed", "3", "-lr", "1e-3", "--steps-per-eval", "2"]
+    two = finetune(2, *args, "-b", "256", "-o", str(tmp_path / "two.gguf"))
+    one = finetune(1, *args, "-b", "512", "-o", str(tmp_path / "one.gguf"))
+    assert two.returncode == 0 and one.returncode == 0, two.stderr + one.stderr
+
+    def results(stderr: str) -> list[str]:
+        return [line.split("t=")[0] for line in stderr.splitlines() if line.startswith(("step ", "test:", "         val:"))]
+    assert results(two.stderr) == results(one.stderr)
+    assert any(r.startswith("step 2:") for r in results(one.stderr)) and results(one.stderr)[-1].startswith("test:")
