@@ -19,6 +19,7 @@ import typer
 
 from llamapy import Batch, Context, load_model
 from llamapy.chat import ChatTemplate
+from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
 from llamapy.sampling import DEFAULT_SEED, default_chain
 
@@ -120,7 +121,7 @@ def print_perf(gen: Generator, t_load: float, t_total: float) -> None:
 
 @cli.command()
 def run(
-    model: Annotated[Path, typer.Option("-m", "--model", help="GGUF model file")],
+    model: Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: Gemma 3 270M Q4_K_M)")] = None,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt to continue (with -cnv or --chat: the first user message)")] = "",
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate, per turn in a chat (-1: until end of text or context)")] = -1,
     ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="context size (0: the model's)")] = 4096,
@@ -152,7 +153,7 @@ def run(
     t_start = time.perf_counter()
     if chat and not prompt:
         raise InputError("--chat answers the -p message: give one (or use -cnv to type them)")
-    m = load_model(model)
+    m = load_model(model or default_model_path(log))
     ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads())
     for adapter, scale in load_adapters(m, lora, lora_scaled):
         ctx.attach_lora(adapter, scale)

@@ -10,7 +10,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -63,43 +63,49 @@ ValFile = Annotated[Optional[Path], typer.Option("--val-file", help="validate on
 StepsPerEval = Annotated[Optional[int], typer.Option("--steps-per-eval", help="validate also every N optimizer steps")]
 
 
+def flag(option: Any, default: Any) -> Any:
+    """A TrainingArgs field: its command-line option (a typed alias above) and its default."""
+    return field(default=default, metadata={"option": option})
+
+
 @dataclass
 class TrainingArgs:
-    """The shared flags' values (a command gets them as its `args` parameter)."""
+    """The shared flags' values (a command gets them as its `args` parameter); each field
+    declares its option and its default (which a command may change) once."""
 
-    ctx_size: int
-    batch_size: int | None
-    ubatch_size: int
-    lr: float | None
-    lr_min: float
-    decay_epochs: float
-    lr_half: float | None
-    lr_halvings: int | None
-    lr_schedule: str
-    warmup: int
-    cos_restart: int | None
-    grad_clip: float | None
-    wd: float
-    optimizer: str
-    val_split: float
-    epochs: int
-    seed: int
-    threads: int | None
-    plot: Path | None
-    checkpoint_out: Path | None
-    save_every: int | None
-    checkpoint_in: Path | None
-    force_resume: bool
-    data: Path | None
-    data_format: str | None
-    chat_template: str | None
-    mask_prompt: bool
-    sample_start: str | None
-    include_sample_start: bool
-    escape: bool
-    truncate: bool
-    val_file: Path | None
-    steps_per_eval: int | None
+    ctx_size: int = flag(CtxSize, 256)
+    batch_size: int | None = flag(BatchSize, None)
+    ubatch_size: int = flag(UbatchSize, 512)
+    lr: float | None = flag(Lr, None)
+    lr_min: float = flag(LrMin, 0.0)
+    decay_epochs: float = flag(DecayEpochs, -1.0)
+    lr_half: float | None = flag(LrHalf, None)
+    lr_halvings: int | None = flag(LrHalvings, None)
+    lr_schedule: str = flag(LrSchedule, "exp")
+    warmup: int = flag(Warmup, 0)
+    cos_restart: int | None = flag(CosRestart, None)
+    grad_clip: float | None = flag(GradClip, None)
+    wd: float = flag(WeightDecay, 0.0)
+    optimizer: str = flag(OptimizerName, "adamw")
+    val_split: float = flag(ValSplit, 0.05)
+    epochs: int = flag(Epochs, 2)
+    seed: int = flag(Seed, 0)
+    threads: int | None = flag(Threads, None)
+    plot: Path | None = flag(Plot, None)
+    checkpoint_out: Path | None = flag(CheckpointOut, None)
+    save_every: int | None = flag(SaveEvery, None)
+    checkpoint_in: Path | None = flag(CheckpointIn, None)
+    force_resume: bool = flag(ForceResume, False)
+    data: Path | None = flag(Data, None)
+    data_format: str | None = flag(DataFormat, None)
+    chat_template: str | None = flag(ChatTemplateFlag, None)
+    mask_prompt: bool = flag(MaskPrompt, True)
+    sample_start: str | None = flag(SampleStart, None)
+    include_sample_start: bool = flag(IncludeSampleStart, False)
+    escape: bool = flag(Escape, False)
+    truncate: bool = flag(Truncate, True)
+    val_file: Path | None = flag(ValFile, None)
+    steps_per_eval: int | None = flag(StepsPerEval, None)
 
     def check(self) -> None:
         if self.optimizer.lower() not in ("adamw", "sgd"):
@@ -140,20 +146,6 @@ class TrainingArgs:
             raise InputError(first_error(e)) from None
 
 
-# each shared flag: its option and its default (a command may change defaults)
-SHARED_FLAGS: dict[str, tuple[Any, Any]] = {
-    "ctx_size": (CtxSize, 256), "batch_size": (BatchSize, None), "ubatch_size": (UbatchSize, 512),
-    "lr": (Lr, None), "lr_min": (LrMin, 0.0), "decay_epochs": (DecayEpochs, -1.0), "lr_half": (LrHalf, None),
-    "lr_halvings": (LrHalvings, None), "lr_schedule": (LrSchedule, "exp"), "warmup": (Warmup, 0),
-    "cos_restart": (CosRestart, None), "grad_clip": (GradClip, None), "wd": (WeightDecay, 0.0),
-    "optimizer": (OptimizerName, "adamw"), "val_split": (ValSplit, 0.05), "epochs": (Epochs, 2),
-    "seed": (Seed, 0), "threads": (Threads, None), "plot": (Plot, None), "checkpoint_out": (CheckpointOut, None),
-    "save_every": (SaveEvery, None), "checkpoint_in": (CheckpointIn, None), "force_resume": (ForceResume, False),
-    "data": (Data, None), "data_format": (DataFormat, None), "chat_template": (ChatTemplateFlag, None),
-    "mask_prompt": (MaskPrompt, True), "sample_start": (SampleStart, None),
-    "include_sample_start": (IncludeSampleStart, False), "escape": (Escape, False), "truncate": (Truncate, True),
-    "val_file": (ValFile, None), "steps_per_eval": (StepsPerEval, None),
-}
 
 
 def with_training_flags(**defaults: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -162,13 +154,13 @@ def with_training_flags(**defaults: Any) -> Callable[[Callable[..., None]], Call
     def wrap(command: Callable[..., None]) -> Callable[..., None]:
         signature = inspect.signature(command, eval_str=True)
         own = [p for name, p in signature.parameters.items() if name != "args"]
-        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=option,
-                                    default=defaults.get(name, default))
-                  for name, (option, default) in SHARED_FLAGS.items()]
+        shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.metadata["option"],
+                                    default=defaults.get(f.name, f.default))
+                  for f in fields(TrainingArgs)]
 
         @functools.wraps(command)
         def with_flags(**values: Any) -> None:
-            args = TrainingArgs(**{name: values.pop(name) for name in SHARED_FLAGS})
+            args = TrainingArgs(**{f.name: values.pop(f.name) for f in fields(TrainingArgs)})
             command(args=args, **values)
         with_flags.__signature__ = signature.replace(parameters=own + shared)
         with_flags.__annotations__ = {p.name: p.annotation for p in own + shared}
