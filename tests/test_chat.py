@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import shared_path
+from record_chat_templates import assistant, system, user
 from llamapy.chat import NAMED_TEMPLATES, ChatTemplate
 from llamapy.errors import InputError
 from llamapy.gguf_file import GGUFFile, MetaValue, ValueType
@@ -71,18 +72,6 @@ def learned(vocab: Vocab, ids: np.ndarray, mask: np.ndarray) -> list[str]:
     if run:
         runs.append(run)
     return [vocab.detokenize(r, unparse_special=True) for r in runs]
-
-
-def user(content: str) -> dict:
-    return {"role": "user", "content": content}
-
-
-def assistant(content: str) -> dict:
-    return {"role": "assistant", "content": content}
-
-
-def system(content: str) -> dict:
-    return {"role": "system", "content": content}
 
 
 # -- llama.cpp's ids -------------------------------------------------------------------
