@@ -34,49 +34,49 @@ GEMMA3_TEMPLATE = DATA / "gemma3-chat-template.jinja"
 SHARED_VOCAB = Path(__file__).resolve().parents[2] / "shared" / "data" / "vocab"
 
 
-def _u(content: str) -> dict:
+def user(content: str) -> dict:
     return {"role": "user", "content": content}
 
 
-def _a(content: str) -> dict:
+def assistant(content: str) -> dict:
     return {"role": "assistant", "content": content}
 
 
-def _s(content: str) -> dict:
+def system(content: str) -> dict:
     return {"role": "system", "content": content}
 
 
 # (messages, add_generation_prompt); roles alternate so Gemma 3's template accepts them all.
 CONVERSATIONS: list[tuple[list[dict], bool]] = [
-    ([_u("Hello!")], True),
-    ([_u("What is 2+2?"), _a("4.")], False),
-    ([_s("You are a helpful assistant."), _u("Name a prime number."), _a("7 is prime.")], False),
-    ([_u("Hi"), _a("Hello! How can I help?"), _u("Tell me a joke."),
-      _a("Why did the chicken cross the road? To get to the other side.")], False),
-    ([_s("Answer in one word."), _u("Capital of France?"), _a("Paris"), _u("Of Italy?"), _a("Rome"),
-      _u("Of Spain?"), _a("Madrid")], False),
-    ([_u("Translate 'cat' to German."), _a("Katze"), _u("And to French?")], True),
-    ([_s("Réponds en français."), _u("Ça va ? Où est la crème brûlée ?"),
-      _a("Très bien, merci ! Elle est au café.")], False),
-    ([_u("日本語で挨拶してください。"), _a("こんにちは！お元気ですか？")], False),
-    ([_u("Emoji test 🎉👍🏽"), _a("🙂 👨‍👩‍👧 ❤️")], False),
-    ([_u("مرحبا، كيف حالك؟"), _a("Привет! Γειά σου! 你好!")], False),
-    ([_u("Say nothing."), _a("")], False),
-    ([_u(""), _a("You sent an empty message.")], False),
-    ([_s(""), _u("Hello"), _a("Hi")], False),
-    ([_u("  padded question  \n"), _a("\n padded answer \t ")], False),
-    ([_u("Line one\nLine two\n\nParagraph two."), _a("First line.\n\nSecond paragraph\nwith a break.")], False),
-    ([_u("Write code"), _a("```python\ndef f(x):\n\treturn x * 2\n```")], False),
-    ([_u("Is <end_of_turn> or <|im_end|> or <|eot_id|> special?"), _a("It is <|im_end|> text.")], False),
-    ([_u("Braces {{ not jinja }} {% raw %} and 'quotes' \"double\""), _a("{\"json\": [1, 2.5, null, true]}")], False),
-    ([_s("Be terse."), _u("Count to five.")], True),
-    ([_u(" leading space"), _a(" Sure, with a leading space.")], False),
-    ([_u("Windows\r\nline endings\r\n"), _a("OK\r\n")], False),
-    ([_u("1234567890 3.14159 -42 1e10 $100 50% #tag @user")], True),
-    ([_u("A long one: " + "the quick brown fox jumps over the lazy dog. " * 20), _a("Indeed, " + "very long. " * 15)],
+    ([user("Hello!")], True),
+    ([user("What is 2+2?"), assistant("4.")], False),
+    ([system("You are a helpful assistant."), user("Name a prime number."), assistant("7 is prime.")], False),
+    ([user("Hi"), assistant("Hello! How can I help?"), user("Tell me a joke."),
+      assistant("Why did the chicken cross the road? To get to the other side.")], False),
+    ([system("Answer in one word."), user("Capital of France?"), assistant("Paris"), user("Of Italy?"), assistant("Rome"),
+      user("Of Spain?"), assistant("Madrid")], False),
+    ([user("Translate 'cat' to German."), assistant("Katze"), user("And to French?")], True),
+    ([system("Réponds en français."), user("Ça va ? Où est la crème brûlée ?"),
+      assistant("Très bien, merci ! Elle est au café.")], False),
+    ([user("日本語で挨拶してください。"), assistant("こんにちは！お元気ですか？")], False),
+    ([user("Emoji test 🎉👍🏽"), assistant("🙂 👨‍👩‍👧 ❤️")], False),
+    ([user("مرحبا، كيف حالك؟"), assistant("Привет! Γειά σου! 你好!")], False),
+    ([user("Say nothing."), assistant("")], False),
+    ([user(""), assistant("You sent an empty message.")], False),
+    ([system(""), user("Hello"), assistant("Hi")], False),
+    ([user("  padded question  \n"), assistant("\n padded answer \t ")], False),
+    ([user("Line one\nLine two\n\nParagraph two."), assistant("First line.\n\nSecond paragraph\nwith a break.")], False),
+    ([user("Write code"), assistant("```python\ndef f(x):\n\treturn x * 2\n```")], False),
+    ([user("Is <end_of_turn> or <|im_end|> or <|eot_id|> special?"), assistant("It is <|im_end|> text.")], False),
+    ([user("Braces {{ not jinja }} {% raw %} and 'quotes' \"double\""), assistant("{\"json\": [1, 2.5, null, true]}")], False),
+    ([system("Be terse."), user("Count to five.")], True),
+    ([user(" leading space"), assistant(" Sure, with a leading space.")], False),
+    ([user("Windows\r\nline endings\r\n"), assistant("OK\r\n")], False),
+    ([user("1234567890 3.14159 -42 1e10 $100 50% #tag @user")], True),
+    ([user("A long one: " + "the quick brown fox jumps over the lazy dog. " * 20), assistant("Indeed, " + "very long. " * 15)],
      False),
-    ([_u("Non-breaking\u00a0space inside"), _a("Ideographic\u3000space inside")], False),
-    ([_u("\u00a0edge nbsp\u00a0"), _a("\u3000edge ideographic\u3000")], False),
+    ([user("Non-breaking\u00a0space inside"), assistant("Ideographic\u3000space inside")], False),
+    ([user("\u00a0edge nbsp\u00a0"), assistant("\u3000edge ideographic\u3000")], False),
 ]
 
 # name -> (llama-server template arguments, vocabulary used for the ids)
