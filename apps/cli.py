@@ -160,7 +160,7 @@ def run(
     template = None
     if conversation or chat:
         template, note = ChatTemplate.for_model(m, chat_template)
-        log(f"chat template: {note or template.name}")
+        log(note or f"chat template: {template.name.removeprefix('chat template ')}")
     elif system_prompt is not None or chat_template is not None:
         raise InputError("-sys and --chat-template are for chats: add -cnv (interactive) or --chat (one turn)")
     t_load = time.perf_counter() - t_start

@@ -204,7 +204,7 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     sched = params.schedule
     log(f"training: {args.optimizer.lower()}, lr {sched.lr0:g} ({sched.kind}"
         f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "
-        f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epochs"
+        f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epoch{'s' if args.epochs != 1 else ''}"
         f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}")
     n_threads = args.threads or default_threads()
     if n_batch > args.ctx_size:  # several windows per step: the context holds the step, windows stay -c long

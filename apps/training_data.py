@@ -81,7 +81,7 @@ class _Loader:
     def template(self) -> ChatTemplate:
         if self._template is None:
             self._template, note = ChatTemplate.for_model(self.model, self.opts.chat_template)
-            log(f"chat template: {note or self._template.name}")
+            log(note or f"chat template: {self._template.name.removeprefix('chat template ')}")
         return self._template
 
     def load(self, path: Path, role: str) -> Dataset:

@@ -247,8 +247,13 @@ def main() -> None:
     ap.add_argument("--skip-base", action="store_true", help="do not score the base model (development)")
     ap.add_argument("--adapter", type=Path, default=None, help="score this adapter instead of training one")
     ap.add_argument("--show", type=int, default=5, help="print this many held-out answers of each model")
+    ap.add_argument("--data-only", action="store_true", help="write train/valid/test.jsonl to --out and stop")
     args = ap.parse_args()
     args.out = args.out.resolve()  # llamapy-finetune runs from the checkout's root
+    if args.data_only:
+        write_task(args.out, args.task_seed)
+        print(f"wrote {args.out}/train.jsonl ({N_TRAIN}), valid.jsonl ({N_VALID}), test.jsonl ({N_TEST})")
+        return
 
     import llamapy
     from llamapy.chat import ChatTemplate
