@@ -23,6 +23,49 @@ def sort_desc(row: np.ndarray) -> np.ndarray:
     return np.argsort(-row, kind="stable")
 
 
+def top_k_desc(row: np.ndarray, k: int) -> np.ndarray:
+    """sort_desc(row)[:k] without sorting the row: the k largest (ties: the lower position
+    first; NaN after every number, as the stable sort puts them), largest first."""
+    k = max(0, min(int(k), row.shape[0]))
+    out = np.empty(k, dtype=np.int64)
+    _top_k_into(row, out)
+    return out
+
+
+@njit(cache=True)
+def _top_k_into(row, out):
+    """One pass keeping the k best so far in order in `out` (values in `best`): a value
+    enters only when it beats the k-th strictly, so an equal later one stays behind."""
+    k = out.shape[0]
+    if k == 0:
+        return
+    best = np.empty(k, dtype=np.float32)
+    count = 0
+    for i in range(row.shape[0]):
+        v = row[i]
+        if v != v:  # NaN: only to fill up, below
+            continue
+        if count == k:
+            if not v > best[k - 1]:
+                continue
+            j = k - 1
+        else:
+            j = count
+            count += 1
+        while j > 0 and best[j - 1] < v:
+            best[j] = best[j - 1]
+            out[j] = out[j - 1]
+            j -= 1
+        best[j] = v
+        out[j] = i
+    for i in range(row.shape[0]):  # fewer than k numbers: the NaNs follow, in order
+        if count == k:
+            break
+        if row[i] != row[i]:
+            out[count] = i
+            count += 1
+
+
 @njit(cache=True)
 def softmax(x, out):
     """out = softmax(x): float32 exp of x - max, normalized by their double sum."""
@@ -102,10 +145,11 @@ def exp_sum(row, scratch):
 def apply_penalties(x: np.ndarray, counts: np.ndarray, repeat: float, freq: float, present: float) -> np.ndarray:
     """Penalized copy of scores x given each entry's count: where count > 0, divided by
     repeat if positive (multiplied if not), minus count * freq + present."""
-    x = np.asarray(x, dtype=np.float32)
+    out = np.array(x, dtype=np.float32)
     counts = np.asarray(counts, dtype=np.float32)
-    seen = counts > 0
+    seen = counts > 0  # a few dozen of the vocabulary: only they change
     r = F32(repeat)
-    out = np.where(seen, np.where(x <= 0, x * r, x / r), x).astype(np.float32)
-    sub = counts * F32(freq) + seen.astype(np.float32) * F32(present)
-    return np.where(seen, out - sub, out).astype(np.float32)
+    v, c = out[seen], counts[seen]
+    v = np.where(v <= 0, v * r, v / r).astype(np.float32)
+    out[seen] = v - (c * F32(freq) + F32(present)).astype(np.float32)
+    return out

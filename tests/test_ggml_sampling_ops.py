@@ -37,6 +37,27 @@ def test_top_k(rng, layout):
     assert got.dtype == np.int32
 
 
+@pytest.mark.parametrize("kind", ["ties", "normal", "nan", "inf", "ascending", "short"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_top_k_selection_equals_the_stable_sort(rng, kind, strided):
+    """rowops.top_k_desc (one pass, no sort) picks what the stable descending sort picks,
+    ties and NaNs included, for every k, on contiguous and strided rows."""
+    from ggmlpy import rowops
+    n = 3 if kind == "short" else 300
+    x = (rng.integers(-3, 3, n) if kind == "ties" else rng.standard_normal(n)).astype(np.float32)
+    if kind == "nan":
+        x[rng.random(n) < 0.3] = np.nan
+    if kind == "inf":
+        x[rng.random(n) < 0.2] = -np.inf
+        x[rng.random(n) < 0.05] = np.inf
+    if kind == "ascending":  # the worst case of the insertion
+        x.sort()
+    row = np.repeat(x, 2)[::2] if strided else x
+    for k in (0, 1, 2, 5, 40, n, n + 4):
+        ref = sorted(range(n), key=lambda i: (np.isnan(row[i]), -row[i] if not np.isnan(row[i]) else 0, i))[:k]
+        assert list(rowops.top_k_desc(row, k)) == ref, k
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cumsum(rng, layout):
     x = logits(rng)

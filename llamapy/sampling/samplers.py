@@ -173,7 +173,7 @@ class TopK(Sampler):
             return
         k = min(self.k, len(cur))
         if not cur.sorted:
-            order = rowops.sort_desc(cur.logits)[:k]
+            order = rowops.top_k_desc(cur.logits, k)
             cur.take(order, True)
         else:
             cur.take(np.arange(k))
@@ -371,7 +371,12 @@ class Penalties(Sampler):
     def apply(self, cur: Candidates) -> None:
         if self.neutral:
             return
-        counts = np.array([self.counts.get(int(t), 0) for t in cur.ids], dtype=np.float32)
+        counts = np.zeros(len(cur), dtype=np.float32)
+        if self.counts and len(cur):
+            seen = np.fromiter(self.counts, dtype=np.int64, count=len(self.counts))
+            by_id = np.zeros(max(int(cur.ids.max()), int(seen.max())) + 1, dtype=np.float32)
+            by_id[seen] = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
+            counts = by_id[cur.ids]
         cur.logits = rowops.apply_penalties(cur.logits, counts, self.repeat, self.freq, self.present)
         cur.sorted = False
 

@@ -32,7 +32,7 @@ def _top_k(node: Tensor, plan: Plan) -> Prepared:
 
     def run() -> None:
         for src, dst in _row_iter(av, dv):
-            dst[:] = rowops.sort_desc(src)[:k]
+            dst[:] = rowops.top_k_desc(src, k)
     return run
 
 
