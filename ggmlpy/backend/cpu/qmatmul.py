@@ -23,6 +23,7 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
+from . import qdot
 from .gemm import matmul
 from .plan import Scratch
 
@@ -85,12 +86,17 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
-    into `scratch` (the backend's; tiles go there too); x is left unchanged.
+    into `scratch` (the backend's; tiles go there too); x is left unchanged. For one
+    column of a Q8_0 matrix the product is integer dot products on the packed blocks
+    instead (qdot.py): no float copy of any row.
 
     Tiles are dequantized one group at a time, a tile per thread, and each tile's product
     is one whole BLAS call: the result is the same for any thread count and the float
     rounding of every product is that of an unsliced (N, K) x (K, tile) GEMM."""
     scratch = scratch or Scratch()
+    if qdot.supports(w.type, x.shape[0]):  # one column: integer dot products on the blocks
+        qdot.mul_mat_dot(w.type, w.buf, w.offs, x, out, scratch)
+        return out
     group = max(1, numba.get_num_threads())
     t, tiles_buf = _tiles(w, scratch, group)
     if w.round_activations is not None and x.size:

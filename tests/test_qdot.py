@@ -1,0 +1,72 @@
+"""Integer dot products on packed Q8_0 blocks (generation's path) against a float64 numpy
+reference on the activations rounded as ggml rounds them: equal after one float32 rounding."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ggmlpy as gg
+from ggmlpy import GGMLType, quants
+from ggmlpy.backend.cpu import qdot
+from ggmlpy.backend.cpu.plan import Scratch
+from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
+
+
+def reference(q: np.ndarray, m: int, k: int, x: np.ndarray) -> np.ndarray:
+    w = quants.dequantize(q, GGMLType.Q8_0).reshape(m, k).astype(np.float64)
+    xr = quants.round_activations(np.array(x, dtype=np.float32), GGMLType.Q8_0).astype(np.float64)
+    return (xr @ w.T).astype(np.float32)
+
+
+@pytest.mark.parametrize("m, k", [(1, 32), (37, 64), (300, 640)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_one_column_equals_the_float64_product_of_the_rounded_activations(m, k, layout):
+    rng = np.random.default_rng(m + k)
+    w = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block (scale 0)
+    q = quants.quantize(w, GGMLType.Q8_0)
+    x = rng.standard_normal((1, 2 * k)).astype(np.float32)
+    x[0, :64] = 0.0  # all-zero activation blocks
+    x = x[:, ::2] if layout == "strided" else np.ascontiguousarray(x[:, :k])
+    big = np.full((3, 2 * m), np.nan, dtype=np.float32)
+    out = big[1:2, ::2] if layout == "strided" else np.empty((1, m), np.float32)
+    assert qdot.supports(GGMLType.Q8_0, 1)
+    mul_mat_q(QuantMatrix.from_bytes(GGMLType.Q8_0, q.reshape(m, -1), k), x, out, Scratch())
+    assert np.array_equal(out, reference(q, m, k, x))
+    if layout == "strided":
+        assert np.isnan(big[0]).all() and np.isnan(big[1, 1::2]).all()  # nothing written outside the view
+
+
+def test_rows_addressed_by_offset_in_a_shared_buffer():
+    """Rows of a matrix inside a larger buffer (a memory-mapped file), in any order."""
+    rng = np.random.default_rng(3)
+    m, k = 20, 96
+    q = quants.quantize(rng.standard_normal((m, k)).astype(np.float32), GGMLType.Q8_0).reshape(m, -1)
+    row_bytes = q.shape[1]
+    buf = np.zeros(7 + m * row_bytes, dtype=np.uint8)
+    order = rng.permutation(m)
+    for slot, r in enumerate(order):
+        buf[7 + slot * row_bytes:7 + (slot + 1) * row_bytes] = q[r]
+    offs = np.empty(m, dtype=np.int64)
+    offs[order] = 7 + np.arange(m) * row_bytes
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    out = np.empty((1, m), np.float32)
+    mul_mat_q(QuantMatrix(GGMLType.Q8_0, buf, offs, k), x, out, Scratch())
+    assert np.array_equal(out, reference(q.reshape(-1), m, k, x))
+
+
+def test_the_graph_product_of_one_token_takes_it_and_agrees_with_the_tile_path():
+    rng = np.random.default_rng(5)
+    m, k = 64, 128
+    wq = quants.quantize(rng.standard_normal((m, k)).astype(np.float32), GGMLType.Q8_0)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    results = {}
+    for n_cols in (1, 2):  # 2 columns: the tile path (dequantize + BLAS), same rounded values
+        ctx = gg.Context()
+        w = ctx.from_numpy(wq.reshape(1, 1, m, -1), GGMLType.Q8_0)
+        xt = ctx.from_numpy(np.repeat(x, n_cols, axis=0).reshape(1, 1, n_cols, k), GGMLType.F32)
+        y = gg.mul_mat(ctx, w, xt)
+        gg.compute(gg.new_graph(y))
+        results[n_cols] = np.ascontiguousarray(y.array()).reshape(n_cols, m)[0].copy()
+    assert np.array_equal(results[1], reference(wq, m, k, x)[0])
+    np.testing.assert_allclose(results[2], results[1], rtol=1e-5, atol=1e-5)
