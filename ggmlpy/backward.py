@@ -294,8 +294,8 @@ def _rope(ctx, node, g, wants):
 
 @rule(Op.CROSS_ENTROPY_LOSS)
 def _cross_entropy_loss(ctx, node, g, wants):
-    logits, labels = node.src
-    return [OT.cross_entropy_loss_back(ctx, g, logits, labels), None]
+    logits, labels, *weights = node.src
+    return [OT.cross_entropy_loss_back(ctx, g, logits, labels, *weights), None] + [None] * len(weights)
 
 
 # ---- rules: matrix products and rows -----------------------------------------------------------

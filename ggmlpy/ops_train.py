@@ -12,21 +12,34 @@ from .types import GGMLType
 
 
 # ---- losses -------------------------------------------------------------------------------
-def cross_entropy_loss(ctx: Context, logits: Tensor, labels: Tensor) -> Tensor:
+def cross_entropy_loss(ctx: Context, logits: Tensor, labels: Tensor, weights: Tensor | None = None) -> Tensor:
     """-sum(labels * log_softmax(logits)) over each row, averaged over rows: a 1-element tensor.
 
     A label row is a distribution, or one scaled by a weight: the loss is linear in the
     labels, so an all-zero row (a datapoint whose label is ignored) adds nothing to the
-    sum (the mean still divides by every row) and gets no gradient."""
+    sum (the mean still divides by every row) and gets no gradient.
+
+    Labels may also be token ids (I32, one per row: ne = logits.ne[1:] + (1,)) with F32
+    `weights` of the same shape: row r's label row is weights[r] * onehot(labels[r]),
+    nothing where the id is negative. The result is the same, to the bit, without a
+    [n_vocab x rows] label tensor (262,144 x 256 floats for one Gemma 3 window)."""
+    if labels.type == GGMLType.I32:
+        rows = logits.ne[1:] + (1,)
+        _check(labels.ne == rows and weights is not None and weights.ne == rows and weights.type == GGMLType.F32,
+               f"CROSS_ENTROPY_LOSS: ids and F32 weights must have shape {rows} for logits {logits.ne}")
+        return _node(ctx, Op.CROSS_ENTROPY_LOSS, GGMLType.F32, (1, 1, 1, 1), (logits, labels, weights))
     _check(logits.ne == labels.ne, f"CROSS_ENTROPY_LOSS: logits {logits.ne} and labels {labels.ne} differ")
+    _check(weights is None, "CROSS_ENTROPY_LOSS: weights go with label ids, not label rows")
     return _node(ctx, Op.CROSS_ENTROPY_LOSS, GGMLType.F32, (1, 1, 1, 1), (logits, labels))
 
 
-def cross_entropy_loss_back(ctx: Context, grad: Tensor, logits: Tensor, labels: Tensor) -> Tensor:
+def cross_entropy_loss_back(ctx: Context, grad: Tensor, logits: Tensor, labels: Tensor,
+                            weights: Tensor | None = None) -> Tensor:
     """d loss / d logits = (softmax(logits) * sum(labels) - labels) * grad / rows, per row
-    (ggml's softmax - labels where a row sums to 1)."""
+    (ggml's softmax - labels where a row sums to 1); labels as rows or as ids and weights."""
     _check(grad.nelements() == 1, "CROSS_ENTROPY_LOSS_BACK: the loss gradient must be a scalar")
-    return _node(ctx, Op.CROSS_ENTROPY_LOSS_BACK, GGMLType.F32, logits.ne, (grad, logits, labels))
+    src = (grad, logits, labels) + ((weights,) if weights is not None else ())
+    return _node(ctx, Op.CROSS_ENTROPY_LOSS_BACK, GGMLType.F32, logits.ne, src)
 
 
 # ---- backward ops ---------------------------------------------------------------------------

@@ -20,8 +20,9 @@ For a window cut into ubatches u = 0..U-1:
 With n_ubatch = n_ctx_train a window is one graph and step 1 is empty.
 
 Labels are token ids, IGNORE (-1) where a prediction does not count (prompts, padding);
-the graph takes them as one-hot rows, all zero where ignored, so those positions add no
-loss and get no gradient. The loss of an optimizer step is the mean over the positions
+the graph's cross-entropy takes them as ids with a weight per position (0 where ignored),
+never as [n_vocab x n_tokens] one-hot rows, so those positions add no loss and get no
+gradient. The loss of an optimizer step is the mean over the positions
 that count in all its windows (every rank's): the graph's constant loss scale makes it
 the mean over all positions, and each counted row is weighted by positions / counted
 (exactly 1 when every position counts, as in plain text).
@@ -58,10 +59,11 @@ class UbatchGraph:
         b = self.builder = GraphBuilder.for_window(model, n_prev, n_tokens, adapters)
         c, attn = b.ctx, b.attn
         logits = model.arch.build(b, model)
-        self.labels = c.new_tensor_2d(GGMLType.F32, model.hparams.n_vocab, n_tokens, "labels").set_input()
-        # the label ids again, for the accuracy: IGNORE equals no prediction
+        # the next-token ids (IGNORE: no loss, and equal to no prediction in the accuracy)
+        # and each position's weight in the step's mean (0 where ignored)
         self.label_ids = c.new_tensor_1d(GGMLType.I32, n_tokens, "label_ids").set_input()
-        loss = gg.scale(c, gg.cross_entropy_loss(c, logits, self.labels), loss_scale)
+        self.label_weights = c.new_tensor_1d(GGMLType.F32, n_tokens, "label_weights").set_input()
+        loss = gg.scale(c, gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), loss_scale)
         pred = gg.argmax(c, logits)
         ncorrect = gg.count_equal(c, pred, self.label_ids)
         objective = loss
@@ -200,10 +202,8 @@ class Trainer:
         g.builder.set_inputs(ub, WindowCells(pos[:(u + 1) * n], seq[:(u + 1) * n]))
         ids = labels[rows]
         counted = ids != IGNORE
-        onehot = g.labels.array()[0, 0]
-        onehot.fill(0.0)
-        onehot[np.flatnonzero(counted), ids[counted]] = label_weight
         g.label_ids.array().reshape(-1)[:] = ids
+        np.copyto(g.label_weights.array().reshape(-1), np.where(counted, np.float32(label_weight), np.float32(0.0)))
         attn = g.builder.attn
         for il in range(len(attn.k_prev)):
             attn.k_prev[il].array()[0] = k_store[il, :u * n]

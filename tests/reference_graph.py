@@ -137,7 +137,13 @@ def _op(node: gg.Tensor, x: list[np.ndarray]) -> np.ndarray:
     if op in (Op.CPY, Op.CONT, Op.DUP):
         return np.reshape(x[0], shape)
     if op == Op.CROSS_ENTROPY_LOSS:
-        logits, labels = x
+        logits, labels = x[:2]
+        if len(x) == 3:  # token ids and weights: the rows weights * onehot(ids)
+            ids, weights = labels.reshape(-1), x[2].reshape(-1)
+            labels = np.zeros(logits.shape).reshape(-1, logits.shape[-1])
+            keep = ids >= 0
+            labels[np.flatnonzero(keep), ids[keep].astype(np.int64)] = weights[keep]
+            labels = labels.reshape(logits.shape)
         mx = logits.max(axis=-1, keepdims=True)
         log_softmax = logits - mx - np.log(np.exp(logits - mx).sum(axis=-1, keepdims=True))
         rows = -(labels * log_softmax).sum(axis=-1)

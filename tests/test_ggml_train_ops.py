@@ -341,6 +341,35 @@ def test_cross_entropy_loss(rng, shape, kind, layouts, offset):
     assert_close(run(out), np.full((1, 1, 1, 1), ref), scale)
 
 
+@pytest.mark.parametrize("layout", ["contig", "perm", "trans", "pad"])
+@pytest.mark.parametrize("shape", CE_SHAPES.values(), ids=CE_SHAPES.keys())
+@pytest.mark.parametrize("d", [1.0, -0.37])
+def test_cross_entropy_with_label_ids_is_the_dense_one_to_the_bit(rng, shape, layout, d):
+    """Labels as ids and weights (negative id or zero weight: ignored) give the loss and the
+    gradient of the dense rows weights * onehot(ids), bit for bit, on any logits layout."""
+    logits, _ = ce_inputs(rng, shape, "one_hot", 10.0)
+    n_rows = math.prod(shape[:-1])
+    ids = rng.integers(0, shape[-1], n_rows).astype(np.int32)
+    weights = rng.uniform(0.0, 3.0, n_rows).astype(np.float32)
+    ids[0], weights[1] = -1, 0.0
+    dense = np.zeros((n_rows, shape[-1]), np.float32)
+    keep = ids >= 0
+    dense[np.flatnonzero(keep), ids[keep]] = weights[keep]
+    rows = shape[:-1][::-1] + (1,)  # ne of the ids: one per logits row
+    results = []
+    for sparse in (True, False):
+        ctx = gg.Context()
+        lg = make(ctx, logits, layout)
+        if sparse:
+            labels = (ctx.from_numpy(ids.reshape(rows[::-1]), T.I32), ctx.from_numpy(weights.reshape(rows[::-1])))
+        else:
+            labels = (ctx.from_numpy(dense.reshape(shape)),)
+        loss = gg.cross_entropy_loss(ctx, lg, *labels)
+        back = gg.cross_entropy_loss_back(ctx, ctx.from_numpy(np.array([d], np.float32)), lg, *labels)
+        results.append((run(loss).tobytes(), run(back).tobytes()))
+    assert results[0] == results[1]
+
+
 @pytest.mark.parametrize("layouts", [("contig", "contig"), ("perm", "contig"), ("trans", "pad"), ("pad", "perm")],
                          ids=lambda l: "-".join(l))
 @pytest.mark.parametrize("kind", ["soft", "one_hot", "weighted"])

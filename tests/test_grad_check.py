@@ -194,6 +194,10 @@ CASES = {
     # rows weighted, one ignored (all zero): a masked language-model loss
     "cross_entropy_loss_weighted_rows": (lambda ctx, a: gg.cross_entropy_loss(
         ctx, a, ctx.from_numpy(_labels() * np.array([[0.0], [2.5], [0.7]], np.float32))), [rn(7, 3, scale=2.0)], None),
+    # the same with labels as token ids and weights (the trainer's form; id -1 ignored)
+    "cross_entropy_loss_label_ids": (lambda ctx, a: gg.cross_entropy_loss(
+        ctx, a, ctx.from_numpy(np.array([[[[3, -1, 6]]]], np.int32), gg.GGMLType.I32),
+        ctx.from_numpy(np.array([[[[1.0, 1.0, 2.5]]]], np.float32))), [rn(7, 3, scale=2.0)], None),
     "shared_input_several_uses": (lambda ctx, a: gg.add(ctx, gg.mul(ctx, a, a), gg.mul_mat(ctx, a, a)), [rn(4, 4)], None),
     "attention_block": (_attention, [rn(4, 2, 5), rn(4, 2, 5, seed=2), rn(4, 2, 5, seed=3)], None),
     # the pieces qwen2, qwen3 and Llama 3 add to llama's layer

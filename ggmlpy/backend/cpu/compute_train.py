@@ -118,10 +118,19 @@ def _count_equal(node: Tensor, plan: Plan) -> Prepared:
 
 @KERNELS.register(Op.CROSS_ENTROPY_LOSS)
 def _cross_entropy_loss(node: Tensor, plan: Plan) -> Prepared:
-    logits, labels = node.src
-    require_f32(node, logits, labels)
-    lv, yv, dv = logits.array(), labels.array(), node.array()
+    logits, labels, *weights = node.src
+    lv, dv = logits.array(), node.array()
     rows = np.empty(logits.nrows(), dtype=np.float64)
+    if weights:  # label ids and their weights
+        require_f32(node, logits, weights[0])
+        iv, wv = labels.array()[0], weights[0].array()[0]
+
+        def run() -> None:
+            TK.cross_entropy_rows_ids(lv, iv, wv, rows)
+            dv.fill(np.sum(rows) / rows.shape[0])
+        return run
+    require_f32(node, logits, labels)
+    yv = labels.array()
 
     def run() -> None:
         TK.cross_entropy_rows(lv, yv, rows)
@@ -131,9 +140,14 @@ def _cross_entropy_loss(node: Tensor, plan: Plan) -> Prepared:
 
 @KERNELS.register(Op.CROSS_ENTROPY_LOSS_BACK)
 def _cross_entropy_loss_back(node: Tensor, plan: Plan) -> Prepared:
-    grad, logits, labels = node.src
+    grad, logits, labels, *weights = node.src
+    gv, lv, dv = grad.array().reshape(-1), logits.array(), node.array()
+    if weights:
+        require_f32(node, grad, logits, weights[0])
+        iv, wv = labels.array()[0], weights[0].array()[0]
+        return lambda: TK.cross_entropy_back_ids_f32(np.float64(gv[0]), lv, iv, wv, dv)
     require_f32(node, grad, logits, labels)
-    gv, lv, yv, dv = grad.array().reshape(-1), logits.array(), labels.array(), node.array()
+    yv = labels.array()
     return lambda: TK.cross_entropy_back_f32(np.float64(gv[0]), lv, yv, dv)
 
 

@@ -125,6 +125,45 @@ def cross_entropy_back_f32(d, logits, labels, dst):
             dr[i0] = (dr[i0] * inv * weight - lab[i0]) * sc
 
 
+@njit(parallel=True, cache=True)
+def cross_entropy_rows_ids(logits, ids, weights, out):
+    """cross_entropy_rows for label rows weights[r] * onehot(ids[r]) (nothing where ids[r] < 0),
+    without the dense rows: the same double sums, so the same bits."""
+    n3, n2, n1, n0 = logits.shape
+    for r in prange(n3 * n2 * n1):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        t, w = ids[i3, i2, i1], np.float64(weights[i3, i2, i1])
+        if t < 0 or w == 0.0:
+            out[r] = 0.0
+            continue
+        row = logits[i3, i2, i1]
+        m, s = exp_sum(row, np.empty(n0, dtype=np.float32))
+        out[r] = (np.log(s) + np.float64(m)) * w - w * np.float64(row[t])
+
+
+@njit(parallel=True, cache=True)
+def cross_entropy_back_ids_f32(d, logits, ids, weights, dst):
+    """cross_entropy_back_f32 for label rows weights[r] * onehot(ids[r]) (zero where ids[r] < 0)."""
+    n3, n2, n1, n0 = logits.shape
+    n_rows = n3 * n2 * n1
+    sc = F32(d / n_rows)
+    for r in prange(n_rows):
+        i3, i2, i1 = _row_index(r, n2, n1)
+        dr = dst[i3, i2, i1]
+        t = ids[i3, i2, i1]
+        weight = weights[i3, i2, i1] if t >= 0 else F32(0.0)
+        if weight == 0.0:
+            dr[:] = F32(0.0) * sc  # the dense form's (0 - 0) * sc: -0.0 for a negative gradient
+            continue
+        _, s = exp_sum(logits[i3, i2, i1], dr)
+        inv = F32(1.0 / s)
+        for i0 in range(n0):
+            v = dr[i0] * inv * weight
+            if i0 == t:
+                v = v - weight
+            dr[i0] = v * sc
+
+
 @njit(cache=True)
 def get_rows_back_f32(g, idx, dst):
     """dst[i12, i11, idx[i12, i11, i10]] += g[i12, i11, i10]; serial, as rows may repeat."""
