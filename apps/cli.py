@@ -23,7 +23,7 @@ from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
 from llamapy.sampling import DEFAULT_SEED, default_chain
 
-from .common import default_threads, guarded, join_pairs, load_adapters, log
+from .common import default_threads, guarded, join_pairs, load_adapters, log, note_first_run
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -154,6 +154,7 @@ def run(
     if chat and not prompt:
         raise InputError("--chat answers the -p message: give one (or use -cnv to type them)")
     m = load_model(model or default_model_path(log))
+    note_first_run()
     ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads())
     for adapter, scale in load_adapters(m, lora, lora_scaled):
         ctx.attach_lora(adapter, scale)

@@ -60,6 +60,13 @@ def default_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+def note_first_run() -> None:
+    """On the first run after installing, say why the first graphs take long."""
+    from ggmlpy.backend.cpu import kernels_cached
+    if not kernels_cached():
+        log("first run after install: compiling the numba kernels (tens of seconds, once: they are cached)")
+
+
 def log(message: str) -> None:
     """A progress line (rank 0's only, under MPI)."""
     if _COMM is None or _COMM.rank == 0:

@@ -21,7 +21,7 @@ from llamapy.lora import DEFAULT_MODULES
 from llamapy.model import load_model
 
 from . import training as T
-from .common import guarded, log
+from .common import guarded, log, note_first_run
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -48,6 +48,7 @@ def run(
     t_load = time.perf_counter()
     model = model or default_model_path(log)
     m = load_model(model)
+    note_first_run()
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
     params = args.train_params(m, lora_rank=lora_rank, lora_alpha=lora_alpha, window_bos=window_bos,
                                lora_modules=[x.strip() for x in lora_modules.split(",") if x.strip()])

@@ -11,7 +11,7 @@ import typer
 from llamapy.model import load_model
 from llamapy.perplexity import perplexity
 
-from .common import default_threads, guarded, join_pairs, load_adapters, log, read_text
+from .common import default_threads, guarded, join_pairs, load_adapters, log, note_first_run, read_text
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -32,6 +32,7 @@ def run(
     """Perplexity of MODEL on the text in FILE."""
     t_load = time.perf_counter()
     m = load_model(model)
+    note_first_run()
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
     adapters = load_adapters(m, lora, lora_scaled)
     text = read_text(file)

@@ -19,7 +19,7 @@ from llamapy.from_scratch import new_model
 from llamapy.sampling.samplers import default_chain
 
 from . import training as T
-from .common import guarded, job, log
+from .common import guarded, job, log, note_first_run
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -52,6 +52,7 @@ def run(
     m = new_model(arch, vocab_model, n_embd=embd, n_head=head, n_head_kv=head_kv, n_layer=layer,
                   n_ff=ff or _llama_ff(embd), n_ctx_train=args.ctx_size, rope_freq_base=rope_freq_base, rms_eps=rms_eps,
                   seed=args.seed)
+    note_first_run()
     log(f"model: new {m.describe()} ({m.n_params:,} parameters), vocabulary of {vocab_model.name}")
     params = args.train_params(m, DEFAULT_LR)
     data = args.load_data(m, params.window_bos, file)

@@ -35,6 +35,18 @@ def _thread_setter():
 _set_threads = _thread_setter()
 
 
+def kernels_cached() -> bool:
+    """Whether numba's on-disk cache already holds compiled kernels (False on the first run
+    after installing, when the first graphs spend tens of seconds compiling). Read from the
+    cache index of RMS_NORM's kernel, which every supported model runs; True when that
+    cannot be told."""
+    from .kernels import rms_norm_f32
+    try:
+        return bool(rms_norm_f32.signatures) or rms_norm_f32._cache._cache_file._load_index() != {}
+    except Exception:  # noqa: BLE001 -- numba's cache internals: unknown means do not warn
+        return True
+
+
 class CpuBackend:
     """Executes graphs in node order. A graph is prepared into a `Plan` once and the plan is
     reused while it is valid (plan.py); plans live here, beside the graphs, and go with them.
