@@ -117,6 +117,7 @@ def print_perf(gen: Generator, t_load: float, t_total: float) -> None:
     log(_perf("prompt eval time", gen.t_prompt * 1e3, gen.n_prompt, "tokens"))
     log(_perf("eval time", gen.t_eval * 1e3, gen.n_eval, "runs"))
     log(f"llama_perf_context_print:       total time = {t_total * 1e3:10.2f} ms / {gen.n_prompt + gen.n_eval:5d} tokens")
+    log(f"llama_perf_context_print:    graphs reused = {gen.ctx.n_graphs_reused:10d}")
 
 
 @cli.command()

@@ -61,6 +61,7 @@ class Context:
         self.kv = KVMemory(hp, kv_size, n_seq_max, unified, type_k, type_v, self.n_ubatch)
         self.backend = CpuBackend(n_threads)
         self._graphs: OrderedDict[tuple, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()  # (shape, deps)
+        self.n_graphs_reused = 0  # decodes that found their graph built (llama_perf's graphs reused)
         self.outputs = Outputs(hp.n_vocab)  # the last decode's
         self._samplers: dict[int, object] = {}  # seq id -> sampler chain run in the graph
         self._shift_graphs: dict[int, tuple] = {}  # cache index -> (graph, positions input, allocator)
@@ -229,6 +230,7 @@ class Context:
         key = (shape, deps)
         if key in self._graphs:
             self._graphs.move_to_end(key)
+            self.n_graphs_reused += 1
             return self._graphs[key][0]
         for stale in [k for k in self._graphs if k[1] != deps]:
             del self._graphs[stale]
