@@ -218,6 +218,9 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
             log(f"warning: {warning}")
     ctx.opt_init(params, comm)
     adapter = ctx.trainer.adapter
+    plan = ctx.trainer.memory_plan()
+    log("memory: " + ", ".join(f"{name} {_mb(n)}" for name, n in plan.items() if n) +
+        f"; {_mb(sum(plan.values()) - (plan['trained'] if not adapter else 0))} in all, planned before the first step")
     if adapter:
         log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices "
             f"({', '.join(params.lora.modules)})")
@@ -261,6 +264,10 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         plot_history(history, args.plot)
         log(f"{tool}: wrote the loss curves to {args.plot}")
     return ctx
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
 
 
 def plot_history(history, path: Path) -> None:

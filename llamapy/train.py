@@ -183,6 +183,23 @@ class Trainer:
         if dataset.data.shape[1] != self.n_ctx:
             raise InputError(f"training: dataset windows have {dataset.data.shape[1]} tokens, the trainer uses {self.n_ctx}")
 
+    def memory_plan(self) -> dict[str, int]:
+        """Bytes the run will hold, known before the first step: the model's weights (mapped
+        from the file where they are not trained), the trained tensors, their gradients and
+        optimizer state, the planned arenas of a window's ubatch graphs (built here, as the
+        first window would build them) and the window's K/V stores."""
+        U = self.n_ctx // self.n_ubatch
+        graphs = {id(g): g for g in (self._graph(u * self.n_ubatch, u < U - 1) for u in range(U))}
+        optimizer = self.opt.optimizer
+        return {
+            "weights": sum(t.nbytes() for t in self.model.tensors.values()),
+            "trained": sum(t.nbytes() for t in self.trained.values()),
+            "gradients": optimizer.grad_flat.nbytes,
+            "optimizer state": sum(t.nbytes() for t in optimizer.state.tensors()),
+            "graph arenas": sum(g.train.allocator.arena.nbytes for g in graphs.values()),
+            "window K/V": 4 * (int(np.prod(self._kv_shape)) + int(np.prod(self._vv_shape))) * (2 if U > 1 else 0),
+        }
+
     # -- graphs ------------------------------------------------------------------------------
     def _graph(self, n_prev: int, inject: bool) -> UbatchGraph:
         key = (n_prev, inject)

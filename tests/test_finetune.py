@@ -123,6 +123,23 @@ def test_param_filter_and_optimizer_memory(stories):
     assert sgd.trainer.optimizer_state == []
 
 
+def test_memory_plan_counts_what_the_run_holds(stories):
+    """Reported before the first step: trained tensors with gradients of their size, AdamW's
+    two moments, and the arenas of a window's graphs (built then, reused by the window)."""
+    ctx = trainer_for(stories, N_CTX, TrainParams(param_filter=param_filter_pattern(r"attn_(q|k)\.")))
+    tr = ctx.trainer
+    plan = tr.memory_plan()
+    trained = sum(t.nbytes() for t in tr.trained.values())
+    assert plan["trained"] == plan["gradients"] == trained
+    assert plan["optimizer state"] == 2 * trained
+    assert plan["weights"] == sum(t.nbytes() for t in ctx.model.tensors.values())
+    n_graphs = len(tr._graphs)
+    assert n_graphs == N_CTX // tr.n_ubatch and plan["graph arenas"] > 0
+    tokens = np.arange(N_CTX + 1, dtype=np.int32) % 500
+    tr.window(tokens[:-1], tokens[1:], True)
+    assert len(tr._graphs) == n_graphs  # the first window used the planned graphs
+
+
 def test_text_too_short_for_a_window(wiki_tokens):
     with pytest.raises(InputError, match="needs at least 129"):
         token_windows(wiki_tokens[:100], N_CTX)
