@@ -23,7 +23,8 @@ from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
 from llamapy.sampling import DEFAULT_SEED, default_chain
 
-from .common import default_threads, guarded, join_pairs, load_adapters, log, note_first_run
+from .common import (ChatTemplateOption, chat_template_for, default_threads, guarded, join_pairs, load_adapters,
+                     log, note_first_run)
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -148,7 +149,7 @@ def run(
     conversation: Annotated[bool, typer.Option("-cnv", "--conversation", help="chat turn by turn through the chat template (stdin; /exit or Ctrl-D ends)")] = False,
     chat: Annotated[bool, typer.Option("--chat", "-st", "--single-turn", help="answer the -p message as a chat turn, then exit")] = False,
     system_prompt: Annotated[Optional[str], typer.Option("-sys", "--system-prompt", help="system message of the chat")] = None,
-    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="built-in template name or Jinja file (default: the model's)")] = None,
+    chat_template: ChatTemplateOption = None,
 ) -> None:
     """Generate text continuing PROMPT with MODEL, or chat with it (-cnv, --chat)."""
     t_start = time.perf_counter()
@@ -161,8 +162,7 @@ def run(
         ctx.attach_lora(adapter, scale)
     template = None
     if conversation or chat:
-        template, note = ChatTemplate.for_model(m, chat_template)
-        log(note or f"chat template: {template.name.removeprefix('chat template ')}")
+        template = chat_template_for(m, chat_template)
     elif system_prompt is not None or chat_template is not None:
         raise InputError("-sys and --chat-template are for chats: add -cnv (interactive) or --chat (one turn)")
     t_load = time.perf_counter() - t_start

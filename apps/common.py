@@ -5,9 +5,16 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
 
 from llamapy.errors import InputError, LlamapyError
 
+
+# the flag that chooses a chat template (llamapy-cli's chats, the training commands' samples)
+ChatTemplateOption = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="built-in template name or Jinja file (default: the model's)")]
 
 _COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
 
@@ -65,6 +72,14 @@ def note_first_run() -> None:
     from ggmlpy.backend.cpu import kernels_cached
     if not kernels_cached():
         log("first run after install: compiling the numba kernels (tens of seconds, once: they are cached)")
+
+
+def chat_template_for(model, choice: str | None):
+    """llamapy.chat.ChatTemplate.for_model, with a line saying which template is used."""
+    from llamapy.chat import ChatTemplate
+    template, note = ChatTemplate.for_model(model, choice)
+    log(note or f"chat template: {template.name.removeprefix('chat template ')}")
+    return template
 
 
 def log(message: str) -> None:

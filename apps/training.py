@@ -23,7 +23,7 @@ from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import SGD, AdamW, LRSchedule, TrainParams
 
-from .common import default_threads, fail, job, log
+from .common import ChatTemplateOption, default_threads, fail, job, log
 from .training_data import DataOptions, TrainingData, load_training_data
 
 # ---- the shared flags -------------------------------------------------------------------------
@@ -53,7 +53,6 @@ CheckpointIn = Annotated[Optional[Path], typer.Option("--checkpoint-in", help="r
 ForceResume = Annotated[bool, typer.Option("--force-resume", help="resume even from a checkpoint of another model or text")]
 Data = Annotated[Optional[Path], typer.Option("--data", help="directory of train.jsonl (and valid.jsonl, test.jsonl)")]
 DataFormat = Annotated[Optional[str], typer.Option("--data-format", help="text, completions or chat (default: detected per file)")]
-ChatTemplateFlag = Annotated[Optional[str], typer.Option("--chat-template", help="built-in template name or Jinja file (default: the model's)")]
 MaskPrompt = Annotated[bool, typer.Option("--mask-prompt/--no-mask-prompt", help="learn only the answers of chat and prompt/completion samples")]
 SampleStart = Annotated[Optional[str], typer.Option("--sample-start", help="cut a text into samples at each occurrence of this string")]
 IncludeSampleStart = Annotated[bool, typer.Option("--include-sample-start", help="keep the --sample-start string at the start of each sample")]
@@ -98,7 +97,7 @@ class TrainingArgs:
     force_resume: bool = flag(ForceResume, False)
     data: Path | None = flag(Data, None)
     data_format: str | None = flag(DataFormat, None)
-    chat_template: str | None = flag(ChatTemplateFlag, None)
+    chat_template: str | None = flag(ChatTemplateOption, None)
     mask_prompt: bool = flag(MaskPrompt, True)
     sample_start: str | None = flag(SampleStart, None)
     include_sample_start: bool = flag(IncludeSampleStart, False)
@@ -220,7 +219,7 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     adapter = ctx.trainer.adapter
     plan = ctx.trainer.memory_plan()
     log("memory: " + ", ".join(f"{name} {_mb(n)}" for name, n in plan.items() if n) +
-        f"; {_mb(sum(plan.values()) - (plan['trained'] if not adapter else 0))} in all, planned before the first step")
+        f"; {_mb(sum(plan.values()))} in all, planned before the first step")
     if adapter:
         log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices "
             f"({', '.join(params.lora.modules)})")

@@ -15,7 +15,7 @@ from llamapy.dataset import IGNORE, PackedWindows, read_samples, samples_to_wind
 from llamapy.errors import InputError
 from llamapy.samples import unescape
 
-from .common import log, read_text
+from .common import chat_template_for, log, read_text
 
 
 @dataclass
@@ -80,8 +80,7 @@ class _Loader:
 
     def template(self) -> ChatTemplate:
         if self._template is None:
-            self._template, note = ChatTemplate.for_model(self.model, self.opts.chat_template)
-            log(note or f"chat template: {self._template.name.removeprefix('chat template ')}")
+            self._template = chat_template_for(self.model, self.opts.chat_template)
         return self._template
 
     def load(self, path: Path, role: str) -> Dataset:

@@ -58,16 +58,16 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
     if save_every is not None and (save_every <= 0 or checkpoint is None):
         raise InputError(f"save_every must be a positive number of optimizer steps, with a checkpoint file "
                          f"(got {save_every}, checkpoint {checkpoint})")
+    n_windows = dataset.ndata
     if val_data is not None:  # validation windows given apart: they follow the training windows
         dataset, idata_split = join_windows(dataset, val_data)
-        if idata_split < trainer.windows_per_step:
-            raise InputError(f"the training data gives {idata_split} windows; {trainer.windows_per_step} are "
-                             "needed for one optimizer step")
+        held_out = ""
     else:
         idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
-        if idata_split < trainer.windows_per_step:
-            raise InputError(f"the text gives {dataset.ndata} windows; {trainer.windows_per_step} are needed for "
-                             f"one optimizer step after holding out {val_split:.0%} for validation")
+        held_out = f" after holding out {val_split:.0%} for validation"
+    if idata_split < trainer.windows_per_step:
+        raise InputError(f"the text gives {n_windows} windows; {trainer.windows_per_step} are needed for one "
+                         f"optimizer step{held_out}")
     if eval_every is not None and (eval_every <= 0 or idata_split == dataset.ndata):
         raise InputError(f"eval_every must be a positive number of optimizer steps, with validation data "
                          f"(got {eval_every}, {dataset.ndata - idata_split} validation windows)")

@@ -184,20 +184,22 @@ class Trainer:
             raise InputError(f"training: dataset windows have {dataset.data.shape[1]} tokens, the trainer uses {self.n_ctx}")
 
     def memory_plan(self) -> dict[str, int]:
-        """Bytes the run will hold, known before the first step: the model's weights (mapped
-        from the file where they are not trained), the trained tensors, their gradients and
-        optimizer state, the planned arenas of a window's ubatch graphs (built here, as the
-        first window would build them) and the window's K/V stores."""
+        """Bytes the run will hold, known before the first step, each counted once: the
+        model's frozen weights (mapped from the file), the trained tensors, their gradients
+        and optimizer state, the planned arenas of a window's ubatch graphs (built here, as
+        the first window would build them) and the window's K/V stores and their gradients."""
         U = self.n_ctx // self.n_ubatch
-        graphs = {id(g): g for g in (self._graph(u * self.n_ubatch, u < U - 1) for u in range(U))}
+        graphs = [self._graph(u * self.n_ubatch, u < U - 1) for u in range(U)]
+        trained = {id(t) for t in self.trained.values()}
         optimizer = self.opt.optimizer
         return {
-            "weights": sum(t.nbytes() for t in self.model.tensors.values()),
+            "weights": sum(t.nbytes() for t in self.model.tensors.values() if id(t) not in trained),
             "trained": sum(t.nbytes() for t in self.trained.values()),
             "gradients": optimizer.grad_flat.nbytes,
             "optimizer state": sum(t.nbytes() for t in optimizer.state.tensors()),
-            "graph arenas": sum(g.train.allocator.arena.nbytes for g in graphs.values()),
-            "window K/V": 4 * (int(np.prod(self._kv_shape)) + int(np.prod(self._vv_shape))) * (2 if U > 1 else 0),
+            "graph arenas": sum(g.train.allocator.arena.nbytes for g in graphs),
+            # stores written only when a window spans several ubatches
+            "window K/V": 4 * 2 * (int(np.prod(self._kv_shape)) + int(np.prod(self._vv_shape))) if U > 1 else 0,
         }
 
     # -- graphs ------------------------------------------------------------------------------

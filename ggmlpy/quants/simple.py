@@ -255,13 +255,19 @@ def round_rows_q8_0(x):
         xr = x[r]
         for i in range(nb):
             o = i * QK
-            amax = F32(0.0)
-            for j in range(QK):
-                a = abs(xr[o + j])
-                if a > amax:
-                    amax = a
-            d = f16_round(amax / F32(127.0))
-            idd = F32(127.0) / amax if amax != 0 else F32(0.0)
+            d, idd = activation_block_scale(xr, o)
             for j in range(QK):
                 q = np.int32(np.rint(F32(xr[o + j] * idd)))  # an integer: no -0
                 xr[o + j] = F32(d * F32(q))
+
+
+@njit(cache=True, inline="always")
+def activation_block_scale(xr, o):
+    """(d, 127 / amax) of the activations' Q8_0 block at xr[o:o + 32] (round_rows_q8_0);
+    q = rint(x * (127 / amax)) are its integers."""
+    amax = F32(0.0)
+    for j in range(QK):
+        a = abs(xr[o + j])
+        if a > amax:
+            amax = a
+    return f16_round(amax / F32(127.0)), (F32(127.0) / amax if amax != 0 else F32(0.0))

@@ -119,21 +119,13 @@ def _count_equal(node: Tensor, plan: Plan) -> Prepared:
 @KERNELS.register(Op.CROSS_ENTROPY_LOSS)
 def _cross_entropy_loss(node: Tensor, plan: Plan) -> Prepared:
     logits, labels, *weights = node.src
+    require_f32(node, logits, *(weights or [labels]))
     lv, dv = logits.array(), node.array()
     rows = np.empty(logits.nrows(), dtype=np.float64)
-    if weights:  # label ids and their weights
-        require_f32(node, logits, weights[0])
-        iv, wv = labels.array()[0], weights[0].array()[0]
-
-        def run() -> None:
-            TK.cross_entropy_rows_ids(lv, iv, wv, rows)
-            dv.fill(np.sum(rows) / rows.shape[0])
-        return run
-    require_f32(node, logits, labels)
-    yv = labels.array()
+    kernel, args = _ce_labels(TK.cross_entropy_rows, TK.cross_entropy_rows_ids, labels, weights)
 
     def run() -> None:
-        TK.cross_entropy_rows(lv, yv, rows)
+        kernel(lv, *args, rows)
         dv.fill(np.sum(rows) / rows.shape[0])
     return run
 
@@ -141,14 +133,18 @@ def _cross_entropy_loss(node: Tensor, plan: Plan) -> Prepared:
 @KERNELS.register(Op.CROSS_ENTROPY_LOSS_BACK)
 def _cross_entropy_loss_back(node: Tensor, plan: Plan) -> Prepared:
     grad, logits, labels, *weights = node.src
+    require_f32(node, grad, logits, *(weights or [labels]))
     gv, lv, dv = grad.array().reshape(-1), logits.array(), node.array()
+    kernel, args = _ce_labels(TK.cross_entropy_back_f32, TK.cross_entropy_back_ids_f32, labels, weights)
+    return lambda: kernel(np.float64(gv[0]), lv, *args, dv)
+
+
+def _ce_labels(dense, by_id, labels: Tensor, weights: list[Tensor]):
+    """The kernel for the labels' form and its label arguments: label rows (dense), or
+    ids and weights, one per row (by_id)."""
     if weights:
-        require_f32(node, grad, logits, weights[0])
-        iv, wv = labels.array()[0], weights[0].array()[0]
-        return lambda: TK.cross_entropy_back_ids_f32(np.float64(gv[0]), lv, iv, wv, dv)
-    require_f32(node, grad, logits, labels)
-    yv = labels.array()
-    return lambda: TK.cross_entropy_back_f32(np.float64(gv[0]), lv, yv, dv)
+        return by_id, (labels.array()[0], weights[0].array()[0])
+    return dense, (labels.array(),)
 
 
 @KERNELS.register(Op.RMS_NORM_BACK)
