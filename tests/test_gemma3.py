@@ -97,11 +97,16 @@ def rope_neox(x, pos, base):
 
 
 def gelu_tanh(x):
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    """tanh GELU as ggml-cpu computes it (GGML_GELU_FP16): between -10 and 10, from a table
+    of halves (x rounded to half, the result rounded to half)."""
+    h = x.astype(np.float16).astype(np.float64)
+    table = (0.5 * h * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (h + 0.044715 * h ** 3)))).astype(np.float16)
+    return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table.astype(np.float64)))
 
 
 def reference_logits(model, tokens):
-    """Gemma 3 as the Hugging Face / gemma_pytorch papers describe it, in float64."""
+    """Gemma 3 as the Hugging Face / gemma_pytorch papers describe it, in float64 (GELU
+    rounded to halves, as ggml computes it)."""
     W = {name: t.numpy().astype(np.float64) for name, t in model.tensors.items()}
     n = len(tokens)
     pos = np.arange(n, dtype=np.float64)

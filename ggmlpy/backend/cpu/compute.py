@@ -99,28 +99,29 @@ def _unary_numpy(node: Tensor, plan: Plan) -> Prepared:
     return lambda: ufunc(av, out=dv)
 
 
-_UNARY_NUMBA = {Op.SILU: K.silu_f32, Op.GELU: K.gelu_f32}
+# kernel, then the constant arguments it takes after the operands (GELU's half table, as ggml)
+_UNARY_NUMBA = {Op.SILU: (K.silu_f32,), Op.GELU: (K.gelu_f32, K.GELU_TABLE)}
 
 
 @KERNELS.register(Op.SILU, Op.GELU)
 def _unary_numba(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
-    kernel = _UNARY_NUMBA[node.op]
+    kernel, *consts = _UNARY_NUMBA[node.op]
     av, dv = a.array(), node.array()
-    return lambda: kernel(av, dv)
+    return lambda: kernel(av, dv, *consts)
 
 
-_GLU = {Op.SWIGLU: K.swiglu_f32, Op.GEGLU: K.geglu_f32}
+_GLU = {Op.SWIGLU: (K.swiglu_f32,), Op.GEGLU: (K.geglu_f32, K.GELU_TABLE)}
 
 
 @KERNELS.register(Op.SWIGLU, Op.GEGLU)
 def _glu(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     require_f32(node, a, b)
-    kernel = _GLU[node.op]
+    kernel, *consts = _GLU[node.op]
     av, bv, dv = a.array(), b.array(), node.array()
-    return lambda: kernel(av, bv, dv)
+    return lambda: kernel(av, bv, dv, *consts)
 
 
 @KERNELS.register(Op.RMS_NORM, Op.NORM)

@@ -525,26 +525,61 @@ def swiglu_f32(a, b, dst):
 
 GELU_COEF_A = 0.044715
 SQRT_2_OVER_PI = 0.79788456080286535587989211986876
+GELU_TABLE_MAX = F32(10.0)  # beyond +-10 ggml's GELU is x or 0, not the table
+
+
+@njit(cache=True, fastmath={"contract"})
+def _gelu_table(out):
+    """out[h] = ggml_gelu_f32 of the half with bits h, rounded to half, as float32: libm's
+    tanhf, the multiply-adds fused as GCC fuses them on an FMA machine (ggml-cpu is built
+    with -ffp-contract=fast), the roundings to half by the CPU's conversions, as ggml's."""
+    for i in range(out.shape[0]):
+        x = f16_bits_to_f32(np.uint16(i))
+        g = F32(0.5) * x * (F32(1.0) + math.tanh(F32(SQRT_2_OVER_PI) * x * (F32(1.0) + F32(GELU_COEF_A) * x * x)))
+        out[i] = f16_bits_to_f32(f32_to_f16_bits(g))
+
+
+def gelu_table_f16() -> np.ndarray:
+    """ggml's GELU table (ggml_table_gelu_f16, GGML_GELU_FP16): GELU of every half value,
+    rounded to half, indexed by the half's bits, held as float32 values. Bit for bit the
+    table of llama.cpp's CPU backend (tests/test_ggml_ops.py has its hash)."""
+    out = np.empty(1 << 16, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        _gelu_table(out)
+    nan = np.isnan(out)
+    out[nan] = np.copysign(np.float32(np.nan), out[nan])  # ggml's NaN entries carry no payload
+    return out
+
+
+GELU_TABLE = gelu_table_f16()
 
 
 @njit(cache=True, inline="always")
-def _gelu(x):
-    return F32(0.5) * x * (F32(1.0) + np.tanh(F32(SQRT_2_OVER_PI) * x * (F32(1.0) + F32(GELU_COEF_A) * x * x)))
+def gelu_tab(x, table):
+    """ggml_vec_gelu_f32 as ggml-cpu builds it (GGML_GELU_FP16): 0 at or below -10, x at or
+    above 10, else the table's value at x rounded to half."""
+    if x <= -GELU_TABLE_MAX:
+        return F32(0.0)
+    if x >= GELU_TABLE_MAX:
+        return x
+    return table[f32_to_f16_bits(x)]
 
 
 @njit(parallel=True, cache=True)
-def gelu_f32(x, dst):
+def gelu_f32(x, dst, table):
     n3, n2, n1, n0 = x.shape
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
-            dst[i3, i2, i1, i0] = _gelu(x[i3, i2, i1, i0])
+            dst[i3, i2, i1, i0] = gelu_tab(x[i3, i2, i1, i0], table)
 
 
 @njit(parallel=True, cache=True)
-def geglu_f32(a, b, dst):
+def geglu_f32(a, b, dst, table):
+    """gelu(a) * b as ggml_vec_geglu_f32 (0 where a <= -10, whatever b is)."""
     n3, n2, n1, n0 = a.shape
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
-            dst[i3, i2, i1, i0] = _gelu(a[i3, i2, i1, i0]) * b[i3, i2, i1, i0]
+            x = a[i3, i2, i1, i0]
+            dst[i3, i2, i1, i0] = F32(0.0) if x <= -GELU_TABLE_MAX else gelu_tab(x, table) * b[i3, i2, i1, i0]
