@@ -463,11 +463,16 @@ def same_values(a, b):
     return True
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=_FMA)
 def rope_f32(x, cos, sin, dst, n_dims, neox, sign):
     """Rotate pairs of each head by the token's row of cos/sin; `sign` -1 gives the inverse
     rotation (rope_back). Pairs are (k, k + n_dims/2) in NEOX mode, (2k, 2k + 1) otherwise.
-    Indexed without row views (each costs about as much as rotating a short row)."""
+    Indexed without row views (each costs about as much as rotating a short row).
+
+    Compiled with fused multiply-adds as GCC compiles ggml's rotate_pairs (-ffp-contract=fast
+    on an FMA machine): x0*cos - x1*sin rounds as ggml's does, bit for bit on Gemma 3's
+    tensors from llama.cpp. (The angles, rope_cache, are not fused: the YaRN mix, the one
+    multiply-add there, is unchecked against ggml's build.)"""
     n3, n2, n1, n0 = x.shape
     half = n_dims // 2
     sg = F32(sign)
