@@ -14,6 +14,7 @@ from ... import convert
 from ...ops import ROPE_TYPE_NEOX
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
+from . import attention as ATT
 from . import kernels as K
 from .gemm import matmul
 from .kernel_table import KernelTable, Prepared, require_f32
@@ -150,32 +151,28 @@ def _soft_max(node: Tensor, plan: Plan) -> Prepared:
     return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False, np.nan)
 
 
-UNROLLED_HEAD_DIM = 64  # numba takes head sizes up to this as compile-time constants
-
-
 @KERNELS.register(Op.FLASH_ATTN_EXT)
 def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
-    """The numerics of ggml's tiled CPU kernel: float32 scores and outputs, the softmax sum
-    in double. (ggml's one-chunk kernel, which it picks for ubatches under 64 rows,
-    accumulates in f16, so there n_ubatch changes results; here it never does.)
-
-    Small heads go through K.flash_attn_f32: every score and output a sequential sum, only
-    the cells some query of a tile sees, so n_ubatch changes no bit. Wide heads (Gemma's 256)
-    are products big enough for BLAS: scores and outputs as whole GEMMs per head."""
+    """ggml-cpu's flash attention, rounding for rounding (attention.py): the tiled kernel from
+    64 query rows up with F16/F32 K and V of one type, the one-chunk kernel otherwise."""
     q, k, v = node.src[:3]
     require_f32(node, q)
-    if max(q.ne[0], node.ne[0]) > UNROLLED_HEAD_DIM:
-        return _flash_attn_blas(node, plan)
-    scale, max_bias, softcap = node.op_params
+    scale, max_bias, softcap = (float(p) for p in node.op_params[:3])
     qv, dv = q.array(), node.array()
     has_mask, mv, mask_type = _attn_mask(node)
-    dk_dims, dv_dims = (0,) * qv.shape[3], (0,) * dv.shape[3]
     k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
+    float_kv = (GGMLType.F16, GGMLType.F32)
+    if q.ne[1] >= ATT.Q_TILE and k.type == v.type and k.type in float_kv:
+        def run() -> None:
+            ATT.flash_attn_tiled(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type), dv, scale, max_bias,
+                                 softcap, has_mask)
+        return run
+    half_k, half_v = k.type == GGMLType.F16, v.type == GGMLType.F16
 
-    def run() -> None:
-        K.flash_attn_f32(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type),
-                         dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, K.Q_TILE)
-    return run
+    def run_one_chunk() -> None:
+        ATT.flash_attn_one_chunk(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type), dv, scale, max_bias,
+                                 softcap, has_mask, half_k, half_v)
+    return run_one_chunk
 
 
 def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
@@ -183,35 +180,6 @@ def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
     if len(node.src) > 3:
         return True, node.src[3].array(), node.src[3].type
     return False, _EMPTY_F32, GGMLType.F32
-
-
-def _flash_attn_blas(node: Tensor, plan: Plan) -> Prepared:
-    q, k, v = node.src[:3]
-    scale, max_bias, softcap = node.op_params
-    qv, kv, vv, dv = q.array(), k.array(), v.array(), node.array()
-    k_type, v_type = k.type, v.type
-    has_mask, mv, mask_type = _attn_mask(node)
-    n3, n_head, n_q, dk = qv.shape
-    n_head_kv, n_kv = kv.shape[1], kv.shape[2]
-    group = n_head // n_head_kv
-    q5 = qv.reshape(n3, n_head_kv, group, n_q, dk)
-    scores_shape = (n3, n_head_kv, group, n_q, n_kv)
-    out5 = dv.reshape(n3, n_q, n_head_kv, group, dv.shape[3]).transpose(0, 2, 3, 1, 4)
-    sm_scale = 1.0 if softcap else scale
-    scratch = plan.scratch
-
-    def run() -> None:
-        # the scores live in the backend's scratch, shared by every attention (one op at a time)
-        scores = scratch.get("attn_scores", math.prod(scores_shape)).reshape(scores_shape)
-        scores4 = scores.reshape(n3, n_head, n_q, n_kv)
-        k32 = convert.to_f32(kv, k_type)[:, :, None]
-        v32 = convert.to_f32(vv, v_type)[:, :, None]
-        matmul(q5, k32.swapaxes(-1, -2), scores, slice_rows=None)
-        if softcap:
-            np.multiply(np.tanh(scores * np.float32(scale)), np.float32(softcap), out=scores)
-        K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask, 0.0)
-        matmul(scores, v32, out5, slice_rows=None)
-    return run
 
 
 def _cells_f32(t: Tensor) -> Callable[[], np.ndarray]:

@@ -23,7 +23,7 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
-from . import qdot
+from . import qdot, qexact
 from .gemm import matmul
 from .plan import Scratch
 
@@ -94,6 +94,9 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
     is one whole BLAS call: the result is the same for any thread count and the float
     rounding of every product is that of an unsliced (N, K) x (K, tile) GEMM."""
     scratch = scratch or Scratch()
+    if qexact.supports(w.type, w.m):  # ggml's own summation order (qexact.py)
+        qexact.mul_mat(w.type, w.buf, w.offs, x, out, scratch)
+        return out
     if qdot.supports(w.type, x.shape[0]):  # one column: integer dot products on the blocks
         qdot.mul_mat_dot(w.type, w.buf, w.offs, x, out, scratch)
         return out
