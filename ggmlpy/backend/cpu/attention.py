@@ -31,6 +31,7 @@ from numba import njit, prange
 from ...half import f16_bits_to_f32, f32_to_f16_bits
 from .kernels import alibi_slope
 from .simd import expf, expf_avx512, fma_f32, reduce16, vec_dot_f16, vec_dot_f32
+from .vecir import attn_scores_4x64, attn_values_4x64
 
 F32 = np.float32
 Q_TILE = 64   # ggml_fa_tile_config::Q: rows from which ggml uses the tiled kernel
@@ -77,6 +78,10 @@ def flash_attn_tiled(q, k, v, mask, dst, scale, max_bias, softcap, has_mask):
         mx = np.full(Q_TILE, -np.inf, dtype=np.float32)
         sm = np.zeros(Q_TILE, dtype=np.float32)
         skip = np.zeros(Q_TILE, dtype=np.bool_)
+        qt = np.zeros((Q_TILE, dk), dtype=np.float32)
+        for r in range(rows):
+            for d in range(dk):
+                qt[r, d] = q[i3, h, q0 + r, d]
         for c0 in range(0, n_kv, KV_TILE):
             cells = min(KV_TILE, n_kv - c0)
             if has_mask:  # the mask tile (slope * mask); a tile no row of the tile sees is skipped
@@ -97,26 +102,12 @@ def flash_attn_tiled(q, k, v, mask, dst, scale, max_bias, softcap, has_mask):
                     kt[d, c] = k[k3, c0 + c, hk, d]
             full = rows - rows % 4
             for r0 in range(0, full, 4):  # scores: fma chains over the head dimension, 4 rows at a time
-                a0, a1, a2, a3 = kq[r0], kq[r0 + 1], kq[r0 + 2], kq[r0 + 3]
-                a0[:] = 0.0
-                a1[:] = 0.0
-                a2[:] = 0.0
-                a3[:] = 0.0
-                for d in range(dk):
-                    b0, b1 = q[i3, h, q0 + r0, d], q[i3, h, q0 + r0 + 1, d]
-                    b2, b3 = q[i3, h, q0 + r0 + 2, d], q[i3, h, q0 + r0 + 3, d]
-                    ktd = kt[d]
-                    for c in range(KV_TILE):
-                        kc = ktd[c]
-                        a0[c] = fma_f32(kc, b0, a0[c])
-                        a1[c] = fma_f32(kc, b1, a1[c])
-                        a2[c] = fma_f32(kc, b2, a2[c])
-                        a3[c] = fma_f32(kc, b3, a3[c])
+                attn_scores_4x64(kt, qt, kq, r0, dk)
             for r in range(full, rows):
                 a0 = kq[r]
                 a0[:] = 0.0
                 for d in range(dk):
-                    b0 = q[i3, h, q0 + r, d]
+                    b0 = qt[r, d]
                     ktd = kt[d]
                     for c in range(KV_TILE):
                         a0[c] = fma_f32(ktd[c], b0, a0[c])
@@ -157,11 +148,13 @@ def flash_attn_tiled(q, k, v, mask, dst, scale, max_bias, softcap, has_mask):
                 if skip[r]:
                     kq[r, :] = 0.0
             for r0 in range(0, full, 4):  # output: fma chains over the tile's cells, 4 rows at a time
+                for d0 in range(0, dv - dv % 64, 64):
+                    attn_values_4x64(vt, kq, vkq, r0, d0)
                 o0, o1, o2, o3 = vkq[r0], vkq[r0 + 1], vkq[r0 + 2], vkq[r0 + 3]
                 for c in range(KV_TILE):
                     p0, p1, p2, p3 = kq[r0, c], kq[r0 + 1, c], kq[r0 + 2, c], kq[r0 + 3, c]
                     vc = vt[c]
-                    for d in range(dv):
+                    for d in range(dv - dv % 64, dv):
                         vd = vc[d]
                         o0[d] = fma_f32(vd, p0, o0[d])
                         o1[d] = fma_f32(vd, p1, o1[d])

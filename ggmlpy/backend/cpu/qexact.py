@@ -2,24 +2,27 @@
 
 ggml quantizes the activations to the matrix type's vec_dot_type (Q8_0, Q8_K) and sums
 integer products per group of elements; those sums are exact. What it rounds is the float
-arithmetic around them, in an order each kernel fixes, and that order is reproduced here
-(simd.py says why it matters):
+arithmetic around them, in an order each of its kernels fixes, and that order is
+reproduced here (simd.py says why it matters), for the kernels llama.cpp's x86 build runs:
 
   Q5_0, Q8_0 (x Q8_0)   ggml_vec_dot_q*_0_q8_0 and llamafile's tinyBLAS_Q0_AVX (any number
                         of columns): per 32-block b, 8 lanes of 4 products each,
                         lane_j = fma(d_w[b] * d_x[b], isum[b, j], lane_j), then hsum8.
-  Q4_K (x Q8_K)         the 8x8-repacked kernels every Q4_K matrix with rows % 8 == 0 gets
-                        on x86: tokens in groups of 4 through ggml_gemm_q4_K_8x8_q8_K (per
-                        64-element chunk c: acc = fma(isum_c, d_w * d_x, acc), the mins in a
-                        second sum, acc - acc_min), the last tokens % 4 through the gemv
-                        (the same per super-block instead of per chunk).
-  Q6_K (x Q8_K)         8 columns or more: the tiled kernel (ggml-cpu/tiled): per super-block
-                        acc = fma(f(isum) * d_w, d_x, acc); fewer: ggml_vec_dot_q6_K_q8_K
+  Q4_K (x Q8_K)         the 8x8-repacked kernels every Q4_K matrix with rows % 8 == 0 gets:
+                        columns in groups of 4 through ggml_gemm_q4_K_8x8_q8_K (per 64-element
+                        chunk: acc = fma(isum, d_w * d_x, acc), the mins in a second sum,
+                        acc - acc_min), the last columns % 4 through its gemv (the same per
+                        256-element super-block).
+  Q6_K (x Q8_K)         8 columns or more: the tiled kernel (ggml-cpu/tiled: per super-block
+                        acc = fma(f(isum) * d_w, d_x, acc)); fewer: ggml_vec_dot_q6_K_q8_K
                         (8 lanes over ggml's mix of elements and scales, then hsum8).
 
-The integer sums are computed as float32 where every partial sum is below 2^24 in magnitude
-(exact in any order, so the loops vectorise), else in float64. Other types go through
-qmatmul's tiles.
+So, as in ggml, the number of columns (tokens in a ubatch) picks the formula for Q4_K and
+Q6_K products, never the thread count. The sums of integer products are float32 where every
+partial sum stays below 2^24 (exact in any order, so they vectorise), float64 otherwise.
+The float work runs in vecir.py's vector micro-kernels, 16 columns (or, for fewer columns,
+16 matrix rows) at a time; the matrix rows are unpacked from their blocks per task into
+integers (float32) in the kernels' layout, so nothing of the matrix is kept expanded.
 """
 from __future__ import annotations
 
@@ -31,27 +34,88 @@ from ...quants.kquants import _scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
+from .vecir import (Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile, q4_k_tile, q6_k_gemv_tile,
+                    q6_k_tile, q8_0_row_vnni)
 
 QK = 32
-GEMM_ROWS = 8      # matrix rows a Q0 task multiplies at once (their lane sums share the column loads)
-GEMM_COLS = 256    # columns per task: the block unpacking of its rows is shared by all of them
+ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with every column tile)
+Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
+Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
+Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
 
 
-# ---- activations -------------------------------------------------------------------------
+# ---- activations ---------------------------------------------------------------------------------
 @njit(parallel=True, cache=True)
-def quantize_q8_0_lanes(x, xq, xd):
-    """x (N, K) -> its Q8_0 integers as float32 in lane order, xq[b, t, j, n] = q of element
-    32b + 4j + t of row n, and the block scales xd[b, n] (fp16 values), as ggml-cpu's
-    quantize_row_q8_0 rounds them (round half to even of x * 127 / amax)."""
+def quantize_q8_0_tiles(x, xq, xd):
+    """x (N, K) -> Q8_0 as ggml-cpu's quantize_row_q8_0 rounds it (half to even of
+    x * 127 / amax), in column tiles: xq[n // 16, 32 b + 8 t + j, n % 16] = integer of element
+    32 b + 4 j + t (lane order), xd[n // 16, b, n % 16] = d; columns past N are zero."""
+    n_cols, nb = x.shape[0], x.shape[1] // QK
+    for tile in prange(xq.shape[0]):
+        for c in range(W):
+            n = tile * W + c
+            if n >= n_cols:
+                for e in range(nb * QK):
+                    xq[tile, e, c] = F32(0.0)
+                for b in range(nb):
+                    xd[tile, b, c] = F32(0.0)
+                continue
+            xr = x[n]
+            for b in range(nb):
+                d, idd = activation_block_scale(xr, b * QK)
+                xd[tile, b, c] = d
+                for j in range(8):
+                    for t in range(4):
+                        xq[tile, b * QK + 8 * t + j, c] = np.rint(F32(xr[b * QK + 4 * j + t] * idd))
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_rows(x, xq, xd):
+    """As quantize_q8_0_tiles, row by row and in natural order: xq[n, k], xd[n, b]."""
     nb = x.shape[1] // QK
     for n in prange(x.shape[0]):
         xr = x[n]
         for b in range(nb):
             d, idd = activation_block_scale(xr, b * QK)
-            xd[b, n] = d
-            for j in range(8):
-                for t in range(4):
-                    xq[b, t, j, n] = np.rint(F32(xr[b * QK + 4 * j + t] * idd))
+            xd[n, b] = d
+            for e in range(QK):
+                xq[n, b * QK + e] = np.rint(F32(xr[b * QK + e] * idd))
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias):
+    """quantize_q8_0_tiles for the VNNI kernel (vecir.q0_tile2_vnni): xq[tile, 8 b + j, c, t]
+    = integer of element 32 b + 4 j + t (int8), xc[tile, 8 b + j, c] = bias * the sum of those
+    4 integers, xd[tile, b, c] = d; columns past N are zero."""
+    n_cols, nb = x.shape[0], x.shape[1] // QK
+    for tile in prange(xq.shape[0]):
+        for c in range(W):
+            n = tile * W + c
+            for b in range(nb):
+                d, idd = F32(0.0), F32(0.0)
+                if n < n_cols:
+                    d, idd = activation_block_scale(x[n], b * QK)
+                xd[tile, b, c] = d
+                for j in range(8):
+                    tot = 0
+                    for t in range(4):
+                        q = np.int32(np.rint(F32(x[n, b * QK + 4 * j + t] * idd))) if n < n_cols else 0
+                        xq[tile, 8 * b + j, c, t] = np.int8(q)
+                        tot += q
+                    xc[tile, 8 * b + j, c] = bias * tot
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_biased(x, xu, xd):
+    """Q8_0 of each row for vecir.q8_0_row_vnni: xu[n, k] = integer + 128 (uint8), xd[n, b]."""
+    nb = x.shape[1] // QK
+    for n in prange(x.shape[0]):
+        xr = x[n]
+        for b in range(nb):
+            d, idd = activation_block_scale(xr, b * QK)
+            xd[n, b] = d
+            for e in range(QK):
+                xu[n, b * QK + e] = np.uint8(np.int32(np.rint(F32(xr[b * QK + e] * idd))) + 128)
 
 
 @njit(cache=True, inline="always")
@@ -66,36 +130,58 @@ def _signed_absmax(x, o, n):
     return amax, mx
 
 
-@njit(parallel=True, cache=True)
-def quantize_q8_k_cols(x, xq, xd, bsums):
-    """x (N, K) -> Q8_K as quantize_row_q8_K (= its _ref on x86): xq[k, n] the integers as
-    float32 (element k of row n), xd[i, n] the float32 scale of super-block i, bsums[s, n]
-    the integer sum of the 16 integers of sub-block s."""
-    nb = x.shape[1] // QK_K
-    for n in prange(x.shape[0]):
-        xr = x[n]
-        for i in range(nb):
-            xo = i * QK_K
-            amax, mx = _signed_absmax(xr, xo, QK_K)
-            if amax == 0:
-                xd[i, n] = F32(0.0)
-                for j in range(QK_K):
-                    xq[xo + j, n] = F32(0.0)
-                for s in range(16):
-                    bsums[i * 16 + s, n] = 0
-                continue
-            iscale = F32(-127.0) / mx
+@njit(cache=True, inline="always")
+def _q8_k_row(xr, q, d, bs16):
+    """quantize_row_q8_K (= its _ref on x86) of one row: q[k] the integers (float32),
+    d[i] the float32 scale of super-block i, bs16[s] the integer sum of sub-block s."""
+    for i in range(xr.shape[0] // QK_K):
+        xo = i * QK_K
+        amax, mx = _signed_absmax(xr, xo, QK_K)
+        if amax == 0:
+            d[i] = F32(0.0)
+            for j in range(QK_K):
+                q[xo + j] = F32(0.0)
             for s in range(16):
-                tot = 0
-                for j in range(16):
-                    q = min(127, nearest_int(iscale * xr[xo + 16 * s + j]))
-                    xq[xo + 16 * s + j, n] = F32(q)
-                    tot += q
-                bsums[i * 16 + s, n] = tot
-            xd[i, n] = F32(F32(1.0) / iscale)
+                bs16[i * 16 + s] = F32(0.0)
+            continue
+        iscale = F32(-127.0) / mx
+        for s in range(16):
+            tot = 0
+            for j in range(16):
+                v = min(127, nearest_int(iscale * xr[xo + 16 * s + j]))
+                q[xo + 16 * s + j] = F32(v)
+                tot += v
+            bs16[i * 16 + s] = F32(tot)
+        d[i] = F32(F32(1.0) / iscale)
 
 
-# ---- Q5_0, Q8_0 --------------------------------------------------------------------------
+@njit(parallel=True, cache=True)
+def quantize_q8_k_rows(x, xq, xd, bs16, bs32):
+    """x (N, K) -> Q8_K row by row: xq (N, K), xd (N, nb), bs16 (N, 16 nb) the 16-element
+    sums, bs32 (N, 8 nb) the 32-element sums (as float32; exact integers)."""
+    for n in prange(x.shape[0]):
+        _q8_k_row(x[n], xq[n], xd[n], bs16[n])
+        for s in range(bs32.shape[1]):
+            bs32[n, s] = bs16[n, 2 * s] + bs16[n, 2 * s + 1]
+
+
+@njit(parallel=True, cache=True)
+def q8_k_tiles(xq, xd, bs32, tq, td, tbs, n_cols):
+    """Q8_K rows (quantize_q8_k_rows) -> column tiles: tq (tiles, K, 16), td (tiles, nb, 16),
+    tbs (tiles, 8 nb, 16); columns past n_cols zero."""
+    for tile in prange(tq.shape[0]):
+        for c in range(W):
+            n = tile * W + c
+            ok = n < n_cols
+            for k in range(tq.shape[1]):
+                tq[tile, k, c] = xq[n, k] if ok else F32(0.0)
+            for i in range(td.shape[1]):
+                td[tile, i, c] = xd[n, i] if ok else F32(0.0)
+            for s in range(tbs.shape[1]):
+                tbs[tile, s, c] = bs32[n, s] if ok else F32(0.0)
+
+
+# ---- matrix rows -----------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
 def _u32(buf, o):
     return (np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)
@@ -103,180 +189,96 @@ def _u32(buf, o):
 
 
 @njit(cache=True, inline="always")
-def _unpack_q0_block(buf, o, is_q8, w, r):
-    """Block at buf[o] (Q5_0 or Q8_0) -> w[r, t, j] = its integer 4j + t (float32); its d."""
+def _decode_q0_block(buf, o, is_q8, w):
+    """w[e] = integer of element e of the Q5_0 / Q8_0 block at buf[o] (natural order)."""
     if is_q8:
-        for j in range(8):
-            for t in range(4):
-                w[r, t, j] = F32(np.int8(buf[o + 2 + 4 * j + t]))
+        for e in range(QK):
+            w[e] = F32(np.int8(buf[o + 2 + e]))
     else:
         qh = _u32(buf, o + 2)
-        for j in range(8):
-            for t in range(4):
-                e = 4 * j + t
-                q = np.int32(buf[o + 6 + (e & 15)])
-                nib = (q & 0xF) if e < 16 else (q >> 4)
-                w[r, t, j] = F32((nib | (np.int32((qh >> e) & 1) << 4)) - 16)
-    return f16_to_f32(buf[o], buf[o + 1])
+        for e in range(16):
+            q = np.int32(buf[o + 6 + e])
+            w[e] = F32(((q & 0xF) | (np.int32((qh >> e) & 1) << 4)) - 16)
+            w[e + 16] = F32(((q >> 4) | (np.int32((qh >> (e + 16)) & 1) << 4)) - 16)
 
 
-@njit(parallel=True, cache=True, fastmath={"contract"})
-def _mul_mat_q0(buf, offs, block_bytes, is_q8, xq, xd, out):
-    """out[n, m] = ggml's Q5_0/Q8_0 x Q8_0 dot product of row m and column n (module doc).
-
-    A task is GEMM_ROWS rows by up to GEMM_COLS columns; per block b it unpacks its rows'
-    integers, then for each lane j runs over the columns (the vector loop) accumulating
-    the 8 rows' lane sums, each an exact 4-term integer sum, into their fma chains."""
-    m_rows = offs.shape[0]
-    nb, n_cols = xq.shape[0], xq.shape[3]
-    row_tasks = (m_rows + GEMM_ROWS - 1) // GEMM_ROWS
-    col_tasks = (n_cols + GEMM_COLS - 1) // GEMM_COLS
-    for task in prange(row_tasks * col_tasks):
-        m0 = (task // col_tasks) * GEMM_ROWS
-        n0 = (task % col_tasks) * GEMM_COLS
-        nn = min(GEMM_COLS, n_cols - n0)
-        acc = np.zeros((GEMM_ROWS, 8, nn), dtype=np.float32)
-        s = np.empty((GEMM_ROWS, nn), dtype=np.float32)
-        w = np.empty((GEMM_ROWS, 4, 8), dtype=np.float32)
+@njit(cache=True)
+def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd):
+    """Rows m0.. (as many as wq has; past the last matrix row, the last again) -> wq[r, 32 b +
+    8 t + j] = integer of element 32 b + 4 j + t, wd[r, b] = d."""
+    nb = wd.shape[1]
+    w = np.empty(QK, dtype=np.float32)
+    for r in range(wq.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
         for b in range(nb):
-            for r in range(GEMM_ROWS):
-                m = min(m0 + r, m_rows - 1)  # rows past the end repeat the last (not stored)
-                dw = _unpack_q0_block(buf, offs[m] + b * block_bytes, is_q8, w, r)
-                sr = s[r]
-                xdb = xd[b, n0:n0 + nn]
-                for i in range(nn):
-                    sr[i] = dw * xdb[i]
+            o = o0 + b * block_bytes
+            wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
+            _decode_q0_block(buf, o, is_q8, w)
             for j in range(8):
-                x0 = xq[b, 0, j, n0:n0 + nn]
-                x1 = xq[b, 1, j, n0:n0 + nn]
-                x2 = xq[b, 2, j, n0:n0 + nn]
-                x3 = xq[b, 3, j, n0:n0 + nn]
-                for r in range(0, GEMM_ROWS, 4):
-                    a0, a1, a2, a3 = acc[r, j], acc[r + 1, j], acc[r + 2, j], acc[r + 3, j]
-                    s0, s1, s2, s3 = s[r], s[r + 1], s[r + 2], s[r + 3]
-                    w00, w01, w02, w03 = w[r, 0, j], w[r, 1, j], w[r, 2, j], w[r, 3, j]
-                    w10, w11, w12, w13 = w[r + 1, 0, j], w[r + 1, 1, j], w[r + 1, 2, j], w[r + 1, 3, j]
-                    w20, w21, w22, w23 = w[r + 2, 0, j], w[r + 2, 1, j], w[r + 2, 2, j], w[r + 2, 3, j]
-                    w30, w31, w32, w33 = w[r + 3, 0, j], w[r + 3, 1, j], w[r + 3, 2, j], w[r + 3, 3, j]
-                    for i in range(nn):
-                        v0, v1, v2, v3 = x0[i], x1[i], x2[i], x3[i]
-                        a0[i] = fma_f32(s0[i], w00 * v0 + w01 * v1 + w02 * v2 + w03 * v3, a0[i])
-                        a1[i] = fma_f32(s1[i], w10 * v0 + w11 * v1 + w12 * v2 + w13 * v3, a1[i])
-                        a2[i] = fma_f32(s2[i], w20 * v0 + w21 * v1 + w22 * v2 + w23 * v3, a2[i])
-                        a3[i] = fma_f32(s3[i], w30 * v0 + w31 * v1 + w32 * v2 + w33 * v3, a3[i])
-        for r in range(min(GEMM_ROWS, m_rows - m0)):
-            a = acc[r]
-            for i in range(nn):
-                out[n0 + i, m0 + r] = hsum8(a[0, i], a[1, i], a[2, i], a[3, i], a[4, i], a[5, i], a[6, i], a[7, i])
+                for t in range(4):
+                    wq[r, b * QK + 8 * t + j] = w[4 * j + t]
 
 
-# ---- Q4_K --------------------------------------------------------------------------------
-@njit(cache=True, inline="always")
-def _unpack_q4_k_block(buf, o, w, r):
-    """Super-block at buf[o] -> w[r, k] = q_k * scale of its sub-block (float32, <= 945),
-    mins[r, s]; returns (d, dmin)."""
-    for c in range(4):
-        sc1, _ = _scale_min_k4(2 * c, buf, o + 4)
-        sc2, _ = _scale_min_k4(2 * c + 1, buf, o + 4)
-        qo = o + 16 + 32 * c
-        for l in range(32):
-            q = np.int32(buf[qo + l])
-            w[r, 64 * c + l] = F32((q & 0xF) * sc1)
-            w[r, 64 * c + 32 + l] = F32((q >> 4) * sc2)
-    return f16_to_f32(buf[o], buf[o + 1]), f16_to_f32(buf[o + 2], buf[o + 3])
+@njit(cache=True)
+def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd, bias):
+    """Rows m0.. -> wu[r, k] = integer of element k + bias (as a byte), wd[r, b] = d."""
+    nb = wd.shape[1]
+    w = np.empty(QK, dtype=np.float32)
+    for r in range(wu.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for b in range(nb):
+            o = o0 + b * block_bytes
+            wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
+            _decode_q0_block(buf, o, is_q8, w)
+            for e in range(QK):
+                wu[r, b * QK + e] = np.uint8(np.int32(w[e]) + bias)
 
 
-@njit(parallel=True, cache=True, fastmath={"contract"})
-def _mul_mat_q4_k_gemm(buf, offs, xq, xd, bsums, out, n_gemm):
-    """The first n_gemm columns (a multiple of 4): ggml_gemm_q4_K_8x8_q8_K's sums."""
-    m_rows = offs.shape[0]
-    nb = xq.shape[0] // QK_K
-    row_tasks = (m_rows + GEMM_ROWS - 1) // GEMM_ROWS
-    col_tasks = (n_gemm + GEMM_COLS - 1) // GEMM_COLS
-    for task in prange(row_tasks * col_tasks):
-        m0 = (task // col_tasks) * GEMM_ROWS
-        n0 = (task % col_tasks) * GEMM_COLS
-        nn = min(GEMM_COLS, n_gemm - n0)
-        acc = np.zeros((GEMM_ROWS, nn), dtype=np.float32)
-        accm = np.zeros((GEMM_ROWS, nn), dtype=np.float32)
-        p = np.empty((GEMM_ROWS, nn), dtype=np.float32)
-        w = np.empty((GEMM_ROWS, QK_K), dtype=np.float32)
-        dw = np.empty(GEMM_ROWS, dtype=np.float32)
-        dmw = np.empty(GEMM_ROWS, dtype=np.float32)
-        mins = np.empty((GEMM_ROWS, 8), dtype=np.int32)
+@njit(cache=True)
+def _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin):
+    """Rows m0.. -> wq[r, k] = q * scale, wd/wdm[r, i] = d/dmin, wmin[r, s] = min."""
+    nb = wd.shape[1]
+    for r in range(wq.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
         for i in range(nb):
-            for r in range(GEMM_ROWS):
-                m = min(m0 + r, m_rows - 1)
-                o = offs[m] + i * 144
-                dw[r], dmw[r] = _unpack_q4_k_block(buf, o, w, r)
-                for sb in range(8):
-                    mins[r, sb] = _scale_min_k4(sb, buf, o + 4)[1]
-            xdi = xd[i, n0:n0 + nn]
+            o = o0 + i * 144
+            d, dmin = f16_to_f32(buf[o], buf[o + 1]), f16_to_f32(buf[o + 2], buf[o + 3])
+            wd[r, i] = d
+            wdm[r, i] = dmin
             for c in range(4):
-                p[:] = 0.0
-                for k in range(64 * c, 64 * c + 64, 4):  # the chunk's integer sums: exact, any order
-                    x0 = xq[i * QK_K + k, n0:n0 + nn]
-                    x1 = xq[i * QK_K + k + 1, n0:n0 + nn]
-                    x2 = xq[i * QK_K + k + 2, n0:n0 + nn]
-                    x3 = xq[i * QK_K + k + 3, n0:n0 + nn]
-                    for r in range(GEMM_ROWS):
-                        pr = p[r]
-                        w0, w1, w2, w3 = w[r, k], w[r, k + 1], w[r, k + 2], w[r, k + 3]
-                        for ii in range(nn):
-                            pr[ii] += w0 * x0[ii] + w1 * x1[ii] + w2 * x2[ii] + w3 * x3[ii]
-                b1 = bsums[i * 16 + 4 * c, n0:n0 + nn]
-                b2 = bsums[i * 16 + 4 * c + 1, n0:n0 + nn]
-                b3 = bsums[i * 16 + 4 * c + 2, n0:n0 + nn]
-                b4 = bsums[i * 16 + 4 * c + 3, n0:n0 + nn]
-                for r in range(GEMM_ROWS):
-                    m1, m2 = mins[r, 2 * c], mins[r, 2 * c + 1]
-                    ar, amr, pr = acc[r], accm[r], p[r]
-                    dr, dmr = dw[r], dmw[r]
-                    for ii in range(nn):
-                        dx = xdi[ii]
-                        imin = m1 * (b1[ii] + b2[ii]) + m2 * (b3[ii] + b4[ii])
-                        ar[ii] = fma_f32(pr[ii], dr * dx, ar[ii])
-                        amr[ii] = fma_f32(F32(imin), dmr * dx, amr[ii])
-        for r in range(min(GEMM_ROWS, m_rows - m0)):
-            for ii in range(nn):
-                out[n0 + ii, m0 + r] = acc[r, ii] - accm[r, ii]
+                sc1, m1 = _scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = _scale_min_k4(2 * c + 1, buf, o + 4)
+                wmin[r, 8 * i + 2 * c] = F32(m1)
+                wmin[r, 8 * i + 2 * c + 1] = F32(m2)
+                qo = o + 16 + 32 * c
+                for l in range(32):
+                    q = np.int32(buf[qo + l])
+                    wq[r, QK_K * i + 64 * c + l] = F32((q & 0xF) * sc1)
+                    wq[r, QK_K * i + 64 * c + 32 + l] = F32((q >> 4) * sc2)
 
 
-@njit(parallel=True, cache=True)
-def _mul_mat_q4_k_gemv(buf, offs, xq, xd, bsums, out, n0):
-    """Columns n0.. (fewer than 4): ggml_gemv_q4_K_8x8_q8_K's sums, per super-block."""
-    m_rows = offs.shape[0]
-    nb = xq.shape[0] // QK_K
-    for m in prange(m_rows):
-        for n in range(n0, xq.shape[1]):
-            acc = F32(0.0)
-            accm = F32(0.0)
-            for i in range(nb):
-                o = offs[m] + i * 144
-                dw, dmw = f16_to_f32(buf[o], buf[o + 1]), f16_to_f32(buf[o + 2], buf[o + 3])
-                isum = np.int64(0)
-                imin = np.int64(0)
-                for c in range(4):
-                    sc1, m1 = _scale_min_k4(2 * c, buf, o + 4)
-                    sc2, m2 = _scale_min_k4(2 * c + 1, buf, o + 4)
-                    d1 = np.int64(0)
-                    d2 = np.int64(0)
-                    qo = o + 16 + 32 * c
-                    xo = i * QK_K + 64 * c
-                    for l in range(32):
-                        q = np.int64(buf[qo + l])
-                        d1 += (q & 0xF) * np.int64(xq[xo + l, n])
-                        d2 += (q >> 4) * np.int64(xq[xo + 32 + l, n])
-                    isum += sc1 * d1 + sc2 * d2
-                    imin += (m1 * (np.int64(bsums[i * 16 + 4 * c, n]) + bsums[i * 16 + 4 * c + 1, n])
-                             + m2 * (np.int64(bsums[i * 16 + 4 * c + 2, n]) + bsums[i * 16 + 4 * c + 3, n]))
-                dx = xd[i, n]
-                acc = fma_f32(F32(isum), dw * dx, acc)
-                accm = fma_f32(F32(imin), dmw * dx, accm)
-            out[n, m] = acc - accm
+@njit(cache=True)
+def _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin):
+    """Rows m0..m0 + 15 in column layout: wq[k, r], wd/wdm[i, r], wmin[s, r]."""
+    nb = wd.shape[0]
+    for r in range(W):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 144
+            wd[i, r] = f16_to_f32(buf[o], buf[o + 1])
+            wdm[i, r] = f16_to_f32(buf[o + 2], buf[o + 3])
+            for c in range(4):
+                sc1, m1 = _scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = _scale_min_k4(2 * c + 1, buf, o + 4)
+                wmin[8 * i + 2 * c, r] = F32(m1)
+                wmin[8 * i + 2 * c + 1, r] = F32(m2)
+                qo = o + 16 + 32 * c
+                for l in range(32):
+                    q = np.int32(buf[qo + l])
+                    wq[QK_K * i + 64 * c + l, r] = F32((q & 0xF) * sc1)
+                    wq[QK_K * i + 64 * c + 32 + l, r] = F32((q >> 4) * sc2)
 
 
-# ---- Q6_K --------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
 def _q6_k_value(buf, o, e):
     """Integer (-32..31) of element e of the Q6_K super-block at buf[o]."""
@@ -287,91 +289,190 @@ def _q6_k_value(buf, o, e):
     return (lo | (hi << 4)) - 32
 
 
-@njit(parallel=True, cache=True, fastmath={"contract"})
-def _mul_mat_q6_k_tiled(buf, offs, xq, xd, out):
-    """ggml-cpu/tiled's Q6_K sums: per super-block the integer sum (16-element sub-block sums,
-    exact in float32, added in float64), rounded to float32, times d_w, then fma'd with d_x."""
-    m_rows = offs.shape[0]
-    nb = xq.shape[0] // QK_K
-    n_cols = xq.shape[1]
-    row_tasks = (m_rows + GEMM_ROWS - 1) // GEMM_ROWS
-    col_tasks = (n_cols + GEMM_COLS - 1) // GEMM_COLS
-    for task in prange(row_tasks * col_tasks):
-        m0 = (task // col_tasks) * GEMM_ROWS
-        n0 = (task % col_tasks) * GEMM_COLS
-        nn = min(GEMM_COLS, n_cols - n0)
-        acc = np.zeros((GEMM_ROWS, nn), dtype=np.float32)
-        isum = np.empty((GEMM_ROWS, nn), dtype=np.float64)
-        p = np.empty((GEMM_ROWS, nn), dtype=np.float32)
-        w = np.empty((GEMM_ROWS, QK_K), dtype=np.float32)
-        dw = np.empty(GEMM_ROWS, dtype=np.float32)
+@njit(cache=True)
+def _unpack_q6_k_rows(buf, offs, m0, wq, wd):
+    """Rows m0.. -> wq[r, k] = q * scale of the element's sub-block, wd[r, i] = d."""
+    nb = wd.shape[1]
+    for r in range(wq.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
         for i in range(nb):
-            for r in range(GEMM_ROWS):
-                o = offs[min(m0 + r, m_rows - 1)] + i * 210
-                dw[r] = f16_to_f32(buf[o + 208], buf[o + 209])
-                for e in range(QK_K):
-                    w[r, e] = F32(_q6_k_value(buf, o, e) * np.int32(np.int8(buf[o + 192 + e // 16])))
-            isum[:] = 0.0
-            for sb in range(16):
-                p[:] = 0.0
-                for k in range(16 * sb, 16 * sb + 16, 4):
-                    x0 = xq[i * QK_K + k, n0:n0 + nn]
-                    x1 = xq[i * QK_K + k + 1, n0:n0 + nn]
-                    x2 = xq[i * QK_K + k + 2, n0:n0 + nn]
-                    x3 = xq[i * QK_K + k + 3, n0:n0 + nn]
-                    for r in range(GEMM_ROWS):
-                        pr = p[r]
-                        w0, w1, w2, w3 = w[r, k], w[r, k + 1], w[r, k + 2], w[r, k + 3]
-                        for ii in range(nn):
-                            pr[ii] += w0 * x0[ii] + w1 * x1[ii] + w2 * x2[ii] + w3 * x3[ii]
-                for r in range(GEMM_ROWS):
-                    sr, pr = isum[r], p[r]
-                    for ii in range(nn):
-                        sr[ii] += np.float64(pr[ii])
-            xdi = xd[i, n0:n0 + nn]
-            for r in range(GEMM_ROWS):
-                ar, sr, dr = acc[r], isum[r], dw[r]
-                for ii in range(nn):
-                    ar[ii] = fma_f32(F32(sr[ii]) * dr, xdi[ii], ar[ii])
-        for r in range(min(GEMM_ROWS, m_rows - m0)):
-            for ii in range(nn):
-                out[n0 + ii, m0 + r] = acc[r, ii]
+            o = o0 + i * 210
+            wd[r, i] = f16_to_f32(buf[o + 208], buf[o + 209])
+            for e in range(QK_K):
+                wq[r, QK_K * i + e] = F32(_q6_k_value(buf, o, e) * np.int32(np.int8(buf[o + 192 + e // 16])))
+
+
+@njit(cache=True)
+def _unpack_q6_k_tile(buf, offs, m0, wu, wsc, wd):
+    """Rows m0..m0 + 15 in column layout: wu[k, r] = unsigned 6-bit integer, wsc[s, r] =
+    scale, wd[i, r] = d."""
+    nb = wd.shape[0]
+    for r in range(W):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 210
+            wd[i, r] = f16_to_f32(buf[o + 208], buf[o + 209])
+            for s in range(16):
+                wsc[16 * i + s, r] = F32(np.int8(buf[o + 192 + s]))
+            for e in range(QK_K):
+                wu[QK_K * i + e, r] = F32(_q6_k_value(buf, o, e) + 32)
+
+
+# ---- products --------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
+    """out[n0 + c, m0 + r] = res[16 r + c] inside out."""
+    for r in range(rows):
+        if m0 + r < m_rows:
+            for c in range(W):
+                if n0 + c < n_cols:
+                    out[n0 + c, m0 + r] = res[W * r + c]
 
 
 @njit(parallel=True, cache=True)
-def _mul_mat_q6_k_vec_dot(buf, offs, xq, xd, bsums, out):
-    """ggml_vec_dot_q6_K_q8_K (AVX2, ggml's choice under 8 columns): per super-block 8 int32
-    lanes, lane l = sum over halves h and 32-element groups g of scale[8h + 2g + (l >= 4)]
-    times the 4 products (unsigned q6) of elements 128h + 32g + 4l .. + 3, minus
-    32 * (bsum[2l] scale[2l] + bsum[2l + 1] scale[2l + 1]); lane = fma(d_x * d_w, lane, lane);
-    hsum8."""
-    m_rows = offs.shape[0]
-    nb = xq.shape[0] // QK_K
+def _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wq = np.empty((ROW_GROUP, nb * QK), dtype=np.float32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(2 * W, dtype=np.float32)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd)
+        for tile in range(xq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
+                q0_tile2(wq, wd, xq, xd, res, r, tile, nb)
+                _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(2 * W, dtype=np.float32)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd, bias)
+        for tile in range(xq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
+                q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
+                _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q8_0_gemv_vnni(buf, offs, xu, xd, out):
+    nb = xd.shape[1]
+    for m in prange(offs.shape[0]):
+        for n in range(out.shape[0]):
+            out[n, m] = q8_0_row_vnni(buf, offs[m], xu[n], xd[n], nb)
+
+
+@njit(parallel=True, cache=True, fastmath={"contract"})
+def _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out):
+    """Few columns (generation): a row at a time, each block decoded once for every column.
+    xq (N, K): the activations' integers in natural order, xd (N, nb). Lane j of block b is
+    the exact sum of the 4 products 4 j .. 4 j + 3, fma'd into lane j's chain; hsum8."""
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
     for m in prange(m_rows):
-        for n in range(xq.shape[1]):
-            acc = np.zeros(8, dtype=np.float32)
-            for i in range(nb):
-                o = offs[m] + i * 210
-                d = xd[i, n] * f16_to_f32(buf[o + 208], buf[o + 209])
-                for lane in range(8):
-                    tot = np.int64(0)
-                    for h in range(2):
-                        for g in range(4):
-                            sc = np.int64(np.int8(buf[o + 192 + 8 * h + 2 * g + (1 if lane >= 4 else 0)]))
-                            part = np.int64(0)
-                            for t in range(4):
-                                e = 128 * h + 32 * g + 4 * lane + t
-                                part += np.int64(_q6_k_value(buf, o, e) + 32) * np.int64(xq[i * QK_K + e, n])
-                            tot += sc * part
-                    sub = (np.int64(bsums[i * 16 + 2 * lane, n]) * np.int8(buf[o + 192 + 2 * lane])
-                           + np.int64(bsums[i * 16 + 2 * lane + 1, n]) * np.int8(buf[o + 192 + 2 * lane + 1]))
-                    acc[lane] = fma_f32(d, F32(tot - 32 * sub), acc[lane])
-            out[n, m] = hsum8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7])
+        w = np.empty(QK, dtype=np.float32)
+        acc = np.zeros((n_cols, 8), dtype=np.float32)
+        for b in range(nb):
+            o = offs[m] + b * block_bytes
+            _decode_q0_block(buf, o, is_q8, w)
+            dw = f16_to_f32(buf[o], buf[o + 1])
+            for n in range(n_cols):
+                x = xq[n, b * QK:(b + 1) * QK]
+                s = dw * xd[n, b]
+                a = acc[n]
+                for j in range(8):
+                    p = w[4 * j] * x[4 * j] + w[4 * j + 1] * x[4 * j + 1] + w[4 * j + 2] * x[4 * j + 2] + w[4 * j + 3] * x[4 * j + 3]
+                    a[j] = fma_f32(s, p, a[j])
+        for n in range(n_cols):
+            a = acc[n]
+            out[n, m] = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
 
 
-# ---- dispatch ----------------------------------------------------------------------------
+@njit(parallel=True, cache=True)
+def _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm):
+    m_rows = offs.shape[0]
+    nb = td.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wq = np.empty((ROW_GROUP, nb * QK_K), dtype=np.float32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        wdm = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        wmin = np.empty((ROW_GROUP, nb * 8), dtype=np.float32)
+        res = np.empty(Q4K_ROWS * W, dtype=np.float32)
+        _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin)
+        for tile in range((n_gemm + W - 1) // W):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), Q4K_ROWS):
+                q4_k_tile(wq, wd, wdm, wmin, tq, td, tbs, res, r, tile, nb)
+                _store_tile(out, res, Q4K_ROWS, m0 + r, tile * W, m_rows, n_gemm)
+
+
+@njit(parallel=True, cache=True)
+def _q4_k_gemv(buf, offs, xq, xd, bs32, out, n0):
+    m_rows = offs.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + W - 1) // W):
+        m0 = task * W
+        wq = np.empty((nb * QK_K, W), dtype=np.float32)
+        wd = np.empty((nb, W), dtype=np.float32)
+        wdm = np.empty((nb, W), dtype=np.float32)
+        wmin = np.empty((nb * 8, W), dtype=np.float32)
+        res = np.empty(W, dtype=np.float32)
+        _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin)
+        for n in range(n0, out.shape[0]):
+            q4_k_gemv_tile(wq, wd, wdm, wmin, xq, xd, bs32, res, n, nb)
+            for r in range(W):
+                if m0 + r < m_rows:
+                    out[n, m0 + r] = res[r]
+
+
+@njit(parallel=True, cache=True)
+def _q6_k_tiled(buf, offs, tq, td, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = td.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wq = np.empty((ROW_GROUP, nb * QK_K), dtype=np.float32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(Q6K_ROWS * W, dtype=np.float32)
+        _unpack_q6_k_rows(buf, offs, m0, wq, wd)
+        for tile in range(tq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), Q6K_ROWS):
+                q6_k_tile(wq, wd, tq, td, res, r, tile, nb)
+                _store_tile(out, res, Q6K_ROWS, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q6_k_vec_dot(buf, offs, xq, xd, bs16, out):
+    m_rows = offs.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + W - 1) // W):
+        m0 = task * W
+        wu = np.empty((nb * QK_K, W), dtype=np.float32)
+        wsc = np.empty((nb * 16, W), dtype=np.float32)
+        wd = np.empty((nb, W), dtype=np.float32)
+        res = np.empty(W, dtype=np.float32)
+        _unpack_q6_k_tile(buf, offs, m0, wu, wsc, wd)
+        for n in range(out.shape[0]):
+            q6_k_gemv_tile(wu, wsc, wd, xq, xd, bs16, res, n, nb)
+            for r in range(W):
+                if m0 + r < m_rows:
+                    out[n, m0 + r] = res[r]
+
+
+def _bytes(scratch, name: str, n: int) -> np.ndarray:
+    """n bytes of the backend's scratch (its buffers are float32)."""
+    return scratch.get(name, (n + 3) // 4).view(np.uint8)[:n]
+
+
+# ---- dispatch --------------------------------------------------------------------------------------
 Q0_BLOCK_BYTES = {GGMLType.Q5_0: 22, GGMLType.Q8_0: 34}
-Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch
 
 
 def supports(type: GGMLType, m_rows: int) -> bool:
@@ -385,25 +486,55 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
     n, k = x.shape
     if n == 0:
         return
+    tiles = (n + W - 1) // W
     if type in Q0_BLOCK_BYTES:
         nb = k // QK
-        xq = scratch.get("q8_lanes", nb * 32 * n).reshape(nb, 4, 8, n)
-        xd = scratch.get("q8_scales", nb * n).reshape(nb, n)
-        quantize_q8_0_lanes(x, xq, xd)
-        _mul_mat_q0(buf, offs, Q0_BLOCK_BYTES[type], type == GGMLType.Q8_0, xq, xd, out)
+        block_bytes, is_q8 = Q0_BLOCK_BYTES[type], type == GGMLType.Q8_0
+        if VNNI and n <= Q0_GEMV_MAX_COLS and is_q8:
+            xu = _bytes(scratch, "q8_0_u8", n * nb * QK).reshape(n, nb * QK)
+            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+            quantize_q8_0_biased(x, xu, xd)
+            _q8_0_gemv_vnni(buf, offs, xu, xd, out)
+        elif VNNI and n > Q0_GEMV_MAX_COLS:
+            bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
+            xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
+            xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb * 8, W)
+            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+            quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias)
+            _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out)
+        elif n <= Q0_GEMV_MAX_COLS:
+            xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
+            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+            quantize_q8_0_rows(x, xq, xd)
+            _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out)
+        else:
+            xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
+            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+            quantize_q8_0_tiles(x, xq, xd)
+            _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out)
         return
     nb = k // QK_K
-    xq = scratch.get("q8k", k * n).reshape(k, n)
-    xd = scratch.get("q8k_scales", nb * n).reshape(nb, n)
-    bsums = scratch.get("q8k_bsums", nb * 16 * n).view(np.int32).reshape(nb * 16, n)
-    quantize_q8_k_cols(x, xq, xd, bsums)
+    xq = scratch.get("q8_k", n * k).reshape(n, k)
+    xd = scratch.get("q8_k_d", n * nb).reshape(n, nb)
+    bs16 = scratch.get("q8_k_bs16", n * nb * 16).reshape(n, nb * 16)
+    bs32 = scratch.get("q8_k_bs32", n * nb * 8).reshape(n, nb * 8)
+    quantize_q8_k_rows(x, xq, xd, bs16, bs32)
     if type == GGMLType.Q4_K:
-        n_gemm = n - n % 4
+        n_gemm = n - n % Q4_K_GEMM_GROUP
         if n_gemm:
-            _mul_mat_q4_k_gemm(buf, offs, xq, xd, bsums, out, n_gemm)
+            t = (n_gemm + W - 1) // W
+            tq = scratch.get("q8_k_tiles", t * k * W).reshape(t, k, W)
+            td = scratch.get("q8_k_tiles_d", t * nb * W).reshape(t, nb, W)
+            tbs = scratch.get("q8_k_tiles_bs", t * nb * 8 * W).reshape(t, nb * 8, W)
+            q8_k_tiles(xq, xd, bs32, tq, td, tbs, n_gemm)
+            _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm)
         if n_gemm < n:
-            _mul_mat_q4_k_gemv(buf, offs, xq, xd, bsums, out, n_gemm)
+            _q4_k_gemv(buf, offs, xq, xd, bs32, out, n_gemm)
     elif n >= Q6_K_TILED_MIN_COLS:
-        _mul_mat_q6_k_tiled(buf, offs, xq, xd, out)
+        tq = scratch.get("q8_k_tiles", tiles * k * W).reshape(tiles, k, W)
+        td = scratch.get("q8_k_tiles_d", tiles * nb * W).reshape(tiles, nb, W)
+        tbs = scratch.get("q8_k_tiles_bs", tiles * nb * 8 * W).reshape(tiles, nb * 8, W)
+        q8_k_tiles(xq, xd, bs32, tq, td, tbs, n)
+        _q6_k_tiled(buf, offs, tq, td, out)
     else:
-        _mul_mat_q6_k_vec_dot(buf, offs, xq, xd, bsums, out)
+        _q6_k_vec_dot(buf, offs, xq, xd, bs16, out)

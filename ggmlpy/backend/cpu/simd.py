@@ -94,7 +94,8 @@ def expf_avx512(x):
         return F32(0.0) if n <= F32(0.0) else F32(np.inf)
     if n != n:  # NaN in, NaN out (scalef's)
         return n
-    return F32(np.float64(j) * math.ldexp(1.0, int(n)))  # j * 2^n exact in double, rounded once
+    two_n = np.int64((np.int64(n) + 1023) << 52).view(np.float64)  # 2^n, |n| <= 192
+    return F32(np.float64(j) * two_n)  # j * 2^n exact in double, rounded once (scalef)
 
 
 @njit(cache=True, inline="always")
