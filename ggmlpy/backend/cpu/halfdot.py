@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from .simd import fma_f32, reduce16, vec_dot_f16
+from .vecir import f16_tile_4x4
 
 LANES = 16
 
@@ -25,7 +26,33 @@ def uses_tinyblas(m: int, n: int, k: int) -> bool:
 
 
 @njit(parallel=True, cache=True)
-def mul_mat_f16(a, b, out, tinyblas):
+def _tinyblas_blocks(a, b, out, m4, n4):
+    """The 4 x 4 blocks of each matrix pair: vecir.f16_tile_4x4."""
+    a3, a2 = a.shape[0], a.shape[1]
+    b3, b2 = b.shape[0], b.shape[1]
+    r3, r2 = b3 // a3, b2 // a2
+    mb, nbk = m4 // 4, n4 // 4
+    for task in prange(b3 * b2 * mb):
+        i3 = task // (b2 * mb)
+        i2 = (task // mb) % b2
+        m0 = (task % mb) * 4
+        for n0 in range(0, n4, 4):
+            f16_tile_4x4(a[i3 // r3, i2 // r2], b[i3, i2], out[i3, i2], m0, n0)
+
+
+def mul_mat_f16(a: np.ndarray, b: np.ndarray, out: np.ndarray, tinyblas: bool) -> None:
+    """out = the products (module doc); a, b C-contiguous float32, out C-contiguous."""
+    if tinyblas:
+        m4, n4 = a.shape[2] - a.shape[2] % 4, b.shape[2] - b.shape[2] % 4
+        _tinyblas_blocks(a, b, out, m4, n4)
+        _mul_mat_f16(a, b, out, True, m4, n4)
+    else:
+        _mul_mat_f16(a, b, out, False, 0, 0)
+
+
+@njit(parallel=True, cache=True)
+def _mul_mat_f16(a, b, out, tinyblas, m_done, n_done):
+    """Each element not in the first m_done x n_done block, one at a time."""
     a3, a2, m_rows, k = a.shape
     b3, b2, n_cols = b.shape[0], b.shape[1], b.shape[2]
     r3, r2 = b3 // a3, b2 // a2
@@ -36,6 +63,8 @@ def mul_mat_f16(a, b, out, tinyblas):
         ar = a[i3 // r3, i2 // r2, m]
         acc = np.empty(64, dtype=np.float32)
         for n in range(n_cols):
+            if m < m_done and n < n_done:
+                continue
             br = b[i3, i2, n]
             if tinyblas:
                 acc[:LANES] = 0.0

@@ -62,7 +62,10 @@ def prepare_mul_mat(node: Tensor, plan: Plan) -> Prepared:
     a_type = a.type
     if a_type == GGMLType.F16:  # ggml's own order (halfdot.py)
         tinyblas = halfdot.uses_tinyblas(a.ne[1], b.ne[1], a.ne[0])
-        return lambda: halfdot.mul_mat_f16(convert.to_f32(av, a_type), convert.round_to(bv, a_type), dv, tinyblas)
+        if not dv.flags.c_contiguous:
+            raise NotImplementedError("MUL_MAT of F16 into a non-contiguous result")
+        return lambda: halfdot.mul_mat_f16(np.ascontiguousarray(convert.to_f32(av, a_type)),
+                                           np.ascontiguousarray(convert.round_to(bv, a_type)), dv, tinyblas)
 
     b2, d2 = _fold_rows(bv), _fold_rows(dv)
     if ne02 == 1 and ne03 == 1 and b2 is not None and d2 is not None:

@@ -34,14 +34,15 @@ from ...quants.kquants import _scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
-from .vecir import (Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile, q4_k_tile, q6_k_gemv_tile,
-                    q6_k_tile, q8_0_row_vnni)
+from .vecir import (Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile, q4_k_row_vnni, q4_k_tile,
+                    q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
 
 QK = 32
 ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with every column tile)
 Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
 Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
 Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
+GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their scratch shared)
 
 
 # ---- activations ---------------------------------------------------------------------------------
@@ -116,6 +117,38 @@ def quantize_q8_0_biased(x, xu, xd):
             xd[n, b] = d
             for e in range(QK):
                 xu[n, b * QK + e] = np.uint8(np.int32(np.rint(F32(xr[b * QK + e] * idd))) + 128)
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_signed(x, xs, xsum, xd):
+    """Q8_0 of each row for vecir.q5_0_row_vnni: xs[n, k] the integers (int8), xsum[n, 8 b + j]
+    the sum of the 4 integers of lane j of block b, xd[n, b]."""
+    nb = x.shape[1] // QK
+    for n in prange(x.shape[0]):
+        xr = x[n]
+        for b in range(nb):
+            d, idd = activation_block_scale(xr, b * QK)
+            xd[n, b] = d
+            for j in range(8):
+                tot = 0
+                for t in range(4):
+                    q = np.int32(np.rint(F32(xr[b * QK + 4 * j + t] * idd)))
+                    xs[n, b * QK + 4 * j + t] = np.int8(q)
+                    tot += q
+                xsum[n, 8 * b + j] = tot
+
+
+@njit(parallel=True, cache=True)
+def q8_k_bytes(xq, bs16, xs, bse, bso, bs32):
+    """Q8_K rows (quantize_q8_k_rows) for the VNNI row kernels: xs the integers as int8,
+    bse / bso the 16-element sums of even / odd sub-blocks, bs32 the 32-element sums (int32)."""
+    for n in prange(xq.shape[0]):
+        for k in range(xq.shape[1]):
+            xs[n, k] = np.int8(xq[n, k])
+        for s in range(bse.shape[1]):
+            bse[n, s] = np.int32(bs16[n, 2 * s])
+            bso[n, s] = np.int32(bs16[n, 2 * s + 1])
+            bs32[n, s] = np.int32(bs16[n, 2 * s] + bs16[n, 2 * s + 1])
 
 
 @njit(cache=True, inline="always")
@@ -362,6 +395,36 @@ def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out):
 
 
 @njit(parallel=True, cache=True)
+def _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out):
+    nb = xd.shape[1]
+    for m in prange(offs.shape[0]):
+        for n in range(out.shape[0]):
+            out[n, m] = q5_0_row_vnni(buf, offs[m], xs[n], xsum[n], xd[n], nb)
+
+
+@njit(parallel=True, cache=True)
+def _q4_k_gemv_vnni(buf, offs, xs, xd, bs32, out, n0):
+    nb = xd.shape[1]
+    for task in prange((offs.shape[0] + GEMV_ROWS - 1) // GEMV_ROWS):
+        sc = np.empty(8 * nb, dtype=np.int32)
+        mn = np.empty(8 * nb, dtype=np.int32)
+        for m in range(task * GEMV_ROWS, min(offs.shape[0], task * GEMV_ROWS + GEMV_ROWS)):
+            for i in range(nb):
+                for s in range(8):
+                    sc[8 * i + s], mn[8 * i + s] = _scale_min_k4(s, buf, offs[m] + i * 144 + 4)
+            for n in range(n0, out.shape[0]):
+                out[n, m] = q4_k_row_vnni(buf, offs[m], sc, mn, xs[n], xd[n], bs32[n], nb)
+
+
+@njit(parallel=True, cache=True)
+def _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out):
+    nb = xd.shape[1]
+    for m in prange(offs.shape[0]):
+        for n in range(out.shape[0]):
+            out[n, m] = q6_k_row_vnni(buf, offs[m], xs[n], xd[n], bse[n], bso[n], nb)
+
+
+@njit(parallel=True, cache=True)
 def _q8_0_gemv_vnni(buf, offs, xu, xd, out):
     nb = xd.shape[1]
     for m in prange(offs.shape[0]):
@@ -376,23 +439,25 @@ def _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out):
     the exact sum of the 4 products 4 j .. 4 j + 3, fma'd into lane j's chain; hsum8."""
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
-    for m in prange(m_rows):
+    for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
         w = np.empty(QK, dtype=np.float32)
-        acc = np.zeros((n_cols, 8), dtype=np.float32)
-        for b in range(nb):
-            o = offs[m] + b * block_bytes
-            _decode_q0_block(buf, o, is_q8, w)
-            dw = f16_to_f32(buf[o], buf[o + 1])
+        acc = np.empty((n_cols, 8), dtype=np.float32)
+        for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS)):
+            acc[:] = 0.0
+            for b in range(nb):
+                o = offs[m] + b * block_bytes
+                _decode_q0_block(buf, o, is_q8, w)
+                dw = f16_to_f32(buf[o], buf[o + 1])
+                for n in range(n_cols):
+                    x = xq[n, b * QK:(b + 1) * QK]
+                    s = dw * xd[n, b]
+                    a = acc[n]
+                    for j in range(8):
+                        p = w[4 * j] * x[4 * j] + w[4 * j + 1] * x[4 * j + 1] + w[4 * j + 2] * x[4 * j + 2] + w[4 * j + 3] * x[4 * j + 3]
+                        a[j] = fma_f32(s, p, a[j])
             for n in range(n_cols):
-                x = xq[n, b * QK:(b + 1) * QK]
-                s = dw * xd[n, b]
                 a = acc[n]
-                for j in range(8):
-                    p = w[4 * j] * x[4 * j] + w[4 * j + 1] * x[4 * j + 1] + w[4 * j + 2] * x[4 * j + 2] + w[4 * j + 3] * x[4 * j + 3]
-                    a[j] = fma_f32(s, p, a[j])
-        for n in range(n_cols):
-            a = acc[n]
-            out[n, m] = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
+                out[n, m] = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
 
 
 @njit(parallel=True, cache=True)
@@ -471,6 +536,15 @@ def _bytes(scratch, name: str, n: int) -> np.ndarray:
     return scratch.get(name, (n + 3) // 4).view(np.uint8)[:n]
 
 
+def _q8_k_vnni(scratch, xq, bs16, n: int, k: int, nb: int):
+    xs = _bytes(scratch, "q8_k_i8", n * k).view(np.int8).reshape(n, k)
+    bse = scratch.get("q8_k_bse", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+    bso = scratch.get("q8_k_bso", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+    b32 = scratch.get("q8_k_b32", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+    q8_k_bytes(xq, bs16, xs, bse, bso, b32)
+    return xs, bse, bso, b32
+
+
 # ---- dispatch --------------------------------------------------------------------------------------
 Q0_BLOCK_BYTES = {GGMLType.Q5_0: 22, GGMLType.Q8_0: 34}
 
@@ -495,6 +569,12 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
             xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
             quantize_q8_0_biased(x, xu, xd)
             _q8_0_gemv_vnni(buf, offs, xu, xd, out)
+        elif VNNI and n <= Q0_GEMV_MAX_COLS:
+            xs = _bytes(scratch, "q8_0_i8", n * nb * QK).view(np.int8).reshape(n, nb * QK)
+            xsum = scratch.get("q8_0_c", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+            quantize_q8_0_signed(x, xs, xsum, xd)
+            _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out)
         elif VNNI and n > Q0_GEMV_MAX_COLS:
             bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
             xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
@@ -528,7 +608,10 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
             tbs = scratch.get("q8_k_tiles_bs", t * nb * 8 * W).reshape(t, nb * 8, W)
             q8_k_tiles(xq, xd, bs32, tq, td, tbs, n_gemm)
             _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm)
-        if n_gemm < n:
+        if n_gemm < n and VNNI:
+            xs, bse, bso, b32 = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
+            _q4_k_gemv_vnni(buf, offs, xs, xd, b32, out, n_gemm)
+        elif n_gemm < n:
             _q4_k_gemv(buf, offs, xq, xd, bs32, out, n_gemm)
     elif n >= Q6_K_TILED_MIN_COLS:
         tq = scratch.get("q8_k_tiles", tiles * k * W).reshape(tiles, k, W)
@@ -536,5 +619,8 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
         tbs = scratch.get("q8_k_tiles_bs", tiles * nb * 8 * W).reshape(tiles, nb * 8, W)
         q8_k_tiles(xq, xd, bs32, tq, td, tbs, n)
         _q6_k_tiled(buf, offs, tq, td, out)
+    elif VNNI:
+        xs, bse, bso, _ = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
+        _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out)
     else:
         _q6_k_vec_dot(buf, offs, xq, xd, bs16, out)

@@ -514,3 +514,238 @@ def q8_0_row_vnni(typingctx, buf, o, xu, xd, nb):
         t = [b.fadd(lane[i], lane[i + 4]) for i in range(4)]
         return b.fadd(b.fadd(t[0], t[2]), b.fadd(t[1], t[3]))
     return sig, codegen
+
+
+def _reduce16(e, v):
+    """GCC's _mm512_reduce_add_ps of a <16 x float>: upper 8 onto lower 8, upper 4 onto lower
+    4, then (0 + 2) + (1 + 3)."""
+    b = e.b
+    lane = [b.extract_element(v, ir.Constant(_I32, i)) for i in range(W)]
+    t = [b.fadd(lane[i], lane[i + 8]) for i in range(8)]
+    u = [b.fadd(t[i], t[i + 4]) for i in range(4)]
+    return b.fadd(b.fadd(u[0], u[2]), b.fadd(u[1], u[3]))
+
+
+@intrinsic
+def f16_tile_4x4(typingctx, a, bm, out, m0, n0):
+    """tinyBLAS's F16 product (AVX-512) for rows m0..m0 + 3 of a and n0..n0 + 3 of bm:
+    out[n, m] = _mm512_reduce_add_ps of 16 lanes, lane t the fma chain over l of
+    a[m, 16 l + t] * bm[n, 16 l + t]. a (M, K), bm (N, K) float32 values of halves, K a
+    multiple of 16; out (N, M); all C-contiguous."""
+    sig = types.void(a, bm, out, m0, n0)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        b = builder
+        a_p, b_p, o_p = (e.ptr(context, ty, x) for ty, x in zip(signature.args[:3], args[:3]))
+        m0_, n0_ = e.i64(args[3]), e.i64(args[4])
+        ashape = context.make_array(signature.args[0])(context, b, args[0]).shape
+        k = b.extract_value(ashape, 1)
+        m_all = b.extract_value(context.make_array(signature.args[2])(context, b, args[2]).shape, 1)
+        arows = _row_ptrs(e, a_p, m0_, k, 4)
+        brows = _row_ptrs(e, b_p, n0_, k, 4)
+        acc = [[e.acc() for _ in range(4)] for _ in range(4)]
+        with cgutils.for_range(b, b.udiv(k, e.const(W))) as loop:
+            off = b.mul(loop.index, e.const(W))
+            av = [e.load(p, off) for p in arows]
+            bv = [e.load(p, off) for p in brows]
+            for i in range(4):
+                for j in range(4):
+                    b.store(e.fma(av[i], bv[j], b.load(acc[i][j])), acc[i][j])
+        for i in range(4):
+            for j in range(4):
+                idx = b.add(b.mul(b.add(n0_, e.const(j)), m_all), b.add(m0_, e.const(i)))
+                b.store(_reduce16(e, b.load(acc[i][j])), e.gep(o_p, idx))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _bcast8(b, x):
+    """<8 x T> of scalar x."""
+    vt = ir.VectorType(x.type, 8)
+    return b.shuffle_vector(b.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0)),
+                            ir.Constant(vt, ir.Undefined), ir.Constant(_VI8, [0] * 8))
+
+
+def _hsum8_vec(b, a):
+    lane = [b.extract_element(a, ir.Constant(_I32, i)) for i in range(8)]
+    t = [b.fadd(lane[i], lane[i + 4]) for i in range(4)]
+    return b.fadd(b.fadd(t[0], t[2]), b.fadd(t[1], t[3]))
+
+
+def _dp256(b):
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(_VI8, [_VI8, _VI8, _VI8]),
+                                          "llvm.x86.avx512.vpdpbusd.256")
+
+
+def _fma8(b):
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(_VF8, [_VF8, _VF8, _VF8]), "llvm.fma.v8f32")
+
+
+_V32I8 = ir.VectorType(_I8, 32)
+
+
+def _load_bytes32(e, ptr, idx):
+    """32 bytes at ptr[idx] (an i8 / u8 pointer) as <8 x i32>."""
+    return e.b.load(e.b.bitcast(e.gep(ptr, idx), _VI8.as_pointer()), align=1)
+
+
+@intrinsic
+def q5_0_row_vnni(typingctx, buf, o, xs, xsum, xd, nb):
+    """ggml_vec_dot_q5_0_q8_0 of the Q5_0 row at buf[o] (packed blocks, used in place) and one
+    activation column: per block the 32 5-bit integers (plus 16: unsigned) by AVX512-VNNI
+    against the column's int8 integers xs, minus 16 xsum (its lane sums), lane_j =
+    fma(d_w * d_x, isum_j, lane_j); hsum8. xs (32 nb,) int8, xsum (8 nb,) int32, xd (nb,)."""
+    sig = types.float32(buf, o, xs, xsum, xd, nb)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        b = builder
+        buf_p = e.ptr(context, signature.args[0], args[0])
+        xs_p, xsum_p, xd_p = (e.ptr(context, signature.args[i], args[i]) for i in (2, 3, 4))
+        o_, nb_ = e.i64(args[1]), e.i64(args[5])
+        dp, fma8 = _dp256(b), _fma8(b)
+        zero = ir.Constant(_VI8, [0] * 8)
+        sixteen = ir.Constant(_VI8, [4] * 8)
+        bitmask = ir.Constant(ir.VectorType(_I32, 32), [1 << i for i in range(32)])
+        acc = cgutils.alloca_once(b, _VF8)
+        b.store(ir.Constant(_VF8, [0.0] * 8), acc)
+        with cgutils.for_range(b, nb_) as loop:
+            blk = loop.index
+            bo = b.add(o_, b.mul(blk, e.const(22)))
+            dw = b.fpext(b.load(b.bitcast(e.gep(buf_p, bo), ir.HalfType().as_pointer()), align=1), _F)
+            qh = b.load(b.bitcast(e.gep(buf_p, b.add(bo, e.const(2))), _I32.as_pointer()), align=1)
+            qs = b.load(b.bitcast(e.gep(buf_p, b.add(bo, e.const(6))), ir.VectorType(_I8, 16).as_pointer()), align=1)
+            lo = b.and_(qs, ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
+            hi = b.lshr(qs, ir.Constant(ir.VectorType(_I8, 16), [4] * 16))
+            nib = b.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+            qhv = b.shuffle_vector(b.insert_element(ir.Constant(ir.VectorType(_I32, 32), ir.Undefined), qh,
+                                                    ir.Constant(_I32, 0)),
+                                   ir.Constant(ir.VectorType(_I32, 32), ir.Undefined),
+                                   ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+            bit = b.icmp_unsigned("!=", b.and_(qhv, bitmask), ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+            u = b.or_(nib, b.select(bit, ir.Constant(_V32I8, [16] * 32), ir.Constant(_V32I8, [0] * 32)))
+            w = b.bitcast(u, _VI8)  # integer + 16, unsigned
+            xv = _load_bytes32(e, xs_p, b.mul(blk, e.const(32)))
+            xsv = b.load(b.bitcast(e.gep(xsum_p, b.mul(blk, e.const(8))), _VI8.as_pointer()), align=4)
+            isum = b.sub(b.call(dp, [zero, w, xv]), b.shl(xsv, sixteen))
+            s = b.fmul(dw, e.scalar(xd_p, blk))
+            b.store(b.call(fma8, [_bcast8(b, s), b.sitofp(isum, _VF8), b.load(acc)]), acc)
+        return _hsum8_vec(b, b.load(acc))
+    return sig, codegen
+
+
+def _ivec8(b, vals):
+    """<8 x i32> from 8 i32 values."""
+    v = ir.Constant(_VI8, ir.Undefined)
+    for i, x in enumerate(vals):
+        v = b.insert_element(v, x, ir.Constant(_I32, i))
+    return v
+
+
+def _i8splat32(n):
+    return ir.Constant(_V32I8, [n] * 32)
+
+
+def _hsum_i32(b, v):
+    total = b.extract_element(v, ir.Constant(_I32, 0))
+    for i in range(1, 8):
+        total = b.add(total, b.extract_element(v, ir.Constant(_I32, i)))
+    return total
+
+
+def _half_at(e, ptr, idx):
+    b = e.b
+    return b.fpext(b.load(b.bitcast(e.gep(ptr, idx), ir.HalfType().as_pointer()), align=1), _F)
+
+
+@intrinsic
+def q4_k_row_vnni(typingctx, buf, o, sc, mn, xs, xd, bs32, nb):
+    """ggml_gemv_q4_K_8x8_q8_K for the Q4_K row at buf[o] (used in place) and one column: per
+    super-block i, isum = sum over sub-blocks s of sc[8 i + s] * (nibbles . xs) (AVX512-VNNI,
+    exact integers), imin = sum of mn[8 i + s] * bs32[8 i + s];
+    acc = fma(isum, d * xd[i], acc), accm = fma(imin, dmin * xd[i], accm); acc - accm.
+    sc, mn (8 nb,) int32: the row's decoded 6-bit scales and mins; xs (256 nb,) int8;
+    bs32 (8 nb,) int32: the column's 32-element sums."""
+    sig = types.float32(buf, o, sc, mn, xs, xd, bs32, nb)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        b = builder
+        buf_p, sc_p, mn_p, xs_p, xd_p, bs_p = (e.ptr(context, signature.args[i], args[i]) for i in (0, 2, 3, 4, 5, 6))
+        o_, nb_ = e.i64(args[1]), e.i64(args[7])
+        dp = _dp256(b)
+        zero = ir.Constant(_VI8, [0] * 8)
+        acc = cgutils.alloca_once_value(b, ir.Constant(_F, 0.0))
+        accm = cgutils.alloca_once_value(b, ir.Constant(_F, 0.0))
+        with cgutils.for_range(b, nb_) as loop:
+            i = loop.index
+            bo = b.add(o_, b.mul(i, e.const(144)))
+            lanes = zero
+            for c in range(4):
+                qs = b.bitcast(_load_bytes32(e, buf_p, b.add(bo, e.const(16 + 32 * c))), _V32I8)
+                lo = b.bitcast(b.and_(qs, _i8splat32(15)), _VI8)
+                hi = b.bitcast(b.lshr(qs, _i8splat32(4)), _VI8)
+                x0 = _load_bytes32(e, xs_p, b.add(b.mul(i, e.const(256)), e.const(64 * c)))
+                x1 = _load_bytes32(e, xs_p, b.add(b.mul(i, e.const(256)), e.const(64 * c + 32)))
+                s1 = _bcast8(b, e.scalar(sc_p, b.add(b.mul(i, e.const(8)), e.const(2 * c))))
+                s2 = _bcast8(b, e.scalar(sc_p, b.add(b.mul(i, e.const(8)), e.const(2 * c + 1))))
+                lanes = b.add(lanes, b.add(b.mul(b.call(dp, [zero, lo, x0]), s1), b.mul(b.call(dp, [zero, hi, x1]), s2)))
+            isum = _hsum_i32(b, lanes)
+            imin = ir.Constant(_I32, 0)
+            for s in range(8):
+                idx = b.add(b.mul(i, e.const(8)), e.const(s))
+                imin = b.add(imin, b.mul(e.scalar(mn_p, idx), e.scalar(bs_p, idx)))
+            dx = e.scalar(xd_p, i)
+            sd = b.fmul(_half_at(e, buf_p, bo), dx)
+            sm = b.fmul(_half_at(e, buf_p, b.add(bo, e.const(2))), dx)
+            fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F, [_F, _F, _F]), "llvm.fma.f32")
+            b.store(b.call(fma, [b.sitofp(isum, _F), sd, b.load(acc)]), acc)
+            b.store(b.call(fma, [b.sitofp(imin, _F), sm, b.load(accm)]), accm)
+        return b.fsub(b.load(acc), b.load(accm))
+    return sig, codegen
+
+
+@intrinsic
+def q6_k_row_vnni(typingctx, buf, o, xs, xd, bse, bso, nb):
+    """ggml_vec_dot_q6_K_q8_K (AVX2) for the Q6_K row at buf[o] (used in place) and one
+    column: per super-block, lane l (of 8) = sum over halves h and groups g of
+    scale[8 h + 2 g + (l >= 4)] * (unsigned 6-bit integers . xs over 4 l .. 4 l + 3 of the
+    group) (AVX512-VNNI) - 32 (bse[l] scale[2 l] + bso[l] scale[2 l + 1]);
+    lane = fma(xd[i] * d, lane, lane); hsum8. xs (256 nb,) int8; bse, bso (8 nb,) int32: the
+    column's 16-element sums of even and odd sub-blocks."""
+    sig = types.float32(buf, o, xs, xd, bse, bso, nb)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        b = builder
+        buf_p, xs_p, xd_p, be_p, bo_p = (e.ptr(context, signature.args[i], args[i]) for i in (0, 2, 3, 4, 5))
+        o_, nb_ = e.i64(args[1]), e.i64(args[6])
+        dp, fma8 = _dp256(b), _fma8(b)
+        zero = ir.Constant(_VI8, [0] * 8)
+        acc = cgutils.alloca_once(b, _VF8)
+        b.store(ir.Constant(_VF8, [0.0] * 8), acc)
+        with cgutils.for_range(b, nb_) as loop:
+            i = loop.index
+            bo = b.add(o_, b.mul(i, e.const(210)))
+            scale = [b.sext(e.scalar(buf_p, b.add(bo, e.const(192 + s))), _I32) for s in range(16)]
+            tot = zero
+            for h in range(2):
+                qh = b.bitcast(_load_bytes32(e, buf_p, b.add(bo, e.const(128 + 32 * h))), _V32I8)
+                ql = [b.bitcast(_load_bytes32(e, buf_p, b.add(bo, e.const(64 * h + 32 * part))), _V32I8)
+                      for part in range(2)]
+                for g in range(4):
+                    low = b.and_(ql[g % 2], _i8splat32(15)) if g < 2 else b.lshr(ql[g % 2], _i8splat32(4))
+                    high = b.shl(b.and_(b.lshr(qh, _i8splat32(2 * g)), _i8splat32(3)), _i8splat32(4))
+                    u6 = b.bitcast(b.or_(low, high), _VI8)
+                    xv = _load_bytes32(e, xs_p, b.add(b.mul(i, e.const(256)), e.const(128 * h + 32 * g)))
+                    sv = _ivec8(b, [scale[8 * h + 2 * g]] * 4 + [scale[8 * h + 2 * g + 1]] * 4)
+                    tot = b.add(tot, b.mul(b.call(dp, [zero, u6, xv]), sv))
+            be = b.load(b.bitcast(e.gep(be_p, b.mul(i, e.const(8))), _VI8.as_pointer()), align=4)
+            bso = b.load(b.bitcast(e.gep(bo_p, b.mul(i, e.const(8))), _VI8.as_pointer()), align=4)
+            sub = b.add(b.mul(be, _ivec8(b, scale[0::2])), b.mul(bso, _ivec8(b, scale[1::2])))
+            lanes = b.sub(tot, b.shl(sub, ir.Constant(_VI8, [5] * 8)))
+            d = b.fmul(e.scalar(xd_p, i), _half_at(e, buf_p, b.add(bo, e.const(208))))
+            b.store(b.call(fma8, [_bcast8(b, d), b.sitofp(lanes, _VF8), b.load(acc)]), acc)
+        return _hsum8_vec(b, b.load(acc))
+    return sig, codegen
