@@ -6,12 +6,19 @@ sandwich norms, GeGLU, and sliding-window masking on five layers of six (the win
 smaller than the sequence, so the mask matters).
 
 Slow (real model, still run in CI): Gemma 3 270M Q4_K_M. The tokenizer against a
-transcription of llama.cpp's SPM algorithm; perplexity against llama.cpp's golden
-values (ppl_gemma3_wiki_c512_ch20.txt) within 0.5 % at every chunk; peak RSS of the
-perplexity CLI under 1 GB (weights used in place from the memory map).
+transcription of llama.cpp's SPM algorithm; perplexity equal to llama.cpp's golden values
+at every chunk, with flash attention (llama.cpp's default, ppl_gemma3_wiki_c512_ch20.txt)
+and without (..._fa_off.txt); peak RSS of the perplexity CLI under 1 GB (weights used in
+place from the memory map); greedy continuations identical to llama-completion's
+(tests/data/llama_cpp_gemma3_greedy.json, recorded by tests/record_gemma3_greedy.py).
+
+The model is chaotic to rounding: a change of one float32 ulp in the embeddings moves a
+20-chunk perplexity by about 0.1 % and greedy text apart within tens of tokens, so these
+checks pass only with ggml's own rounding everywhere (ggmlpy/backend/cpu/simd.py).
 """
 from __future__ import annotations
 
+import json
 import re
 import resource
 import subprocess
@@ -224,24 +231,38 @@ def golden_running(path: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open issue 15: llama.cpp's default is flash attention (Q rounded to F16, "
-                   "ggml's V accumulation); llamapy's F32 attention lands 1.1% off on chunk 1")
-def test_gemma3_perplexity_matches_llama_cpp(gemma3_path):
-    """The CLI's 20 running values within 0.5 % of llama.cpp's, peak RSS under 1 GB."""
-    golden = golden_running(shared_path("golden", "ppl_gemma3_wiki_c512_ch20.txt"))
+@pytest.mark.parametrize("flash_attn, golden_file", [("on", "ppl_gemma3_wiki_c512_ch20.txt"),
+                                                     ("off", "ppl_gemma3_wiki_c512_ch20_fa_off.txt")])
+def test_gemma3_perplexity_matches_llama_cpp(gemma3_path, flash_attn, golden_file):
+    """The CLI's 20 running values as llama.cpp prints them (4 decimals), peak RSS under 1 GB."""
+    golden = golden_running(shared_path("golden", golden_file))
     wiki = shared_path("data", "wiki.test.raw")
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "apps.perplexity", "-m", str(gemma3_path), "-f", str(wiki),
-                          "-c", "512", "-b", "512", "--chunks", "20"], capture_output=True, text=True,
-                         cwd=REPO_ROOT, timeout=1500)
+                          "-c", "512", "-b", "512", "--chunks", "20", "-fa", flash_attn, "-t", "1"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=1500)
     seconds = time.perf_counter() - t0
     assert run.returncode == 0, run.stderr
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     ours = [float(v) for v in re.findall(r"\[\d+\]([0-9.]+)", run.stdout)]
     assert len(ours) == len(golden) == 20
-    rel = [abs(a / b - 1) for a, b in zip(ours, golden)]
-    print(f"\ngemma3 ppl: {seconds:.0f} s, worst relative error {max(rel):.4%} at chunk {rel.index(max(rel)) + 1}, "
-          f"final {ours[-1]:.4f} vs {golden[-1]:.4f}, peak RSS {peak_kb / 1024:.0f} MB")
-    assert max(rel) < 0.005, list(zip(ours, golden))
+    print(f"\ngemma3 ppl -fa {flash_attn}: {seconds:.0f} s, final {ours[-1]:.4f} vs {golden[-1]:.4f}, "
+          f"peak RSS {peak_kb / 1024:.0f} MB")
+    assert ours == golden, list(zip(ours, golden))
     assert peak_kb >= before and peak_kb < 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MB"
+
+
+GREEDY = json.loads((REPO_ROOT / "tests" / "data" / "llama_cpp_gemma3_greedy.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", GREEDY["runs"], ids=lambda r: r["prompt"][:16])
+def test_gemma3_greedy_matches_llama_cpp(gemma3_path, run):
+    """llamapy-cli's greedy text (prompt and 64 tokens) is llama-completion's (flash attention,
+    F16 cache: both tools' defaults)."""
+    proc = subprocess.run([sys.executable, "-m", "apps.cli", "-m", str(gemma3_path), "-p", run["prompt"],
+                           "-n", str(GREEDY["n_predict"]), "--temp", "0", "-s", "1", "-t", "1"],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip("\n") == run["text"]

@@ -23,7 +23,6 @@ Arrays: q [n3, n_head, n_q, dk] float32; k, v [n3k, n_kv, n_head_kv, d] float32 
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from numba import njit, prange

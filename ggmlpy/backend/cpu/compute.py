@@ -5,7 +5,6 @@ a loop of calls, each straight into numpy/BLAS or a numba kernel.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -16,7 +15,6 @@ from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import attention as ATT
 from . import kernels as K
-from .gemm import matmul
 from .kernel_table import KernelTable, Prepared, require_f32
 from .plan import Plan
 

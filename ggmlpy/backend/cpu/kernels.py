@@ -365,24 +365,35 @@ def get_rows(src, idx, dst):
             dst[i12, i11, i10, i0] = src[i12, i11, row, i0]
 
 
+SILU_CHUNK = 16  # ggml_vec_silu_f32 / ggml_vec_swiglu_f32's vector step (AVX-512 build)
+
+
+@njit(cache=True, inline="always")
+def _silu(v, vector):
+    """ggml_v_silu (x / (1 + ggml_v_expf(0 - x))) on the elements of a row's full 16-element
+    chunks, ggml_silu_f32 (libm's expf) on the rest."""
+    e = expf_avx512(F32(0.0) - v) if vector else F32(math.exp(-v))
+    return v / (F32(1.0) + e)
+
+
 @njit(parallel=True, cache=True)
 def silu_f32(x, dst):
     n3, n2, n1, n0 = x.shape
+    n_vec = n0 - n0 % SILU_CHUNK
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
-            v = x[i3, i2, i1, i0]
-            dst[i3, i2, i1, i0] = v / (F32(1.0) + exp_f32(min(-v, _EXP_MAX)))
+            dst[i3, i2, i1, i0] = _silu(x[i3, i2, i1, i0], i0 < n_vec)
 
 
 @njit(parallel=True, cache=True)
 def swiglu_f32(a, b, dst):
     n3, n2, n1, n0 = a.shape
+    n_vec = n0 - n0 % SILU_CHUNK
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
-            v = a[i3, i2, i1, i0]
-            dst[i3, i2, i1, i0] = v / (F32(1.0) + exp_f32(min(-v, _EXP_MAX))) * b[i3, i2, i1, i0]
+            dst[i3, i2, i1, i0] = _silu(a[i3, i2, i1, i0], i0 < n_vec) * b[i3, i2, i1, i0]
 
 
 GELU_COEF_A = 0.044715

@@ -1,5 +1,8 @@
 """Products with a block-quantized matrix, computed from the packed blocks.
 
+Q5_0, Q8_0, Q4_K and Q6_K matrices (Gemma 3's and most Q4_K_M models') go through
+qexact.py, which sums as llama.cpp's x86 kernels do, bit for bit. Every other type:
+
 A quantized matrix W (M rows of K elements, as ggml stores weights) is never expanded
 whole: a tile of rows is dequantized into a small float32 scratch (about TILE_BYTES)
 by the type's numba kernel, in parallel over the tile's rows, and multiplied with BLAS
@@ -23,7 +26,7 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
-from . import qdot, qexact
+from . import qexact
 from .gemm import matmul
 from .plan import Scratch
 
@@ -86,9 +89,9 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
-    into `scratch` (the backend's; tiles go there too); x is left unchanged. For one
-    column of a Q8_0 matrix the product is integer dot products on the packed blocks
-    instead (qdot.py): no float copy of any row.
+    into `scratch` (the backend's; tiles go there too); x is left unchanged. The types
+    llama.cpp's x86 build sums in a fixed order (Q5_0, Q8_0, Q4_K, Q6_K) take qexact.py's
+    kernels instead, which reproduce that order bit for bit; the rest below.
 
     Tiles are dequantized one group at a time, a tile per thread, and each tile's product
     is one whole BLAS call: the result is the same for any thread count and the float
@@ -96,9 +99,6 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
     scratch = scratch or Scratch()
     if qexact.supports(w.type, w.m):  # ggml's own summation order (qexact.py)
         qexact.mul_mat(w.type, w.buf, w.offs, x, out, scratch)
-        return out
-    if qdot.supports(w.type, x.shape[0]):  # one column: integer dot products on the blocks
-        qdot.mul_mat_dot(w.type, w.buf, w.offs, x, out, scratch)
         return out
     group = max(1, numba.get_num_threads())
     t, tiles_buf = _tiles(w, scratch, group)
