@@ -257,11 +257,10 @@ _FMA = {"contract"}
 
 
 @njit(cache=True)
-def _attn_mask_tile(mask, q0, mt):
-    """mt[j, i] = mask[q0 + i, j] over the tile's span [lo, hi) of cells that some query of
-    the tile sees (beyond it every weight is exactly 0); rows past the mask are -inf."""
-    n1, n_kv = mask.shape
-    nt = min(Q_TILE, n1 - q0)
+def _attn_mask_tile(mask, q0, nt, mt):
+    """mt[j, i] = mask[q0 + i, j] for the tile's nt queries over its span [lo, hi) of cells
+    that some of them sees (beyond it every weight is exactly 0)."""
+    n_kv = mask.shape[1]
     lo, hi = n_kv, 0
     for i in range(nt):
         row = mask[q0 + i]
@@ -276,8 +275,6 @@ def _attn_mask_tile(mask, q0, mt):
     for j in range(lo, hi):
         for i in range(nt):
             mt[j, i] = mask[q0 + i, j]
-        for i in range(nt, Q_TILE):
-            mt[j, i] = -np.inf
     return lo, max(lo, hi)
 
 
@@ -285,8 +282,9 @@ KV_BLOCK = 8  # cells per pass over the output accumulator in _attn_pv
 
 
 @njit(cache=True, fastmath=_FMA)
-def _attn_pv(p, vh, acc, lo, hi, dv_dims):
-    """acc[d, i] = sum over cells j in [lo, hi) of p[j, i] * vh[j, d], summed in order of j.
+def _attn_pv(p, vh, acc, lo, hi, width, dv_dims):
+    """acc[d, i] = sum over cells j in [lo, hi) of p[j, i] * vh[j, d] for the tile's first
+    `width` queries, summed in order of j.
     KV_BLOCK cells per read/write of the accumulator, so that its stores, which the compiler
     cannot tell apart from p's loads, are few and the loop over queries vectorises."""
     dv = len(dv_dims)
@@ -296,7 +294,7 @@ def _attn_pv(p, vh, acc, lo, hi, dv_dims):
         j0 = lo + b * KV_BLOCK
         for d in range(dv):
             a_d = acc[d]
-            for i in range(Q_TILE):
+            for i in range(width):
                 a = a_d[i]
                 for jj in range(KV_BLOCK):
                     a += p[j0 + jj, i] * vh[j0 + jj, d]
@@ -305,7 +303,7 @@ def _attn_pv(p, vh, acc, lo, hi, dv_dims):
         for d in range(dv):
             a_d = acc[d]
             vd = vh[j, d]
-            for i in range(Q_TILE):
+            for i in range(width):
                 a_d[i] += p[j, i] * vd
 
 
@@ -340,9 +338,9 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
     mask: [m3, m2, >= n_q, n_kv],
     dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one sequence, for every head;
     the inner loops run over the tile's queries (vectorised, each query's sums in plain
-    sequential order). `tile` must be Q_TILE: it comes at run time only so that LLVM keeps
-    the loops over it as vector loops (given the constant 32, it unrolls them into scalar
-    code, 20% slower). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
+    sequential order), only as many as the tile has (one for a decode step). `tile` must be
+    Q_TILE: it comes at run time only so that LLVM keeps the loops over it as vector loops
+    (given the constant 32, it unrolls them into scalar code, 20% slower). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
     which are part of the type, so numba compiles them as constants and the loops over them
     unroll. Only the tile's span of unmasked cells is computed.
     """
@@ -360,6 +358,7 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
         t = u // 2 if u % 2 == 0 else n_tiles - 1 - u // 2  # big and small tiles alternate: even halves
         q0 = t * Q_TILE
         nt = min(Q_TILE, n_q - q0)
+        w = min(tile, nt)  # the lanes worth computing: all of a full tile, one for a decode
         if has_mask:
             mt = np.empty((m2, n_kv, Q_TILE), dtype=np.float32)
         else:
@@ -367,7 +366,7 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
         spans = np.empty((m2, 2), dtype=np.int64)
         for i2 in range(m2):
             if has_mask:
-                spans[i2, 0], spans[i2, 1] = _attn_mask_tile(mask[i3 % m3, i2], q0, mt[i2])
+                spans[i2, 0], spans[i2, 1] = _attn_mask_tile(mask[i3 % m3, i2], q0, nt, mt[i2])
             else:
                 spans[i2, 0], spans[i2, 1] = 0, n_kv
         qt = np.zeros((dk, Q_TILE), dtype=np.float32)
@@ -390,20 +389,20 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
                     kj = k[i3, j, hk]
                     s = st[j]
                     mj = mth[j]
-                    for i in range(tile):  # score, mask and running max in one pass
+                    for i in range(w):  # score, mask and running max in one pass
                         a = _attn_dot(kj, qt, i, dk_dims) * sc + slope * mj[i]
                         s[i] = a
                         mx[i] = np.maximum(mx[i], a)  # not max(): that compiles to masked stores, slow on AMD
             else:
-                _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, tile)
+                _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, w)
             sm[:] = 0.0
             for j in range(lo, hi):
                 s = st[j]
-                for i in range(tile):
+                for i in range(w):
                     s[i] = exp_f32(s[i] - mx[i])
-                for i in range(tile):
+                for i in range(w):
                     sm[i] += np.float64(s[i])
-            _attn_pv(st, v[i3, :, hk], acc, lo, hi, dv_dims)
+            _attn_pv(st, v[i3, :, hk], acc, lo, hi, w, dv_dims)
             for i in range(nt):
                 inv = F32(0.0) if sm[i] == 0.0 else F32(1.0 / sm[i])
                 for d in range(dv):
