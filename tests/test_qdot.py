@@ -1,5 +1,7 @@
-"""Integer dot products on packed Q8_0 blocks (generation's path) against a float64 numpy
-reference on the activations rounded as ggml rounds them: equal after one float32 rounding."""
+"""Integer dot products on packed blocks (generation's path) against a float64 numpy
+reference on the activations rounded as ggml rounds them: equal after one float32 rounding
+(Q4_0, Q5_0, Q8_0, whose block terms are exact in float64), within one float32 step plus
+float64 rounding of the scale-and-min terms for the K-quants."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,10 +14,69 @@ from ggmlpy.backend.cpu.plan import Scratch
 from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
 
 
-def reference(q: np.ndarray, m: int, k: int, x: np.ndarray) -> np.ndarray:
-    w = quants.dequantize(q, GGMLType.Q8_0).reshape(m, k).astype(np.float64)
-    xr = quants.round_activations(np.array(x, dtype=np.float32), GGMLType.Q8_0).astype(np.float64)
-    return (xr @ w.T).astype(np.float32)
+EXACT = (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0)
+K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+
+
+def reference(q: np.ndarray, m: int, k: int, x: np.ndarray, type: GGMLType = GGMLType.Q8_0) -> np.ndarray:
+    return reference_f64(q, m, k, x, type).astype(np.float32)
+
+
+def reference_f64(q: np.ndarray, m: int, k: int, x: np.ndarray, type: GGMLType) -> np.ndarray:
+    w = quants.dequantize(q, type).reshape(m, k).astype(np.float64)
+    xr = quants.round_activations(np.array(x, dtype=np.float32), type).astype(np.float64)
+    return xr @ w.T
+
+
+def assert_equals_reference(out, q, m, k, x, type):
+    """Equal to the float64 product rounded once (exact block terms); for the K-quants within
+    one float32 step of it plus one float32 rounding per weight: their dequantized values
+    (d * scale) * q - dmin * min, the reference's weights, are rounded to float32 where the
+    kernel keeps the integer sums exact."""
+    ref = reference_f64(q, m, k, x, type)
+    if type in EXACT:
+        assert np.array_equal(out, ref.astype(np.float32))
+        return
+    w = np.abs(quants.dequantize(q, type).reshape(m, k).astype(np.float64))
+    xr = np.abs(quants.round_activations(np.array(x, dtype=np.float32), type).astype(np.float64))
+    bound = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64) + 2.0 ** -24 * (xr @ w.T)
+    assert np.all(np.abs(out - ref) <= bound), np.max(np.abs(out - ref) / bound)
+
+
+@pytest.mark.parametrize("type", EXACT + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_every_type_equals_the_float64_product_of_the_rounded_activations(type, layout):
+    rng = np.random.default_rng(int(type))
+    m, k = 70, 512
+    w = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
+    w[1] += rng.uniform(0, 3)  # a row with an offset: the K-quants' mins at work
+    w[0, :256] = 0.0  # an all-zero (super-)block
+    q = quants.quantize(w, type)
+    x = (rng.standard_normal((1, 2 * k)) * 3).astype(np.float32)
+    x[0, :512] = 0.0  # all-zero activation blocks (the first 256 of the strided view)
+    x = x[:, ::2] if layout == "strided" else np.ascontiguousarray(x[:, k:])
+    big = np.full((3, 2 * m), np.nan, dtype=np.float32)
+    out = big[1:2, ::2] if layout == "strided" else np.empty((1, m), np.float32)
+    assert qdot.supports(type, 1)
+    mul_mat_q(QuantMatrix.from_bytes(type, q.reshape(m, -1), k), x, out, Scratch())
+    assert_equals_reference(out, q, m, k, x, type)
+    if layout == "strided":
+        assert np.isnan(big[0]).all() and np.isnan(big[1, 1::2]).all()  # nothing written outside the view
+
+
+@pytest.mark.parametrize("type", EXACT + K_QUANTS, ids=lambda t: t.name)
+def test_extreme_values_stay_exact(type):
+    """Largest weights against largest activations: every float32 partial sum of a block is
+    an integer below 2^24, so nothing rounds before the scales."""
+    rng = np.random.default_rng(11)
+    m, k = 8, 256
+    w = np.where(rng.random((m, k)) < 0.5, -1.0, 1.0).astype(np.float32) * 7.0
+    w[:, ::7] = 7.5  # the top of the range after scaling
+    q = quants.quantize(w, type)
+    x = np.where(rng.random((1, k)) < 0.5, -5.0, 5.0).astype(np.float32)
+    out = np.empty((1, m), np.float32)
+    mul_mat_q(QuantMatrix.from_bytes(type, q.reshape(m, -1), k), x, out, Scratch())
+    assert_equals_reference(out, q, m, k, x, type)
 
 
 @pytest.mark.parametrize("m, k", [(1, 32), (37, 64), (300, 640)])
@@ -61,7 +122,8 @@ def test_the_graph_product_of_one_token_takes_it_and_agrees_with_the_tile_path()
     wq = quants.quantize(rng.standard_normal((m, k)).astype(np.float32), GGMLType.Q8_0)
     x = rng.standard_normal((1, k)).astype(np.float32)
     results = {}
-    for n_cols in (1, 2):  # 2 columns: the tile path (dequantize + BLAS), same rounded values
+    tile_path = qdot.MAX_COLUMNS + 1  # the tile path (dequantize + BLAS): same rounded values
+    for n_cols in (1, tile_path):
         ctx = gg.Context()
         w = ctx.from_numpy(wq.reshape(1, 1, m, -1), GGMLType.Q8_0)
         xt = ctx.from_numpy(np.repeat(x, n_cols, axis=0).reshape(1, 1, n_cols, k), GGMLType.F32)
@@ -69,4 +131,4 @@ def test_the_graph_product_of_one_token_takes_it_and_agrees_with_the_tile_path()
         gg.compute(gg.new_graph(y))
         results[n_cols] = np.ascontiguousarray(y.array()).reshape(n_cols, m)[0].copy()
     assert np.array_equal(results[1], reference(wq, m, k, x)[0])
-    np.testing.assert_allclose(results[2], results[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[tile_path], results[1], rtol=1e-5, atol=1e-5)

@@ -1,68 +1,294 @@
-"""Products of a 32-block quantized matrix with one activation column (a generated token)
-straight from the packed blocks, as ggml's vec_dot does them: the
-activations quantized to Q8_0 (int8 and an fp16 scale per 32 values, exactly as
-qmatmul rounds them), an integer dot product per block, the block sums scaled by
-d_w * d_x. Nothing of the matrix is expanded to float32, which for one token is the
-whole cost of the tile path (dequantize every weight, then a matrix-vector BLAS call).
+"""Products of a quantized matrix with a few activation columns (generated tokens) straight
+from the packed blocks, as ggml's vec_dot does them: the activations quantized to the
+weight type's vec_dot type (Q8_0 for the 32-blocks, Q8_K for the K-quants; exactly the
+values qmatmul rounds them to), integer dot products per (sub-)block, the sums scaled by
+the blocks' scales. Nothing of the matrix is expanded to float32, which for one token is
+the whole cost of the tile path (dequantize every weight, then a matrix-vector BLAS call).
 
-Each block term isum * d_w * d_x is exact in float64 (|isum| < 2^19, the scales fp16), and
-a row's blocks add up in float64: the result is the float64 product of the weights and the
-rounded activations, rounded once to float32, for any thread count (rows are independent).
-Types here: Q8_0 (Gemma 3's 262,144-row output head, most of a generated token's work);
-tried and measured slower than the tile path: Q5_0 (unpacking its 5-bit weights per block
-costs more than dequantizing a tile), int16 products and per-task buffers (bench/RESULTS.md).
+The integer sums are computed in float32 lanes: weights and activations are small
+integers, every product and every partial sum of a (sub-)block stays below 2^24, so the
+float32 sums are exact in any order. That lets LLVM vectorise them (fastmath reassociation
+on those loops only), where int8 products promoted to numba's int64 stay scalar. A row's
+(sub-)block terms are scaled and added in float64 in order: the result is the float64
+product of the weights and the rounded activations (exactly so for Q4_0/Q5_0/Q8_0, whose
+block terms are exact in float64; to float64 rounding for the K-quants' scale-and-min
+terms), rounded once to float32, for any thread count (rows are independent).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from ...quants.common import F32, f16_to_f32
+from ...quants import VEC_DOT_TYPE
+from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
+from ...quants.kquants import activation_superblock_scale
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 
 QK = 32
-MAX_COLUMNS = 1  # measured on the 262,144 x 640 head at -t 2: 38 ms against 70 for one column, even at 2, slower from 4
+INT_LANES = {"reassoc", "contract", "nsz"}  # integer-valued float32 sums: exact in any order
+MAX_COLUMNS = 4  # bench/qdot_bench.py: 1.1-2.3x the tile path at 4 columns on gemma3's shapes, 3-5.7x at one
 
 
+# ---- the activations: integers (as float32), scales, and sums per 32 ---------------------------
 @njit(parallel=True, cache=True)
-def quantize_activations_q8_0(x, qs, d):
-    """x (N, K) float32 -> qs (N, K) int8 and d (N, K/32) float32 (fp16 values): the integers
-    and scales of the values quants.simple.round_rows_q8_0 rounds x to."""
+def quantize_activations_q8_0(x, xq, xd, xs):
+    """x (N, K) float32 -> the integers xq (N, K), scales xd (N, K/32) and integer sums
+    xs (N, K/32) of the Q8_0 blocks quants.simple.round_rows_q8_0 rounds x to."""
     nb = x.shape[1] // QK
     for r in prange(x.shape[0]):
         for i in range(nb):
-            d[r, i], idd = activation_block_scale(x[r], i * QK)
+            d, idd = activation_block_scale(x[r], i * QK)
+            s = F32(0.0)
             for j in range(QK):
-                qs[r, i * QK + j] = np.int8(np.rint(F32(x[r, i * QK + j] * idd)))
-
-
-@njit(cache=True, inline="always")
-def _block_dots(wq, dw, qs, d, b, acc):
-    """acc[n] += (sum_j wq[j] * qs[n, b*32 + j]) * dw * d[n, b] for every column n."""
-    o = b * QK
-    for n in range(qs.shape[0]):
-        isum = np.int32(0)
-        for j in range(QK):
-            isum += np.int32(wq[j]) * np.int32(qs[n, o + j])
-        acc[n] += np.float64(isum) * (np.float64(dw) * np.float64(d[n, b]))
+                q = F32(np.rint(F32(x[r, i * QK + j] * idd)))
+                xq[r, i * QK + j] = q
+                s += q
+            xd[r, i], xs[r, i] = d, s
 
 
 @njit(parallel=True, cache=True)
-def dot_q8_0(buf, offs, qs, d, out):
-    """out[n, m] = row m of a Q8_0 matrix (bytes at buf[offs[m]]) . activations n."""
-    nb = qs.shape[1] // QK
+def quantize_activations_q8_k(x, xq, xd, xs):
+    """The same for the Q8_K super-blocks quants.kquants.round_rows_q8_k rounds x to:
+    xd (N, K/256) holds the super-blocks' float32 scales, xs the integer sums per 32."""
+    nb = x.shape[1] // QK_K
+    for r in prange(x.shape[0]):
+        for i in range(nb):
+            d, iscale = activation_superblock_scale(x[r], i * QK_K)
+            xd[r, i] = d
+            for g in range(QK_K // QK):
+                s = F32(0.0)
+                for j in range(QK):
+                    e = i * QK_K + g * QK + j
+                    q = F32(min(127, nearest_int(iscale * x[r, e]))) if d != 0 else F32(0.0)
+                    xq[r, e] = q
+                    s += q
+                xs[r, i * (QK_K // QK) + g] = s
+
+
+# ---- integer sums of one (sub-)block, in float32 lanes -------------------------------------------
+@njit(cache=True, fastmath=INT_LANES)
+def _isum_q8_0(w, x):
+    s = F32(0.0)
+    for j in range(w.shape[0]):  # a run-time count: LLVM vectorises it (a constant 32 it unrolls to scalars)
+        s += F32(w[j]) * x[j]
+    return s
+
+
+@njit(cache=True, fastmath=INT_LANES)
+def _isum_q4_0(w, x):
+    s = F32(0.0)
+    for j in range(w.shape[0]):
+        q = np.int32(w[j])
+        s += F32((q & 0xF) - 8) * x[j] + F32((q >> 4) - 8) * x[16 + j]
+    return s
+
+
+@njit(cache=True, fastmath=INT_LANES)
+def _isum_q5_0(w, x):
+    """w: the block's qh (4 bytes) and qs (16 bytes)."""
+    qh = (np.int32(w[0]) | (np.int32(w[1]) << 8) | (np.int32(w[2]) << 16) | (np.int32(w[3]) << 24))
+    s = F32(0.0)
+    for j in range(16):
+        q = np.int32(w[4 + j])
+        lo = (q & 0xF) | (((qh >> j) & 1) << 4)
+        hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+        s += F32(lo - 16) * x[j] + F32(hi - 16) * x[16 + j]
+    return s
+
+
+@njit(cache=True, fastmath=INT_LANES)
+def _isums_nibbles(w, x):
+    """(low nibbles of the 32 bytes w . x[:32], high nibbles . x[32:64]): a 64-element
+    group of Q4_K."""
+    s_lo = F32(0.0)
+    s_hi = F32(0.0)
+    for l in range(QK):
+        q = np.int32(w[l])
+        s_lo += F32(q & 0xF) * x[l]
+        s_hi += F32(q >> 4) * x[QK + l]
+    return s_lo, s_hi
+
+
+@njit(cache=True, fastmath=INT_LANES)
+def _isums_nibbles_q5(w, wh, c, x):
+    """The same for Q5_K, with the fifth bits 2c and 2c+1 of the 32 bytes wh."""
+    s_lo = F32(0.0)
+    s_hi = F32(0.0)
+    for l in range(QK):
+        q = np.int32(w[l])
+        h = np.int32(wh[l])
+        s_lo += F32((q & 0xF) | (((h >> (2 * c)) & 1) << 4)) * x[l]
+        s_hi += F32((q >> 4) | (((h >> (2 * c + 1)) & 1) << 4)) * x[QK + l]
+    return s_lo, s_hi
+
+
+@njit(cache=True, fastmath=INT_LANES)
+def _isum_q6_k(wl, wh, shift, g, x):
+    """Sum over 16 elements of Q6_K's (6-bit value - 32) . x (layout at dequantize_q6_k)."""
+    s = F32(0.0)
+    for l in range(wl.shape[0]):
+        lo = (np.int32(wl[l]) >> shift) & 0xF
+        hi = (np.int32(wh[l]) >> (2 * g)) & 3
+        s += F32((lo | (hi << 4)) - 32) * x[l]
+    return s
+
+
+@njit(cache=True, inline="always")
+def _scale_min_k4(j, buf, o):
+    """ggml's get_scale_min_k4: 6-bit scale and min j of the 12 bytes at buf[o]."""
+    if j < 4:
+        return np.int64(buf[o + j]) & 63, np.int64(buf[o + j + 4]) & 63
+    sc = (np.int64(buf[o + j + 4]) & 0xF) | ((np.int64(buf[o + j - 4]) >> 6) << 4)
+    m = (np.int64(buf[o + j + 4]) >> 4) | ((np.int64(buf[o + j]) >> 6) << 4)
+    return sc, m
+
+
+# ---- one row's dot product per type ----------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _row_q8_0(buf, sbuf, o, x, xd, xs):
+    acc = 0.0
+    for b in range(xd.shape[0]):
+        ob = o + b * 34
+        acc += np.float64(_isum_q8_0(sbuf[ob + 2:ob + 34], x[b * QK:(b + 1) * QK])) * (
+            np.float64(f16_to_f32(buf[ob], buf[ob + 1])) * np.float64(xd[b]))
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _row_q4_0(buf, sbuf, o, x, xd, xs):
+    acc = 0.0
+    for b in range(xd.shape[0]):
+        ob = o + b * 18
+        acc += np.float64(_isum_q4_0(buf[ob + 2:ob + 18], x[b * QK:(b + 1) * QK])) * (
+            np.float64(f16_to_f32(buf[ob], buf[ob + 1])) * np.float64(xd[b]))
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _row_q5_0(buf, sbuf, o, x, xd, xs):
+    acc = 0.0
+    for b in range(xd.shape[0]):
+        ob = o + b * 22
+        acc += np.float64(_isum_q5_0(buf[ob + 2:ob + 22], x[b * QK:(b + 1) * QK])) * (
+            np.float64(f16_to_f32(buf[ob], buf[ob + 1])) * np.float64(xd[b]))
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _row_q4_k(buf, sbuf, o, x, xd, xs):
+    """Per super-block: d * sum(scale_j * isum_j) - dmin * sum(min_j * xsum_j), times d_x."""
+    acc = 0.0
+    for i in range(xd.shape[0]):
+        ob = o + i * 144
+        s1 = np.int64(0)
+        s2 = np.int64(0)
+        for c in range(4):
+            sc1, m1 = _scale_min_k4(2 * c, buf, ob + 4)
+            sc2, m2 = _scale_min_k4(2 * c + 1, buf, ob + 4)
+            xo = i * QK_K + 64 * c
+            s_lo, s_hi = _isums_nibbles(buf[ob + 16 + 32 * c:ob + 48 + 32 * c], x[xo:xo + 64])
+            s1 += sc1 * np.int64(s_lo) + sc2 * np.int64(s_hi)
+            g = i * 8 + 2 * c
+            s2 += m1 * np.int64(xs[g]) + m2 * np.int64(xs[g + 1])
+        d = np.float64(f16_to_f32(buf[ob], buf[ob + 1]))
+        dmin = np.float64(f16_to_f32(buf[ob + 2], buf[ob + 3]))
+        acc += (d * np.float64(s1) - dmin * np.float64(s2)) * np.float64(xd[i])
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _row_q5_k(buf, sbuf, o, x, xd, xs):
+    acc = 0.0
+    for i in range(xd.shape[0]):
+        ob = o + i * 176
+        s1 = np.int64(0)
+        s2 = np.int64(0)
+        for c in range(4):
+            sc1, m1 = _scale_min_k4(2 * c, buf, ob + 4)
+            sc2, m2 = _scale_min_k4(2 * c + 1, buf, ob + 4)
+            xo = i * QK_K + 64 * c
+            s_lo, s_hi = _isums_nibbles_q5(buf[ob + 48 + 32 * c:ob + 80 + 32 * c], buf[ob + 16:ob + 48], c,
+                                           x[xo:xo + 64])
+            s1 += sc1 * np.int64(s_lo) + sc2 * np.int64(s_hi)
+            g = i * 8 + 2 * c
+            s2 += m1 * np.int64(xs[g]) + m2 * np.int64(xs[g + 1])
+        d = np.float64(f16_to_f32(buf[ob], buf[ob + 1]))
+        dmin = np.float64(f16_to_f32(buf[ob + 2], buf[ob + 3]))
+        acc += (d * np.float64(s1) - dmin * np.float64(s2)) * np.float64(xd[i])
+    return acc
+
+
+@njit(cache=True, inline="always")
+def _row_q6_k(buf, sbuf, o, x, xd, xs):
+    acc = 0.0
+    for i in range(xd.shape[0]):
+        ob = o + i * 210
+        s = np.int64(0)
+        for h in range(2):
+            for g in range(4):
+                for t in range(2):
+                    ql = ob + 64 * h + 32 * (g % 2) + 16 * t
+                    qh = ob + 128 + 32 * h + 16 * t
+                    xo = i * QK_K + 128 * h + 32 * g + 16 * t
+                    isum = _isum_q6_k(buf[ql:ql + 16], buf[qh:qh + 16], 4 * (g // 2), g, x[xo:xo + 16])
+                    s += np.int64(sbuf[ob + 192 + 8 * h + 2 * g + t]) * np.int64(isum)
+        acc += np.float64(f16_to_f32(buf[ob + 208], buf[ob + 209])) * np.float64(xd[i]) * np.float64(s)
+    return acc
+
+
+# ---- the products: rows in parallel, each column in turn ---------------------------------------------
+@njit(parallel=True, cache=True)
+def dot_q8_0(buf, offs, xq, xd, xs, out):
     sbuf = buf.view(np.int8)
     for m in prange(offs.shape[0]):
-        acc = np.zeros(qs.shape[0], dtype=np.float64)
-        for b in range(nb):
-            o = offs[m] + b * 34
-            _block_dots(sbuf[o + 2:o + 34], f16_to_f32(buf[o], buf[o + 1]), qs, d, b, acc)
-        for n in range(qs.shape[0]):
-            out[n, m] = F32(acc[n])
+        for n in range(xq.shape[0]):
+            out[n, m] = F32(_row_q8_0(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
 
 
-DOT_KERNELS = {GGMLType.Q8_0: dot_q8_0}
+@njit(parallel=True, cache=True)
+def dot_q4_0(buf, offs, xq, xd, xs, out):
+    sbuf = buf.view(np.int8)
+    for m in prange(offs.shape[0]):
+        for n in range(xq.shape[0]):
+            out[n, m] = F32(_row_q4_0(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+
+
+@njit(parallel=True, cache=True)
+def dot_q5_0(buf, offs, xq, xd, xs, out):
+    sbuf = buf.view(np.int8)
+    for m in prange(offs.shape[0]):
+        for n in range(xq.shape[0]):
+            out[n, m] = F32(_row_q5_0(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+
+
+@njit(parallel=True, cache=True)
+def dot_q4_k(buf, offs, xq, xd, xs, out):
+    sbuf = buf.view(np.int8)
+    for m in prange(offs.shape[0]):
+        for n in range(xq.shape[0]):
+            out[n, m] = F32(_row_q4_k(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+
+
+@njit(parallel=True, cache=True)
+def dot_q5_k(buf, offs, xq, xd, xs, out):
+    sbuf = buf.view(np.int8)
+    for m in prange(offs.shape[0]):
+        for n in range(xq.shape[0]):
+            out[n, m] = F32(_row_q5_k(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+
+
+@njit(parallel=True, cache=True)
+def dot_q6_k(buf, offs, xq, xd, xs, out):
+    sbuf = buf.view(np.int8)
+    for m in prange(offs.shape[0]):
+        for n in range(xq.shape[0]):
+            out[n, m] = F32(_row_q6_k(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+
+
+DOT_KERNELS = {GGMLType.Q8_0: dot_q8_0, GGMLType.Q4_0: dot_q4_0, GGMLType.Q5_0: dot_q5_0,
+               GGMLType.Q4_K: dot_q4_k, GGMLType.Q5_K: dot_q5_k, GGMLType.Q6_K: dot_q6_k}
+_ACTIVATIONS = {GGMLType.Q8_0: (quantize_activations_q8_0, QK), GGMLType.Q8_K: (quantize_activations_q8_k, QK_K)}
 
 
 def supports(type: GGMLType, n_columns: int) -> bool:
@@ -73,7 +299,9 @@ def supports(type: GGMLType, n_columns: int) -> bool:
 def mul_mat_dot(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:
     """out (N, M) = x~ (N, K) @ W^T for a few columns N (see the module docstring)."""
     n, k = x.shape
-    qs = scratch.get("act_q8", -(-n * k // 4)).view(np.int8)[:n * k].reshape(n, k)
-    d = scratch.get("act_d", n * (k // QK)).reshape(n, k // QK)
-    quantize_activations_q8_0(np.ascontiguousarray(x), qs, d)
-    DOT_KERNELS[type](buf, offs, qs, d, out)
+    quantize, block = _ACTIVATIONS[VEC_DOT_TYPE[type]]
+    xq = scratch.get("act_q", n * k).reshape(n, k)
+    xd = scratch.get("act_d", n * (k // block)).reshape(n, k // block)
+    xs = scratch.get("act_sums", n * (k // QK)).reshape(n, k // QK)
+    quantize(np.ascontiguousarray(x), xq, xd, xs)
+    DOT_KERNELS[type](buf, offs, xq, xd, xs, out)
