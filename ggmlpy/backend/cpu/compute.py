@@ -170,9 +170,14 @@ def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
     has_mask, mv, mask_type = _attn_mask(node)
     dk_dims, dv_dims = (0,) * qv.shape[3], (0,) * dv.shape[3]
     k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
+    n_kv = k.ne[1]
 
     def run() -> None:
-        K.flash_attn_f32(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type),
+        mask = convert.to_f32(mv, mask_type)
+        # cells past the last one any query sees are never read: a decode step converts the
+        # cache only up to its position, not the whole padded length
+        used = K.attn_cells_seen(mask) if has_mask else n_kv
+        K.flash_attn_f32(qv, k_f32(used), v_f32(used), mask,
                          dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, K.Q_TILE)
     return run
 
@@ -213,24 +218,27 @@ def _flash_attn_blas(node: Tensor, plan: Plan) -> Prepared:
     return run
 
 
-def _cells_f32(t: Tensor) -> Callable[[], np.ndarray]:
+def _cells_f32(t: Tensor) -> Callable[[int], np.ndarray]:
     """A reader of K or V as the cache stores them, cells first ([n3, n_kv, n_head_kv, d]),
     contiguous float32: the array itself when it is one, else a buffer of its own filled
-    on each call (F16 through numba, several times faster than numpy's cast)."""
+    on each call (F16 through numba, several times faster than numpy's cast) with at
+    least the first `used` cells of each sequence."""
     cells = t.array().transpose(0, 2, 1, 3)
     if t.type == GGMLType.F32 and cells.flags.c_contiguous:
-        return lambda: cells
+        return lambda used: cells
     buf = np.empty(cells.shape, dtype=np.float32)
     if t.type == GGMLType.F16 and cells.flags.c_contiguous:
         bits, flat = cells.reshape(-1).view(np.uint16), buf.reshape(-1)
+        per_cell = math.prod(cells.shape[2:])
 
-        def read_f16() -> np.ndarray:
-            K.f16_to_f32(bits, flat)
+        def read_f16(used: int) -> np.ndarray:
+            n = used * per_cell if cells.shape[0] == 1 else bits.shape[0]  # one sequence: a prefix
+            K.f16_to_f32(bits[:n], flat[:n])
             return buf
         return read_f16
     src_type = t.type
 
-    def read() -> np.ndarray:
+    def read(used: int) -> np.ndarray:
         np.copyto(buf, convert.to_f32(cells, src_type))
         return buf
     return read

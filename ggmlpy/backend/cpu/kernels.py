@@ -278,6 +278,22 @@ def _attn_mask_tile(mask, q0, nt, mt):
     return lo, max(lo, hi)
 
 
+@njit(cache=True)
+def attn_cells_seen(mask):
+    """1 + the last cell some row of mask ([m3, m2, n_rows, n_kv]) does not mask (-inf): the
+    cells attention reads."""
+    n_kv = mask.shape[3]
+    hi = 0
+    for i3 in range(mask.shape[0]):
+        for i2 in range(mask.shape[1]):
+            for r in range(mask.shape[2]):
+                j = n_kv
+                while j > hi and mask[i3, i2, r, j - 1] == -np.inf:
+                    j -= 1
+                hi = max(hi, j)
+    return hi
+
+
 KV_BLOCK = 8  # cells per pass over the output accumulator in _attn_pv
 
 
