@@ -304,7 +304,9 @@ def _attn_pv(p, vh, acc, lo, hi, width, dv_dims):
     KV_BLOCK cells per read/write of the accumulator, so that its stores, which the compiler
     cannot tell apart from p's loads, are few and the loop over queries vectorises."""
     dv = len(dv_dims)
-    acc[:] = 0.0
+    for d in range(dv):  # loops, not slice assignments: those cost numba seconds to compile
+        for i in range(width):
+            acc[d, i] = 0.0
     n_blocks = (hi - lo) // KV_BLOCK
     for b in range(n_blocks):
         j0 = lo + b * KV_BLOCK
@@ -399,7 +401,8 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
                 for i in range(nt):
                     qt[d, i] = q[i3, h, q0 + i, d]
             # a query that sees no cell keeps -max: its weights exp(-inf) are 0, its output 0 (as ggml)
-            mx[:] = -_F32_MAX
+            for i in range(Q_TILE):
+                mx[i] = -_F32_MAX
             if softcap == 0.0:
                 for j in range(lo, hi):
                     kj = k[i3, j, hk]
@@ -411,7 +414,8 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
                         mx[i] = np.maximum(mx[i], a)  # not max(): that compiles to masked stores, slow on AMD
             else:
                 _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, w)
-            sm[:] = 0.0
+            for i in range(Q_TILE):
+                sm[i] = 0.0
             for j in range(lo, hi):
                 s = st[j]
                 for i in range(w):
