@@ -55,7 +55,7 @@ class UbatchGraph:
     the model's forward over a WindowInput, the loss, and its ggmlpy TrainGraph."""
 
     def __init__(self, opt: OptContext, model, n_prev: int, n_tokens: int, inject: bool, loss_scale: float,
-                 adapters=()) -> None:
+                 adapters=(), grad_checkpoint: bool = False, checkpoint_every: int | None = None) -> None:
         b = self.builder = GraphBuilder.for_window(model, n_prev, n_tokens, adapters)
         c, attn = b.ctx, b.attn
         logits = model.arch.build(b, model)
@@ -75,8 +75,15 @@ class UbatchGraph:
                     g = c.new_tensor(GGMLType.F32, t.ne[:3], f"grad_in.{il}").set_input()
                     grads.append(g)
                     objective = gg.add(c, objective, gg.sum(c, gg.mul(c, t, g)))
+        checkpoints = None
+        if grad_checkpoint:
+            if not b.boundaries:
+                raise InputError(f"gradient checkpointing: the {model.arch.name} graph marks no layer boundaries")
+            # the residual stream at every k-th layer boundary; and the logits, which the
+            # backward pass reads first: recomputing the head's product would save nothing
+            checkpoints = gg.select_checkpoints(gg.new_graph(objective), b.boundaries, checkpoint_every) + [logits]
         self.train = opt.train_graph(c, objective, loss, inputs=b.inp_tokens, pred=pred, ncorrect=ncorrect,
-                                     outputs=attn.k_cur + attn.v_cur, loss_scale=loss_scale)
+                                     outputs=attn.k_cur + attn.v_cur, loss_scale=loss_scale, checkpoints=checkpoints)
 
     def kv_prev_grads(self, il: int) -> tuple[np.ndarray, np.ndarray]:
         """The gradients this ubatch's backward sent to the earlier K and V of layer il."""
@@ -207,7 +214,8 @@ class Trainer:
         key = (n_prev, inject)
         if key not in self._graphs:
             self._graphs[key] = UbatchGraph(self.opt, self.model, n_prev, self.n_ubatch, inject,
-                                            self.opt.loss_scale, self.lctx.adapters)
+                                            self.opt.loss_scale, self.lctx.adapters, self.params.grad_checkpoint,
+                                            self.params.grad_checkpoint_every)
         return self._graphs[key]
 
     def _eval(self, g: UbatchGraph, backward: bool, window: tuple[np.ndarray, ...], u: int, label_weight: float,
