@@ -21,8 +21,8 @@ a segment's copies as soon as its backward is. Recomputation repeats the same ke
 the same inputs: the gradients are those of the plain graph.
 
 Which tensors are checkpoints is the caller's business (ggmlpy knows no model);
-`select_checkpoints` picks every k-th of a sequence of candidate boundaries, with k
-chosen to make the estimated peak smallest.
+`checkpoint_stride` says which k makes the estimated peak smallest when every k-th of a
+sequence of candidate boundaries is kept.
 """
 from __future__ import annotations
 
@@ -104,30 +104,34 @@ class Recomputer:
             stack.extend(u.src)
 
 
-def select_checkpoints(graph: Graph, boundaries: Sequence[Tensor], every: int | None = None) -> list[Tensor]:
-    """Every k-th of `boundaries` (forward nodes of `graph` in computation order, e.g. a
-    network's activations between blocks), from the first; `every` sets k, None picks
-    the k with the smallest estimated peak: the kept boundaries' bytes plus the largest
-    group of k consecutive segments' intermediates (a group is recomputed and held at
-    once during the backward pass). Small boundaries and large segments give k = 1."""
+def checkpoint_stride(graph: Graph, boundaries: Sequence[Tensor]) -> int:
+    """The k for which keeping every k-th of `boundaries` (forward nodes of `graph` in
+    computation order, e.g. a network's activations between blocks; the first is always
+    kept) gives the smallest `estimated_peak`; the smallest such k on ties."""
     if not boundaries:
         raise ValueError("gradient checkpointing: no boundary to keep")
-    if every is not None:
-        if every < 1:
-            raise ValueError(f"gradient checkpointing: every must be at least 1, got {every}")
-        return list(boundaries[::every])
+    return min(range(1, len(boundaries) + 1), key=lambda k: estimated_peak(graph, boundaries, k))
+
+
+def estimated_peak(graph: Graph, boundaries: Sequence[Tensor], k: int) -> int:
+    """The arena bytes the backward pass holds at its fullest when every k-th boundary is
+    kept, as a timeline of forward intermediates: first the tail (what follows the last
+    boundary, a network's head and loss, whose gradient the backward pass takes first)
+    with every kept boundary; then, group by group backwards, the k segments between
+    kept boundaries recomputed at once, with the kept boundaries up to the group's first.
+    Segments are the nodes between consecutive boundaries in computation order."""
     position = {id(t): i for i, t in enumerate(graph.nodes)}
     missing = [b.name or repr(b) for b in boundaries if id(b) not in position]
     if missing:
         raise ValueError(f"gradient checkpointing: boundary {missing[0]} is not a node of the graph")
     at = [position[id(b)] for b in boundaries]
     segments = [sum(_arena_bytes(n) for n in graph.nodes[lo + 1:hi]) for lo, hi in zip(at, at[1:])]
-
-    def peak(k: int) -> int:
-        groups = [sum(segments[i:i + k]) for i in range(0, len(segments), k)] or [0]
-        return sum(b.nbytes() for b in boundaries[::k]) + max(groups)
-    best = min(range(1, len(boundaries) + 1), key=peak)  # each node is recomputed once whatever k is
-    return list(boundaries[::best])
+    tail = sum(_arena_bytes(n) for n in graph.nodes[at[-1] + 1:])
+    kept = [b.nbytes() if i % k == 0 else 0 for i, b in enumerate(boundaries)]
+    peak = sum(kept) + tail
+    for first in range(0, len(segments), k):
+        peak = max(peak, sum(kept[:first + 1]) + sum(segments[first:first + k]))
+    return peak
 
 
 def _arena_bytes(t: Tensor) -> int:
