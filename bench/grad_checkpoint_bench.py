@@ -7,6 +7,11 @@ the TinyStories sample). `--root DIR` runs another checkout's apps (say, main's 
 which may not know the flag: its runs are then without it only).
 
     python bench/grad_checkpoint_bench.py [--repeat 2] [--threads 1] [--only gemma|stories]
+
+`--paired N` measures the cost of recomputation more finely: in one process, a plain and a
+checkpointing trainer of each model take turns on the same training window, N times each,
+and the median seconds per window of each are compared (the machine's load then weighs
+on both alike).
 """
 from __future__ import annotations
 
@@ -45,6 +50,42 @@ def configs(tmp: Path) -> dict[str, list[str]]:
     }
 
 
+def paired(n: int, threads: int, only: str | None) -> None:
+    import time
+
+    import numpy as np
+
+    import llamapy
+    from llamapy.dataset import token_windows
+    from llamapy.defaults import default_model_path, demo_corpus
+    from llamapy.train_params import TrainParams
+
+    runs = {"gemma": (default_model_path(), demo_corpus()[:16_000]),
+            "stories": (SHARED / "models" / "stories260K.gguf",
+                        (SHARED / "data" / "tinystories_sample.txt").read_text()[:20_000])}
+    for name, (path, text) in runs.items():
+        if only and name != only:
+            continue
+        trainers = {}
+        for on in (False, True):
+            model = llamapy.load_model(path)
+            ctx = llamapy.Context(model, n_ctx=1024, n_batch=1024, n_ubatch=512, n_threads=threads)
+            ctx.opt_init(TrainParams.for_model(model, grad_checkpoint=on))
+            trainers[on] = ctx.trainer
+        model = trainers[False].model
+        ds = token_windows(model.vocab.tokenize(text, add_special=True), 1024)
+        seconds = {False: [], True: []}
+        for i in range(n + 1):  # the first turn builds the graphs and loads the kernels: not counted
+            for on, tr in trainers.items():
+                t0 = time.perf_counter()
+                tr.window(ds.data[0], ds.labels[0], True)
+                if i:
+                    seconds[on].append(time.perf_counter() - t0)
+        plain, ckpt = (float(np.median(seconds[on])) for on in (False, True))
+        print(f"{name:8s} paired, {n} windows of 1024 each: plain {plain:.3f} s, --grad-checkpoint {ckpt:.3f} s "
+              f"per window ({ckpt / plain:.2f}x the time)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=2, help="alternations of without/with")
@@ -52,7 +93,11 @@ def main() -> None:
     ap.add_argument("--only", choices=["gemma", "stories"])
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose apps run")
     ap.add_argument("--without-only", action="store_true", help="skip the --grad-checkpoint runs")
+    ap.add_argument("--paired", type=int, default=0, help="N alternating windows in one process instead")
     args = ap.parse_args()
+    if args.paired:
+        paired(args.paired, args.threads, args.only)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in configs(Path(tmp)).items():
             if args.only and name != args.only:

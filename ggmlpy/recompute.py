@@ -110,7 +110,8 @@ def checkpoint_stride(graph: Graph, boundaries: Sequence[Tensor]) -> int:
     kept) gives the smallest `estimated_peak`; the smallest such k on ties."""
     if not boundaries:
         raise ValueError("gradient checkpointing: no boundary to keep")
-    return min(range(1, len(boundaries) + 1), key=lambda k: estimated_peak(graph, boundaries, k))
+    sizes = _segment_bytes(graph, boundaries)
+    return min(range(1, len(boundaries) + 1), key=lambda k: _peak(boundaries, *sizes, k))
 
 
 def estimated_peak(graph: Graph, boundaries: Sequence[Tensor], k: int) -> int:
@@ -120,13 +121,21 @@ def estimated_peak(graph: Graph, boundaries: Sequence[Tensor], k: int) -> int:
     with every kept boundary; then, group by group backwards, the k segments between
     kept boundaries recomputed at once, with the kept boundaries up to the group's first.
     Segments are the nodes between consecutive boundaries in computation order."""
+    return _peak(boundaries, *_segment_bytes(graph, boundaries), k)
+
+
+def _segment_bytes(graph: Graph, boundaries: Sequence[Tensor]) -> tuple[list[int], int]:
+    """The arena bytes of the forward nodes between consecutive boundaries, and after the last."""
     position = {id(t): i for i, t in enumerate(graph.nodes)}
     missing = [b.name or repr(b) for b in boundaries if id(b) not in position]
     if missing:
         raise ValueError(f"gradient checkpointing: boundary {missing[0]} is not a node of the graph")
     at = [position[id(b)] for b in boundaries]
     segments = [sum(_arena_bytes(n) for n in graph.nodes[lo + 1:hi]) for lo, hi in zip(at, at[1:])]
-    tail = sum(_arena_bytes(n) for n in graph.nodes[at[-1] + 1:])
+    return segments, sum(_arena_bytes(n) for n in graph.nodes[at[-1] + 1:])
+
+
+def _peak(boundaries: Sequence[Tensor], segments: list[int], tail: int, k: int) -> int:
     kept = [b.nbytes() if i % k == 0 else 0 for i, b in enumerate(boundaries)]
     peak = sum(kept) + tail
     for first in range(0, len(segments), k):
