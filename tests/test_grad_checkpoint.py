@@ -66,6 +66,27 @@ def test_gradients_equal_the_plain_run(stories_path, window, lora, n_ubatch):
         assert max_rel_diff(got, plain) <= MAX_REL_DIFF
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_other_architectures_equal_the_plain_run(stories_path, window, arch):
+    """gemma3's layers (sandwich norms, QK-norm, GeGLU, sliding windows) and qwen3's
+    (QK-norm, NEOX RoPE), on small new models: every layer kept and every other."""
+    shape = dict(n_embd=32, n_head=4, n_head_kv=2, n_layer=3, n_ff=64, n_ctx_train=N_CTX, seed=3)
+    if arch == "gemma3":
+        shape["sliding_window"] = 48
+
+    def gradients(**checkpointing):
+        model = llamapy.new_model(arch, stories_path, **shape)
+        ctx = llamapy.Context(model, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=64, n_threads=1)
+        ctx.opt_init(TrainParams(**checkpointing))
+        loss = np.mean(ctx.trainer.window(*window, True))
+        return loss, {name: ctx.trainer.grad(name).copy() for name in ctx.trainer.trained}
+    loss, plain = gradients()
+    for every in (1, 2):
+        got_loss, got = gradients(grad_checkpoint=True, grad_checkpoint_every=every)
+        assert got_loss == loss
+        assert max_rel_diff(got, plain) <= MAX_REL_DIFF
+
+
 def test_checkpointed_split_window_equals_the_plain_whole_window(stories_path, window):
     """Both properties at once: checkpointed ubatches of 32 against the plain whole window."""
     _, whole, _ = window_gradients(stories_path, window, N_CTX, False)
@@ -89,6 +110,17 @@ def test_memory_plan_shows_a_smaller_arena(stories_path, n_ubatch, ratio):
 def test_stride_without_checkpointing_is_refused():
     with pytest.raises(ValueError, match="grad_checkpoint_every needs grad_checkpoint=True"):
         TrainParams(grad_checkpoint_every=2)
+
+
+def test_an_architecture_without_layer_boundaries_is_refused_in_one_line(stories_path, monkeypatch):
+    """An architecture module that does not mark its layer boundaries cannot checkpoint."""
+    from llamapy.errors import InputError
+    from llamapy.graph_builder import GraphBuilder
+    monkeypatch.setattr(GraphBuilder, "layer_boundary", lambda self, x: x)
+    ctx = llamapy.Context(llamapy.load_model(stories_path), n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1)
+    ctx.opt_init(TrainParams(grad_checkpoint=True))
+    with pytest.raises(InputError, match="^gradient checkpointing: the llama graph marks no layer boundaries$"):
+        ctx.trainer.memory_plan()
 
 
 def finetune(*args: str) -> subprocess.CompletedProcess:
