@@ -165,6 +165,7 @@ class GraphBuilder:
         if shape.n_outputs < shape.n_tokens:
             self.inp_out_ids = c.new_tensor_1d(GGMLType.I32, shape.n_outputs, "inp_out_ids").set_input()
         self.logits: Tensor | None = None
+        self.boundaries: list[Tensor] = []  # the residual stream between layers (gradient checkpoints)
 
     @classmethod
     def for_cache(cls, model, kv: KVMemory, shape: GraphShape, flash_attn: bool = True, adapters=()) -> "GraphBuilder":
@@ -194,6 +195,13 @@ class GraphBuilder:
             self.inp_out_ids.array().reshape(-1)[:] = np.flatnonzero(ub.output)
 
     # ---- common blocks ------------------------------------------------------------------
+    def layer_boundary(self, x: Tensor) -> Tensor:
+        """Mark `x`, the residual stream entering a layer (or leaving the last one), as a
+        place where training may keep the activations and recompute the rest (gradient
+        checkpointing); returns x."""
+        self.boundaries.append(x)
+        return x
+
     def mm(self, name: str, cur: Tensor) -> Tensor:
         """W x for the model tensor `name`, plus each attached LoRA's scaled B (A x), plus
         W's bias when the model has one (in llama.cpp's order: LoRA inside, bias after)."""

@@ -111,7 +111,8 @@ def cross_entropy_back_f32(d, logits, labels, dst):
     The gradient of the forward for label rows of any sum: ggml's (softmax - labels)
     assumes each row sums to 1; a weighted row scales its gradient and an all-zero row
     (an ignored datapoint) has none. For a distribution the sum is 1.0 and the product by
-    it exact, so those rows get ggml's bits."""
+    it exact, so those rows get ggml's bits. dst may be logits itself (the allocator places
+    the op over the logits): each element is read before it is written."""
     n3, n2, n1, n0 = logits.shape
     n_rows = n3 * n2 * n1
     sc = F32(d / n_rows)
@@ -143,7 +144,8 @@ def cross_entropy_rows_ids(logits, ids, weights, out):
 
 @njit(parallel=True, cache=True)
 def cross_entropy_back_ids_f32(d, logits, ids, weights, dst):
-    """cross_entropy_back_f32 for label rows weights[r] * onehot(ids[r]) (zero where ids[r] < 0)."""
+    """cross_entropy_back_f32 for label rows weights[r] * onehot(ids[r]) (zero where ids[r] < 0);
+    dst may be logits itself, as there."""
     n3, n2, n1, n0 = logits.shape
     n_rows = n3 * n2 * n1
     sc = F32(d / n_rows)
