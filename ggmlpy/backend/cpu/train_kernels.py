@@ -227,3 +227,97 @@ def scale_f32(x, factor):
     f = F32(factor)
     for i in prange(x.shape[0]):
         x[i] = x[i] * f
+
+
+# ---- a linear layer followed by cross-entropy (linear_ce.py runs these over chunks of classes) ----
+@njit(parallel=True, cache=True)
+def lce_fold_chunk(z, c0, ids, m, s, arg, zt, rescale):
+    """Fold the logits of classes c0..c0+C (z: (rows, C)) into each row's running max m,
+    sum s = sum(exp(z - m)) (float exp, double sum, as log-softmax), first argmax and
+    target logit zt; z becomes exp(z - m) for the new m (the chunk's softmax numerators),
+    and rescale[r] = exp(m_before - m) is what the row's earlier sums were multiplied by."""
+    n_rows, n_cols = z.shape
+    for r in prange(n_rows):
+        row = z[r]
+        cm = F32(-np.inf)
+        ci = -1
+        for i in range(n_cols):  # strictly larger only: the first of equal maxima wins
+            if row[i] > cm:
+                cm, ci = row[i], i
+        f = 1.0
+        if cm > m[r]:
+            f = np.exp(np.float64(m[r]) - np.float64(cm)) if m[r] > -np.inf else 0.0
+            s[r] *= f
+            m[r] = cm
+            arg[r] = c0 + ci
+        rescale[r] = f
+        t = ids[r] - c0
+        if 0 <= t < n_cols:
+            zt[r] = row[t]
+        mr = m[r]
+        if mr == -np.inf:  # every logit so far is -inf (or NaN): nothing to add yet
+            for i in range(n_cols):
+                row[i] = F32(0.0) if row[i] == -np.inf else row[i]
+            continue
+        acc = 0.0
+        for i in range(n_cols):
+            e = exp_f32(row[i] - mr)
+            row[i] = e
+            acc += np.float64(e)
+        s[r] += acc
+
+
+@njit(parallel=True, cache=True)
+def lce_finish(m, s, zt, ids, weights, arg, out):
+    """out[r] = (weights[r] * (lse_r - zt_r) or 0 where ids[r] < 0, lse_r, argmax_r) with
+    lse_r = log(s_r) + m_r, in double before the float32 store (cross_entropy_rows_ids' sums)."""
+    for r in prange(m.shape[0]):
+        lse = np.log(s[r]) + np.float64(m[r])
+        w = np.float64(weights[r])
+        out[r, 0] = 0.0 if ids[r] < 0 or w == 0.0 else lse * w - w * np.float64(zt[r])
+        out[r, 1] = lse
+        out[r, 2] = F32(arg[r])
+
+
+@njit(parallel=True, cache=True)
+def scale_rows_f32(a, f):
+    """a[r] *= f[r] (float32), skipped where f[r] is 1."""
+    for r in prange(a.shape[0]):
+        if f[r] != 1.0:
+            fr = F32(f[r])
+            for i in range(a.shape[1]):
+                a[r, i] *= fr
+
+
+@njit(parallel=True, cache=True)
+def lce_coefficients(g, ids, weights, a, b):
+    """Per row, the gradient of the loss in the logits is a_r softmax(z_r) - b_r onehot(ids[r]):
+    a = g_lse + weights * g_loss and b = weights * g_loss where the row counts, a = g_lse and
+    b = 0 where it does not (its loss field is constant zero). g: (rows, LCE_FIELDS)."""
+    for r in prange(g.shape[0]):
+        w = weights[r] if ids[r] >= 0 else F32(0.0)
+        b[r] = w * g[r, 0]
+        a[r] = g[r, 1] + b[r]
+
+
+@njit(parallel=True, cache=True)
+def lce_dx(a, b, soft, target, dst):
+    """dst[r] = a_r * soft[r] - b_r * target[r]: soft = softmax(z_r) W, target = W[ids[r]]."""
+    for r in prange(dst.shape[0]):
+        ar, br = a[r], b[r]
+        for i in range(dst.shape[1]):
+            dst[r, i] = ar * soft[r, i] - br * target[r, i]
+
+
+@njit(parallel=True, cache=True)
+def lce_grad_chunk(z, c0, lse, ids, a, b):
+    """z (rows, C), the logits of classes c0..c0+C, becomes the gradient of the loss in them:
+    a_r * exp(z - lse_r) - b_r at the row's label."""
+    n_rows, n_cols = z.shape
+    for r in prange(n_rows):
+        row, lr, ar = z[r], lse[r], a[r]
+        for i in range(n_cols):
+            row[i] = ar * exp_f32(row[i] - lr)
+        t = ids[r] - c0
+        if 0 <= t < n_cols:
+            row[t] -= b[r]
