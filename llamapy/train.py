@@ -22,7 +22,8 @@ With n_ubatch = n_ctx_train a window is one graph and step 1 is empty.
 Labels are token ids, IGNORE (-1) where a prediction does not count (prompts, padding);
 the graph's cross-entropy takes them as ids with a weight per position (0 where ignored),
 never as [n_vocab x n_tokens] one-hot rows, so those positions add no loss and get no
-gradient. The loss of an optimizer step is the mean over the positions
+gradient. The output layer is part of the loss (ggmlpy's linear_cross_entropy): logits and
+their gradient are made a chunk of the vocabulary at a time, never [n_vocab x n_tokens]. The loss of an optimizer step is the mean over the positions
 that count in all its windows (every rank's): the graph's constant loss scale makes it
 the mean over all positions, and each counted row is weighted by positions / counted
 (exactly 1 when every position counts, as in plain text).
@@ -63,8 +64,11 @@ class UbatchGraph:
         # and each position's weight in the step's mean (0 where ignored)
         self.label_ids = c.new_tensor_1d(GGMLType.I32, n_tokens, "label_ids").set_input()
         self.label_weights = c.new_tensor_1d(GGMLType.F32, n_tokens, "label_weights").set_input()
-        loss = gg.scale(c, gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), loss_scale)
-        pred = gg.argmax(c, logits)
+        if b.head is not None:  # the output layer, loss and predictions a chunk of the vocabulary at a time
+            loss, pred = gg.linear_cross_entropy_loss(c, *b.head, self.label_ids, self.label_weights)
+        else:  # logits the architecture built itself
+            loss, pred = gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), gg.argmax(c, logits)
+        loss = gg.scale(c, loss, loss_scale)
         ncorrect = gg.count_equal(c, pred, self.label_ids)
         objective = loss
         self.grad_k: list[Tensor] = []
