@@ -16,6 +16,8 @@ from .kernels import (
     _row_index,
     dot_f64,
     exp_f32,
+    exp_shifted,
+    max_f32,
     sum_f64,
 )
 
@@ -239,32 +241,27 @@ def lce_fold_chunk(z, c0, ids, m, s, arg, zt, rescale):
     n_rows, n_cols = z.shape
     for r in prange(n_rows):
         row = z[r]
-        cm = F32(-np.inf)
-        ci = -1
-        for i in range(n_cols):  # strictly larger only: the first of equal maxima wins
-            if row[i] > cm:
-                cm, ci = row[i], i
-        f = 1.0
-        if cm > m[r]:
-            f = np.exp(np.float64(m[r]) - np.float64(cm)) if m[r] > -np.inf else 0.0
-            s[r] *= f
-            m[r] = cm
-            arg[r] = c0 + ci
-        rescale[r] = f
         t = ids[r] - c0
         if 0 <= t < n_cols:
             zt[r] = row[t]
+        cm = max_f32(row)
+        f = 1.0
+        if cm > m[r]:  # strictly larger: an equal maximum of a later chunk is not the first
+            f = np.exp(np.float64(m[r]) - np.float64(cm)) if m[r] > -np.inf else 0.0
+            s[r] *= f
+            m[r] = cm
+            for i in range(n_cols):
+                if row[i] == cm:
+                    arg[r] = c0 + i
+                    break
+        rescale[r] = f
         mr = m[r]
         if mr == -np.inf:  # every logit so far is -inf (or NaN): nothing to add yet
             for i in range(n_cols):
                 row[i] = F32(0.0) if row[i] == -np.inf else row[i]
             continue
-        acc = 0.0
-        for i in range(n_cols):
-            e = exp_f32(row[i] - mr)
-            row[i] = e
-            acc += np.float64(e)
-        s[r] += acc
+        exp_shifted(row, mr)
+        s[r] += sum_f64(row)
 
 
 @njit(parallel=True, cache=True)
