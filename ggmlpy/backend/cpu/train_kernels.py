@@ -6,7 +6,7 @@ rows are independent and run in parallel, row sums are kept in float64 as ggml d
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_thread_id, njit, prange
 
 from ...rowops import exp_sum
 from .kernels import (
@@ -95,13 +95,14 @@ def gelu_back_f32(g, x, dst):
 
 
 @njit(parallel=True, cache=True)
-def cross_entropy_rows(logits, labels, out):
-    """out[r] = -sum(labels * log_softmax(logits)) of row r, in double."""
+def cross_entropy_rows(logits, labels, out, scratch):
+    """out[r] = -sum(labels * log_softmax(logits)) of row r, in double. scratch: a row of
+    work per thread (numba.get_num_threads() x ne0), so no row allocates."""
     n3, n2, n1, n0 = logits.shape
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         row, lab = logits[i3, i2, i1], labels[i3, i2, i1]
-        m, s = exp_sum(row, np.empty(n0, dtype=np.float32))
+        m, s = exp_sum(row, scratch[get_thread_id()])
         log_sum = np.log(s) + np.float64(m)
         out[r] = log_sum * sum_f64(lab) - dot_f64(lab, row)
 
@@ -128,7 +129,7 @@ def cross_entropy_back_f32(d, logits, labels, dst):
 
 
 @njit(parallel=True, cache=True)
-def cross_entropy_rows_ids(logits, ids, weights, out):
+def cross_entropy_rows_ids(logits, ids, weights, out, scratch):
     """cross_entropy_rows for label rows weights[r] * onehot(ids[r]) (nothing where ids[r] < 0),
     without the dense rows: the same double sums, so the same bits."""
     n3, n2, n1, n0 = logits.shape
@@ -139,7 +140,7 @@ def cross_entropy_rows_ids(logits, ids, weights, out):
             out[r] = 0.0
             continue
         row = logits[i3, i2, i1]
-        m, s = exp_sum(row, np.empty(n0, dtype=np.float32))
+        m, s = exp_sum(row, scratch[get_thread_id()])
         out[r] = (np.log(s) + np.float64(m)) * w - w * np.float64(row[t])
 
 
