@@ -18,6 +18,8 @@ of x; never rows x classes (262,144 x 256 floats for one Gemma 3 training window
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ... import convert
@@ -25,7 +27,7 @@ from ...ops_train import LCE_FIELDS, LCE_LSE
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import train_kernels as TK
-from .gemm import GRAIN, SLICE_COLS, matmul
+from .gemm import GRAIN, SLICE_COLS, Matmul
 from .kernel_table import KernelTable, Prepared, require_f32
 from .plan import Plan, Scratch
 from .qmatmul import QuantMatrix, row_offsets, tile_rows
@@ -85,13 +87,12 @@ class WeightRows:
         elif self.type in (GGMLType.F16, GGMLType.BF16):
             np.copyto(x, convert.round_to(x, self.type))
 
-    def block(self, c0: int, c1: int, buf: np.ndarray) -> np.ndarray:
-        """Rows c0..c1 as float32 (c1 - c0, K): a view of W when it is F32, else written into buf."""
+    def load(self, c0: int, c1: int, out: np.ndarray) -> None:
+        """out = rows c0..c1 as float32 (c1 - c0, K); nothing to do when out is W's own rows (F32)."""
         if self.quant is not None:
-            return self.quant.dequantize_rows(c0, c1, buf)
-        if self.type == GGMLType.F32:
-            return self.rows[c0:c1]
-        return _f32_into(self.rows[c0:c1], self.type, buf[:c1 - c0])
+            self.quant.dequantize_rows(c0, c1, out)
+        elif self.type != GGMLType.F32:
+            _f32_into(self.rows[c0:c1], self.type, out)
 
     def rows_at(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = row idx[i] of W as float32."""
@@ -103,19 +104,54 @@ class WeightRows:
             _f32_into(self.rows[idx], self.type, out)
         return out
 
-    def product(self, x: np.ndarray, wc: np.ndarray, z: np.ndarray) -> None:
-        """z (rows, C) = x (rows, K) @ wc^T, cut into the unfused product's tiles."""
+    def product(self, x: np.ndarray, wc: np.ndarray, z: np.ndarray) -> list[Matmul]:
+        """z (rows, C) = x (rows, K) @ wc^T planned in the unfused product's tiles."""
         if self.quant is None:
-            matmul(x, wc.T, z)
-            return
+            return [Matmul(x, wc.T, z)]
         t, n = self.tile, wc.shape[0]
         full = n // t * t
+        plans = []
         if full:  # one BLAS call per tile of t classes, as mul_mat_q makes them
             tiles = wc[:full].reshape(full // t, t, self.k).swapaxes(1, 2)
             outs = np.reshape(z[:, :full], (z.shape[0], full // t, t), copy=False).swapaxes(0, 1)
-            matmul(x, tiles, outs, slice_rows=None)
+            plans.append(Matmul(x, tiles, outs, slice_rows=None))
         if full < n:
-            matmul(x, wc[full:].T, z[:, full:], slice_rows=None)
+            plans.append(Matmul(x, wc[full:].T, z[:, full:], slice_rows=None))
+        return plans
+
+
+@dataclass
+class Chunk:
+    """Classes c0..c1: W's rows as float32 (a view of W, or of a block `load` fills), the
+    logits block and their product with x, planned once."""
+
+    c0: int
+    c1: int
+    w: np.ndarray  # (c1 - c0, K)
+    z: np.ndarray  # (rows, c1 - c0)
+    product: list[Matmul]
+
+    def logits(self, wr: WeightRows) -> None:
+        """z = x W[c0:c1]^T (W's rows loaded first)."""
+        wr.load(self.c0, self.c1, self.w)
+        for mm in self.product:
+            mm()
+
+
+def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch) -> list[Chunk]:
+    """W's classes in chunks of whole tiles, their products with x (rows, K) planned on the
+    backend's scratch (one logits block and one block of W's rows serve every chunk)."""
+    n, k = x.shape
+    c = wr.chunk(n)
+    zbuf = scratch.get("lce logits", n * c)
+    wbuf = scratch.get("lce weight rows", c * k).reshape(c, k)
+    out = []
+    for c0 in range(0, wr.m, c):
+        c1 = min(wr.m, c0 + c)
+        w = wr.rows[c0:c1] if wr.type == GGMLType.F32 else wbuf[:c1 - c0]
+        z = zbuf[:n * (c1 - c0)].reshape(n, c1 - c0)
+        out.append(Chunk(c0, c1, w, z, wr.product(x, w, z)))
+    return out
 
 
 class RowInputs:
@@ -136,18 +172,16 @@ class RowInputs:
             raise ValueError(f"LINEAR_CROSS_ENTROPY: label id {int(self.id_rows.max())} is not below {self.w.m} classes")
         return self.id_rows, self.weight_rows
 
-    def inputs(self, scratch: Scratch, rounded: bool) -> np.ndarray:
-        """x's rows (rows, K) in scratch; rounded for W's product when asked."""
-        out = scratch.get("lce rounded inputs" if rounded else "lce inputs", self.n * self.k).reshape(self.n, self.k)
+    def buffer(self, scratch: Scratch, rounded: bool) -> np.ndarray:
+        """The (rows, K) block of the backend's scratch that `load` fills (x rounded or as it is)."""
+        return scratch.get("lce rounded inputs" if rounded else "lce inputs", self.n * self.k).reshape(self.n, self.k)
+
+    def load(self, out: np.ndarray, rounded: bool) -> np.ndarray:
+        """x's rows into out (rows, K); rounded for W's product when asked."""
         np.copyto(out.reshape(self.x.shape), self.x)
         if rounded:
             self.w.round_activations(out)
         return out
-
-
-def _chunks(w: WeightRows, n: int):
-    c = w.chunk(n)
-    return [(c0, min(w.m, c0 + c)) for c0 in range(0, w.m, c)], c
 
 
 def _stash_key(node: Tensor) -> tuple:
@@ -165,33 +199,33 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
     wants_dx = any(u.op == Op.LINEAR_CROSS_ENTROPY_BACK and u.op_params[0] == 1 and u.src[1] is node
                    for u in plan.users(node))
     soft = plan.shared(_stash_key(node), (n, k)) if wants_dx else None
-    chunks, c = _chunks(wr, n)
+    xr = inp.buffer(plan.scratch, rounded=True)
+    todo = chunks(wr, xr, plan.scratch)
+    # softmax(z) W adds up over the chunks in calls of SOFT_SLICE_ROWS rows
+    accumulate = [Matmul(c.z, c.w, soft, accumulate=True, slice_rows=SOFT_SLICE_ROWS) for c in todo] if wants_dx \
+        else []
     m, zt, arg = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.int64)
     s, rescale = np.empty(n, np.float64), np.empty(n, np.float64)
-    scratch = plan.scratch
 
     def run() -> None:
         id_rows, weight_rows = inp.labels()
-        xr = inp.inputs(scratch, rounded=True)
+        inp.load(xr, rounded=True)
         m.fill(-np.inf)
         s.fill(0.0)
         zt.fill(0.0)
         arg.fill(0)
         if soft is not None:
             soft.fill(0.0)
-        zbuf = scratch.get("lce logits", n * c)
-        wbuf = scratch.get("lce weight rows", c * k).reshape(c, k)
-        for c0, c1 in chunks:
-            wc = wr.block(c0, c1, wbuf)
-            z = zbuf[:n * (c1 - c0)].reshape(n, c1 - c0)
-            wr.product(xr, wc, z)
-            TK.lce_fold_chunk(z, c0, id_rows, m, s, arg, zt, rescale)
+        for i, c in enumerate(todo):
+            c.logits(wr)
+            TK.lce_fold_chunk(c.z, c.c0, id_rows, m, s, arg, zt, rescale)
             if soft is not None:  # z now holds exp(z - max): add its rows' share of softmax(z) W
                 TK.scale_rows_f32(soft, rescale)
-                matmul(z, wc, soft, accumulate=True, slice_rows=SOFT_SLICE_ROWS)
+                accumulate[i]()
         TK.lce_finish(m, s, zt, id_rows, weight_rows, arg, out)
         if soft is not None:
-            TK.scale_rows_f32(soft, 1.0 / s)
+            np.divide(1.0, s, out=rescale)
+            TK.scale_rows_f32(soft, rescale)
     return run
 
 
@@ -216,27 +250,29 @@ def _linear_cross_entropy_back(node: Tensor, plan: Plan) -> Prepared:
     if node.op_params[0] == 1:  # dx = a soft - b W[ids], soft made by the forward step
         soft = plan.shared(_stash_key(rows), (n, k), create=False)
         dst = np.reshape(node.array(), (n, k), copy=False)
+        target = scratch.get("lce target rows", n * k).reshape(n, k)
+        label_rows = np.empty(n, np.int64)
 
         def run_dx() -> None:
             id_rows, _ = coefficients()
-            target = wr.rows_at(np.maximum(id_rows, 0), scratch.get("lce target rows", n * k).reshape(n, k))
-            TK.lce_dx(a, b, soft, target, dst)
+            np.maximum(id_rows, 0, out=label_rows)
+            TK.lce_dx(a, b, soft, wr.rows_at(label_rows, target), dst)
         return run_dx
 
-    chunks, c = _chunks(wr, n)
+    xr, xp = inp.buffer(scratch, rounded=True), inp.buffer(scratch, rounded=False)
+    todo = chunks(wr, xr, scratch)
     dst = node.array()[0, 0]  # (classes, K)
+    # the gradient in W uses x as it is (as OUT_PROD does), the logits x rounded for W
+    dw = [Matmul(c.z.T, xp, dst[c.c0:c.c1]) for c in todo]
     lse = np.empty(n, np.float32)
 
     def run_dw() -> None:
         id_rows, _ = coefficients()
         np.copyto(lse.reshape(rv.shape[:-1]), rv[..., LCE_LSE])
-        xr = inp.inputs(scratch, rounded=True)
-        xp = inp.inputs(scratch, rounded=False)  # the gradient in W uses x as it is, as OUT_PROD does
-        zbuf = scratch.get("lce logits", n * c)
-        wbuf = scratch.get("lce weight rows", c * k).reshape(c, k)
-        for c0, c1 in chunks:
-            z = zbuf[:n * (c1 - c0)].reshape(n, c1 - c0)
-            wr.product(xr, wr.block(c0, c1, wbuf), z)
-            TK.lce_grad_chunk(z, c0, lse, id_rows, a, b)
-            matmul(z.T, xp, dst[c0:c1])
+        inp.load(xr, rounded=True)
+        inp.load(xp, rounded=False)
+        for c, product in zip(todo, dw):
+            c.logits(wr)
+            TK.lce_grad_chunk(c.z, c.c0, lse, id_rows, a, b)
+            product()
     return run_dw
