@@ -11,7 +11,8 @@ row's max grows (as flash attention accumulates its values): dx_r = a_r soft_r /
 b_r W[ids[r]] then needs no second pass over W, so a training step multiplies by W twice,
 as the unfused graph does (forward and backward products), and dequantizes it once.
 The gradient in W needs every row's final log-sum-exp for every class, so it takes a
-second pass that recomputes each chunk's logits: dW[c] = dz_c^T x.
+second pass that recomputes each chunk's logits: dW[c] = dz_c^T x; unless every class fits
+in one chunk (a small output layer), whose softmax the forward step then keeps for it.
 
 Memory per call: a (rows, chunk) logits block, a (chunk, K) float block of W and the rows
 of x; never rows x classes (262,144 x 256 floats for one Gemma 3 training window).
@@ -138,12 +139,13 @@ class Chunk:
             mm()
 
 
-def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch) -> list[Chunk]:
+def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray | None = None) -> list[Chunk]:
     """W's classes in chunks of whole tiles, their products with x (rows, K) planned on the
-    backend's scratch (one logits block and one block of W's rows serve every chunk)."""
+    backend's scratch (one logits block and one block of W's rows serve every chunk), or
+    into `logits` when given (all classes in one chunk)."""
     n, k = x.shape
     c = wr.chunk(n)
-    zbuf = scratch.get("lce logits", n * c)
+    zbuf = scratch.get("lce logits", n * c) if logits is None else logits.reshape(-1)
     wbuf = scratch.get("lce weight rows", c * k).reshape(c, k)
     out = []
     for c0 in range(0, wr.m, c):
@@ -188,6 +190,16 @@ def _stash_key(node: Tensor) -> tuple:
     return ("linear cross-entropy softmax rows", id(node))
 
 
+def _probs_key(node: Tensor) -> tuple:
+    return ("linear cross-entropy probabilities", id(node))
+
+
+def _keeps_probs(wr: WeightRows, n: int) -> bool:
+    """Whether the forward step keeps the softmax for the gradient in W: when every class fits
+    in one chunk (a small output layer), which the backward would otherwise compute again."""
+    return wr.m <= wr.chunk(n)
+
+
 @KERNELS.register(Op.LINEAR_CROSS_ENTROPY, parallel=_parallel)
 def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
     w, x, ids, weights = node.src
@@ -196,11 +208,12 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
     inp = RowInputs(x, ids, weights, wr)
     n, k = inp.n, inp.k
     out = np.reshape(node.array(), (n, LCE_FIELDS), copy=False)
-    wants_dx = any(u.op == Op.LINEAR_CROSS_ENTROPY_BACK and u.op_params[0] == 1 and u.src[1] is node
-                   for u in plan.users(node))
+    wants = {u.op_params[0] for u in plan.users(node) if u.op == Op.LINEAR_CROSS_ENTROPY_BACK and u.src[1] is node}
+    wants_dx = 1 in wants
     soft = plan.shared(_stash_key(node), (n, k)) if wants_dx else None
+    probs = plan.shared(_probs_key(node), (n, wr.m)) if 0 in wants and _keeps_probs(wr, n) else None
     xr = inp.buffer(plan.scratch, rounded=True)
-    todo = chunks(wr, xr, plan.scratch)
+    todo = chunks(wr, xr, plan.scratch, probs)
     # softmax(z) W adds up over the chunks in calls of SOFT_SLICE_ROWS rows
     accumulate = [Matmul(c.z, c.w, soft, accumulate=True, slice_rows=SOFT_SLICE_ROWS) for c in todo] if wants_dx \
         else []
@@ -223,9 +236,11 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
                 TK.scale_rows_f32(soft, rescale)
                 accumulate[i]()
         TK.lce_finish(m, s, zt, id_rows, weight_rows, arg, out)
+        np.divide(1.0, s, out=rescale)
         if soft is not None:
-            np.divide(1.0, s, out=rescale)
             TK.scale_rows_f32(soft, rescale)
+        if probs is not None:  # the one chunk's exp(z - max) becomes softmax(z)
+            TK.scale_rows_f32(probs, rescale)
     return run
 
 
@@ -260,8 +275,19 @@ def _linear_cross_entropy_back(node: Tensor, plan: Plan) -> Prepared:
         return run_dx
 
     xr, xp = inp.buffer(scratch, rounded=True), inp.buffer(scratch, rounded=False)
-    todo = chunks(wr, xr, scratch)
     dst = node.array()[0, 0]  # (classes, K)
+    if _keeps_probs(wr, n):  # dW = (a softmax - b onehot)^T x from the softmax the forward step kept
+        probs = plan.shared(_probs_key(rows), (n, wr.m), create=False)
+        dw_kept = Matmul(probs.T, xp, dst)
+
+        def run_dw_kept() -> None:
+            id_rows, _ = coefficients()
+            inp.load(xp, rounded=False)
+            TK.lce_grad_probs(probs, id_rows, a, b)
+            dw_kept()
+        return run_dw_kept
+
+    todo = chunks(wr, xr, scratch)
     # the gradient in W uses x as it is (as OUT_PROD does), the logits x rounded for W
     dw = [Matmul(c.z.T, xp, dst[c.c0:c.c1]) for c in todo]
     lse = np.empty(n, np.float32)

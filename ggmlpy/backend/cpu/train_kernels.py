@@ -319,3 +319,15 @@ def lce_grad_chunk(z, c0, lse, ids, a, b):
         t = ids[r] - c0
         if 0 <= t < n_cols:
             row[t] -= b[r]
+
+
+@njit(parallel=True, cache=True)
+def lce_grad_probs(p, ids, a, b):
+    """p (rows, classes), each row's softmax, becomes the gradient of the loss in the logits:
+    a_r * p - b_r at the row's label (lce_grad_chunk when the forward kept the softmax)."""
+    for r in prange(p.shape[0]):
+        row, ar = p[r], a[r]
+        for i in range(p.shape[1]):
+            row[i] = ar * row[i]
+        if ids[r] >= 0:
+            row[ids[r]] -= b[r]
