@@ -319,6 +319,12 @@ def _cross_entropy_loss(ctx, node, g, wants):
     return [OT.cross_entropy_loss_back(ctx, g, logits, labels, *weights), None] + [None] * len(weights)
 
 
+@rule(Op.LINEAR_CROSS_ENTROPY)
+def _linear_cross_entropy(ctx, node, g, wants):
+    return [OT.linear_cross_entropy_back(ctx, g, node, 0) if wants[0] else None,
+            OT.linear_cross_entropy_back(ctx, g, node, 1) if wants[1] else None, None, None]
+
+
 # ---- rules: matrix products and rows -----------------------------------------------------------
 @rule(Op.MUL_MAT)
 def _mul_mat(ctx, node, g, wants):

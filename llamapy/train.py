@@ -22,7 +22,8 @@ With n_ubatch = n_ctx_train a window is one graph and step 1 is empty.
 Labels are token ids, IGNORE (-1) where a prediction does not count (prompts, padding);
 the graph's cross-entropy takes them as ids with a weight per position (0 where ignored),
 never as [n_vocab x n_tokens] one-hot rows, so those positions add no loss and get no
-gradient. The loss of an optimizer step is the mean over the positions
+gradient. The output layer is part of the loss (ggmlpy's linear_cross_entropy): logits and
+their gradient are made a chunk of the vocabulary at a time, never [n_vocab x n_tokens]. The loss of an optimizer step is the mean over the positions
 that count in all its windows (every rank's): the graph's constant loss scale makes it
 the mean over all positions, and each counted row is weighted by positions / counted
 (exactly 1 when every position counts, as in plain text).
@@ -64,8 +65,11 @@ class UbatchGraph:
         # and each position's weight in the step's mean (0 where ignored)
         self.label_ids = c.new_tensor_1d(GGMLType.I32, n_tokens, "label_ids").set_input()
         self.label_weights = c.new_tensor_1d(GGMLType.F32, n_tokens, "label_weights").set_input()
-        loss = gg.scale(c, gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), loss_scale)
-        pred = gg.argmax(c, logits)
+        if b.head is not None:  # the output layer, loss and predictions a chunk of the vocabulary at a time
+            loss, pred = gg.linear_cross_entropy_loss(c, *b.head, self.label_ids, self.label_weights)
+        else:  # logits the architecture built itself
+            loss, pred = gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), gg.argmax(c, logits)
+        loss = gg.scale(c, loss, loss_scale)
         ncorrect = gg.count_equal(c, pred, self.label_ids)
         objective = loss
         self.grad_k: list[Tensor] = []
@@ -82,9 +86,10 @@ class UbatchGraph:
             if not b.boundaries:
                 raise InputError(f"gradient checkpointing: the {model.arch.name} graph marks no layer boundaries")
             k = self.checkpoint_every = checkpoint_every or gg.checkpoint_stride(gg.new_graph(objective), b.boundaries)
-            # the residual stream at every k-th layer boundary; and the logits, which the
-            # backward pass reads first: recomputing the head's product would save nothing
-            checkpoints = b.boundaries[::k] + [logits]
+            # the residual stream at every k-th layer boundary; and what the loss reads first in
+            # the backward pass: the output layer's input (the fused head recomputes its logits
+            # a chunk at a time) or, for logits an architecture builds itself, the logits
+            checkpoints = b.boundaries[::k] + [b.head[1] if b.head is not None else logits]
         self.train = opt.train_graph(c, objective, loss, inputs=b.inp_tokens, pred=pred, ncorrect=ncorrect,
                                      outputs=attn.k_cur + attn.v_cur, loss_scale=loss_scale, checkpoints=checkpoints,
                                      allocator=allocator)

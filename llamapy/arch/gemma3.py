@@ -75,4 +75,4 @@ class Gemma3(Architecture):
             cur = g.norm_rms(cur, w(blk + "post_ffw_norm.weight"))
             inp = gg.add(c, cur, sa_out)
         cur = g.norm_rms(g.layer_boundary(inp), w("output_norm.weight"))
-        return g.finish(gg.mul_mat(c, model.output_weight, cur))
+        return g.output(model.output_weight, cur)

@@ -53,4 +53,4 @@ class Llama(Architecture):
             cur = g.mm(blk + "ffn_down.weight", gg.swiglu_split(c, gate, up))
             inp = gg.add(c, cur, ffn_inp)
         cur = g.norm_rms(g.layer_boundary(inp), w("output_norm.weight"))
-        return g.finish(gg.mul_mat(c, model.output_weight, cur))
+        return g.output(model.output_weight, cur)
