@@ -40,6 +40,7 @@ LrSchedule = Annotated[str, typer.Option("--lr-schedule", help="constant, exp (-
 Warmup = Annotated[int, typer.Option("--warmup", help="optimizer steps of linear warmup")]
 CosRestart = Annotated[Optional[int], typer.Option("--cos-restart", help="restart the cosine every N epochs")]
 GradClip = Annotated[Optional[float], typer.Option("--grad-clip", help="clip the global gradient L2 norm to this (off by default)")]
+GradCheckpoint = Annotated[bool, typer.Option("--grad-checkpoint", help="keep the activations only at layer boundaries and recompute the rest during the backward pass: less memory, same gradients, more time")]
 WeightDecay = Annotated[float, typer.Option("-wd", "--weight-decay", help="decoupled weight decay")]
 OptimizerName = Annotated[str, typer.Option("-opt", "--optimizer", help="adamw or sgd")]
 ValSplit = Annotated[float, typer.Option("-val-split", "--val-split", help="fraction of windows held out")]
@@ -84,6 +85,7 @@ class TrainingArgs:
     warmup: int = flag(Warmup, 0)
     cos_restart: int | None = flag(CosRestart, None)
     grad_clip: float | None = flag(GradClip, None)
+    grad_checkpoint: bool = flag(GradCheckpoint, False)
     wd: float = flag(WeightDecay, 0.0)
     optimizer: str = flag(OptimizerName, "adamw")
     val_split: float = flag(ValSplit, 0.05)
@@ -140,7 +142,7 @@ class TrainingArgs:
                                   cos_restart=self.cos_restart)
             opt = AdamW(wd=self.wd) if self.optimizer.lower() == "adamw" else SGD(wd=self.wd)
             return TrainParams.for_model(model, seed=self.seed, schedule=schedule, optimizer=opt,
-                                         grad_clip=self.grad_clip, **policy)
+                                         grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint, **policy)
         except ValueError as e:
             raise InputError(first_error(e)) from None
 
@@ -204,7 +206,8 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     log(f"training: {args.optimizer.lower()}, lr {sched.lr0:g} ({sched.kind}"
         f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "
         f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epoch{'s' if args.epochs != 1 else ''}"
-        f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}")
+        f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}"
+        f"{', gradient checkpointing' if params.grad_checkpoint else ''}")
     n_threads = args.threads or default_threads()
     if n_batch > args.ctx_size:  # several windows per step: the context holds the step, windows stay -c long
         params = params.model_copy(update={"n_ctx_train": args.ctx_size})
@@ -220,6 +223,10 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     plan = ctx.trainer.memory_plan()
     log("memory: " + ", ".join(f"{name} {_mb(n)}" for name, n in plan.items() if n) +
         f"; {_mb(sum(plan.values()))} in all, planned before the first step")
+    if params.grad_checkpoint:
+        every = " or ".join("every layer" if k == 1 else f"every {k} layers" for k in ctx.trainer.checkpoint_strides())
+        log(f"gradient checkpointing: the residual stream kept at {every} (the least planned memory), "
+            "the rest recomputed in the backward pass")
     if adapter:
         log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices "
             f"({', '.join(params.lora.modules)})")

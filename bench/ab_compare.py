@@ -10,6 +10,8 @@ Measures, each in a fresh process (peak RSS is that run's):
         1 epoch: training tokens/s (after the first window) and peak RSS
   lora  llamapy-finetune's main job (LoRA rank 8 on Gemma 3 270M Q4_K_M, the Python docs)
         on its first 4,000 characters, 1 epoch: training tokens/s and peak RSS
+  main  the README's main job as it is (`llamapy-finetune`: 16,000 characters, 2 epochs):
+        training tokens/s and peak RSS
   gen   batch-1 generation in process on stories260K (llama-bench's tg32: 32 single-token
         decodes into an empty context, best of 5 after a warm-up): tokens/s
 Prints every run and, per measure, the median of each side and their ratio.
@@ -75,6 +77,7 @@ def measures(tmp: Path, threads: int) -> dict[str, tuple[list[str], str]]:
                 "-ub", "128", "-o", str(tmp / "ft.gguf"), *t], r"training: (\d+) tokens/s"),
         "lora": (["-m", "apps.finetune", "--demo-chars", "4000", "--epochs", "1", "--lora-out", str(tmp / "ad.gguf"), *t],
                  r"training: (\d+) tokens/s"),
+        "main": (["-m", "apps.finetune", "--lora-out", str(tmp / "main.gguf"), *t], r"training: (\d+) tokens/s"),
         "gen": (["-c", GEN, str(STORIES), str(threads)], r"tg32 = ([0-9.]+) tokens/s"),
     }
 
@@ -85,13 +88,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="ppl,ft,lora,gen")
+    ap.add_argument("--no-warmup", action="store_true", help="the numba caches of both sides are warm already")
     args = ap.parse_args()
     sides = {"A (this)": ROOT, "B (base)": args.base.resolve()}
     with tempfile.TemporaryDirectory() as tmp:
         table = measures(Path(tmp), args.threads)
         for name in args.only.split(","):
             cmd, pattern = table[name]
-            for checkout in sides.values():  # warm the numba caches of both sides first
+            for checkout in sides.values() if not args.no_warmup else ():  # warm both sides' numba caches
                 run(checkout, cmd)
             got: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
             for i in range(args.repeat):

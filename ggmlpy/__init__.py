@@ -9,6 +9,7 @@ from .graph import Graph, build_forward_expand, new_graph
 from .ops import *  # noqa: F403  (the op functions are the public API, as in ggml.h)
 from .ops_train import *  # noqa: F403
 from .ops_sampling import *  # noqa: F403
+from .recompute import checkpoint_stride
 from .registry import OPS, OpInfo, OpKind
 from .tensor import Flag, Op, Tensor
 from .types import GGMLType, row_size, traits
@@ -28,6 +29,7 @@ __all__ = [
     "Tensor",
     "build_backward_expand",
     "build_forward_expand",
+    "checkpoint_stride",
     "new_graph",
     "row_size",
     "traits",

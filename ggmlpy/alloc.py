@@ -75,6 +75,7 @@ class GraphAllocator:
         self.arena: np.ndarray | None = None
         self.peak_bytes = 0
         self.offsets: dict[int, int] = {}
+        self._bound: list[list[tuple[Tensor, int]]] = []  # each graph bound in the arena: (tensor, offset)
 
     def plan(self, graph: Graph) -> int:
         """Compute offsets for every tensor that needs memory; returns the peak in bytes."""
@@ -147,11 +148,22 @@ class GraphAllocator:
             release(t)
 
     def alloc_graph(self, graph: Graph) -> None:
-        """Plan, make the arena large enough, and bind every tensor (callers cache the result per graph)."""
+        """Plan, make the arena large enough, and bind every tensor (callers cache the result per graph).
+
+        Graphs allocated by one allocator share its arena, which is as large as the largest
+        plan (a training window's ubatch graphs, say): compute them one at a time and read a
+        graph's results before computing another. When a graph needs more than the arena
+        holds, the arena grows and the graphs bound before move into it (rebound tensors:
+        their compute plans are rebuilt, their inputs must be set again)."""
         peak = self.plan(graph)
+        tensors = {id(t): t for t in graph.leafs + graph.nodes}
+        placed = [(tensors[tid], off) for tid, off in self.offsets.items()]
+        self._bound.append(placed)
+        rebind = [placed]
         if self.arena is None or self.arena.nbytes < peak:
             self.arena = np.empty(max(peak, ALIGNMENT) + ALIGNMENT, dtype=np.uint8)
+            rebind = self._bound
         base = -self.arena.ctypes.data % ALIGNMENT
-        tensors = {id(t): t for t in graph.leafs + graph.nodes}
-        for tid, off in self.offsets.items():
-            tensors[tid].bind(self.arena, base + off)
+        for group in rebind:
+            for t, off in group:
+                t.bind(self.arena, base + off)

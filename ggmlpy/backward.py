@@ -9,7 +9,7 @@ why, so a graph asking for one is refused by name.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from . import ops as O
 from . import ops_train as OT
 from .context import Context
 from .graph import Graph
+from .recompute import Recomputer
 from .registry import OPS
 from .tensor import Flag, Op, Tensor
 from .types import GGMLType, traits
@@ -45,13 +46,24 @@ def _constant(ctx: Context, ne: tuple[int, ...], value: float, name: str) -> Ten
     return ctx.add(t)
 
 
-def build_backward_expand(ctx: Context, graph: Graph, grad_accs: dict[int, Tensor] | None = None) -> Graph:
+def build_backward_expand(ctx: Context, graph: Graph, grad_accs: dict[int, Tensor] | None = None,
+                          checkpoints: Sequence[Tensor] | None = None) -> Graph:
     """Append to `graph` the gradients of its loss with respect to its params.
 
     `grad_accs` (param id -> F32 tensor of the param's shape with memory of its own)
     makes each param's gradient accumulate into that tensor across computes, for
     gradient accumulation; without it each compute produces a fresh gradient. Either
     way `graph.grads[id(param)]` is the tensor to read, and it survives the compute.
+
+    As in ggml, each gradient joins the graph as soon as it is built, walking the forward
+    nodes backwards, so a forward intermediate's last use (and a param's gradient, added
+    into its accumulator once complete) comes as early as the chain rule allows, which
+    is what lets the planned allocator reuse their memory.
+
+    `checkpoints` (forward nodes) turns on gradient checkpointing (see recompute.py):
+    the backward nodes then read the checkpoints and recomputed copies of every other
+    forward intermediate they need, made right before their first consumer, so the
+    forward pass keeps only the checkpoints alive for the backward pass.
     """
     losses = [t for t in graph.nodes if t.flags & Flag.LOSS]
     if not losses:
@@ -59,10 +71,20 @@ def build_backward_expand(ctx: Context, graph: Graph, grad_accs: dict[int, Tenso
     needs = _depends_on_params(graph)
     feeds = _feeds(graph, losses)
     grads: dict[int, Tensor] = {id(t): _constant(ctx, t.ne, 1.0, f"{t.name or 'loss'} grad seed") for t in losses}
+    recompute = Recomputer(ctx, graph, checkpoints) if checkpoints is not None else None
 
-    for node in reversed(graph.nodes):
+    def expand(t: Tensor) -> None:
+        if recompute is not None:
+            recompute.rewrite(t)
+        graph.visit(t)
+
+    graph.grads, graph.grad_accs = {}, {}
+    for node in reversed(list(graph.nodes)):
         g = grads.get(id(node))
         if g is None:
+            continue
+        if node.flags & Flag.PARAM:  # every consumer of a param comes after it: its gradient is complete
+            _param_grad(ctx, graph, node, g, (grad_accs or {}).get(id(node)), expand)
             continue
         wants = tuple(id(s) in needs and id(s) in feeds for s in node.src)
         if not any(wants):  # leafs (no sources) included
@@ -73,23 +95,22 @@ def build_backward_expand(ctx: Context, graph: Graph, grad_accs: dict[int, Tenso
                 continue
             prev = grads.get(id(src))
             grads[id(src)] = contrib if prev is None else O.add(ctx, prev, contrib)
-
-    graph.grads, graph.grad_accs = {}, {}
-    for p in [t for t in graph.nodes if t.flags & Flag.PARAM]:
-        g = grads.get(id(p))
-        if g is None:
-            continue
-        if not g.is_contiguous():
-            g = O.cont(ctx, g)
-        acc = (grad_accs or {}).get(id(p))
-        if acc is not None:
-            g = O.add_inplace(ctx, acc, g)
-            graph.grad_accs[id(p)] = acc
-        g.set_output()
-        g.set_name(f"{p.name} grad")
-        graph.grads[id(p)] = g
-        graph.visit(g)
+            expand(grads[id(src)])
     return graph
+
+
+def _param_grad(ctx: Context, graph: Graph, p: Tensor, g: Tensor, acc: Tensor | None,
+                expand: Callable[[Tensor], None]) -> None:
+    """Make `g` the gradient output of param `p` (added into `acc` when given)."""
+    if not g.is_contiguous():
+        g = O.cont(ctx, g)
+    if acc is not None:
+        g = O.add_inplace(ctx, acc, g)
+        graph.grad_accs[id(p)] = acc
+    g.set_output()
+    g.set_name(f"{p.name} grad")
+    graph.grads[id(p)] = g
+    expand(g)
 
 
 def _check_differentiable(op: Op, wants: tuple[bool, ...]) -> None:
@@ -296,6 +317,12 @@ def _rope(ctx, node, g, wants):
 def _cross_entropy_loss(ctx, node, g, wants):
     logits, labels, *weights = node.src
     return [OT.cross_entropy_loss_back(ctx, g, logits, labels, *weights), None] + [None] * len(weights)
+
+
+@rule(Op.LINEAR_CROSS_ENTROPY)
+def _linear_cross_entropy(ctx, node, g, wants):
+    return [OT.linear_cross_entropy_back(ctx, g, node, 0) if wants[0] else None,
+            OT.linear_cross_entropy_back(ctx, g, node, 1) if wants[1] else None, None, None]
 
 
 # ---- rules: matrix products and rows -----------------------------------------------------------

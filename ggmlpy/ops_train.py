@@ -6,9 +6,10 @@ op with a kernel of its own; `backward.py` is the only place that builds them.
 from __future__ import annotations
 
 from .context import Context
+from . import ops as _ops
 from .ops import _check, _node, view_tensor
 from .tensor import Op, Tensor
-from .types import GGMLType
+from .types import GGMLType, traits
 
 
 # ---- losses -------------------------------------------------------------------------------
@@ -40,6 +41,67 @@ def cross_entropy_loss_back(ctx: Context, grad: Tensor, logits: Tensor, labels: 
     _check(grad.nelements() == 1, "CROSS_ENTROPY_LOSS_BACK: the loss gradient must be a scalar")
     src = (grad, logits, labels) + ((weights,) if weights is not None else ())
     return _node(ctx, Op.CROSS_ENTROPY_LOSS_BACK, GGMLType.F32, logits.ne, src)
+
+
+# ---- a linear layer followed by cross-entropy ------------------------------------------------
+LCE_LOSS, LCE_LSE, LCE_ARGMAX = 0, 1, 2  # the fields of each row of linear_cross_entropy's result
+LCE_FIELDS = 3
+LCE_MAX_CLASSES = 1 << 24  # an argmax stored in a float32 field is exact up to here
+
+
+def linear_cross_entropy(ctx: Context, w: Tensor, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """Per row r of x: the cross-entropy of the logits z_r = W x_r (row r of mul_mat(w, x))
+    against the label weights[r] * onehot(ids[r]), without ever holding the logits: the
+    product is computed a bounded chunk of W's rows at a time and only per-row statistics
+    are kept. A classifier's output layer over many classes (a language model's
+    vocabulary) costs as much memory as its input, not classes x rows.
+
+    w: [K, classes] (F32, F16, BF16 or block-quantized, used in place); x: F32 [K, rows...];
+    ids: I32 and weights: F32, one per row (ne = x.ne[1:] + (1,)), as cross_entropy_loss
+    takes them. Result: F32 [LCE_FIELDS, rows...], per row: LCE_LOSS = weights[r] *
+    (lse_r - z_r[ids[r]]) (0 where ids[r] < 0), LCE_LSE = lse_r = log(sum(exp(z_r))),
+    LCE_ARGMAX = the first index of the largest logit (a float: exact below 2^24 classes).
+    The loss and the log-sum-exp fields are differentiable in w and x (a z-loss may use the
+    latter); the argmax is piecewise constant and passes no gradient.
+    `linear_cross_entropy_loss` builds cross_entropy_loss's mean and the predictions."""
+    rows = x.ne[1:] + (1,)
+    _check(w.ne[2] == 1 and w.ne[3] == 1 and w.ne[0] == x.ne[0],
+           f"LINEAR_CROSS_ENTROPY: weight {w.ne} must be one [K, classes] matrix for input {x.ne}")
+    _check(x.type == GGMLType.F32 and not traits(x.type).is_quantized, "LINEAR_CROSS_ENTROPY: the input must be F32")
+    _check(w.ne[1] <= LCE_MAX_CLASSES, f"LINEAR_CROSS_ENTROPY: {w.ne[1]} classes, at most {LCE_MAX_CLASSES}")
+    _check(ids.type == GGMLType.I32 and ids.ne == rows and weights.type == GGMLType.F32 and weights.ne == rows,
+           f"LINEAR_CROSS_ENTROPY: ids (I32) and weights (F32) must have shape {rows} for input {x.ne}")
+    return _node(ctx, Op.LINEAR_CROSS_ENTROPY, GGMLType.F32, (LCE_FIELDS,) + x.ne[1:], (w, x, ids, weights))
+
+
+def linear_cross_entropy_field(ctx: Context, rows: Tensor, field: int) -> Tensor:
+    """One field of every row of a linear_cross_entropy result: [1, rows...] (a view)."""
+    _check(rows.op == Op.LINEAR_CROSS_ENTROPY and 0 <= field < LCE_FIELDS, "a field of a LINEAR_CROSS_ENTROPY node")
+    return _ops.view(ctx, rows, (1,) + rows.ne[1:], rows.nb[1:], field * rows.nb[0])
+
+
+def linear_cross_entropy_loss(ctx: Context, w: Tensor, x: Tensor, ids: Tensor,
+                              weights: Tensor) -> tuple[Tensor, Tensor]:
+    """(cross_entropy_loss(mul_mat(w, x), ids, weights), argmax(mul_mat(w, x))) from one
+    linear_cross_entropy node: the loss summed over rows and divided by their count (a
+    1-element tensor), and each row's prediction (I32, shaped like ids)."""
+    rows = linear_cross_entropy(ctx, w, x, ids, weights)
+    n_rows = rows.nelements() // LCE_FIELDS
+    loss = _ops.scale(ctx, _ops.sum(ctx, linear_cross_entropy_field(ctx, rows, LCE_LOSS)), 1.0 / n_rows)
+    pred = _ops.cpy(ctx, linear_cross_entropy_field(ctx, rows, LCE_ARGMAX), ctx.new_tensor(GGMLType.I32, ids.ne, "pred"))
+    return loss, pred
+
+
+def linear_cross_entropy_back(ctx: Context, grad: Tensor, rows: Tensor, wrt: int) -> Tensor:
+    """The gradient of the loss through linear_cross_entropy's result `rows` (whose gradient
+    is `grad`) with respect to its weight (wrt = 0) or its input (wrt = 1): with
+    p_r = softmax(z_r), dz_r = (g_lse_r + weights[r] g_loss_r) p_r - weights[r] g_loss_r
+    onehot(ids[r]), then dW = dz^T x and dx = dz W, never holding dz whole."""
+    _check(rows.op == Op.LINEAR_CROSS_ENTROPY and grad.ne == rows.ne and wrt in (0, 1),
+           "LINEAR_CROSS_ENTROPY_BACK: needs a LINEAR_CROSS_ENTROPY node, its gradient and 0 (weight) or 1 (input)")
+    w, x, ids, weights = rows.src
+    like = (w, x)[wrt]
+    return _node(ctx, Op.LINEAR_CROSS_ENTROPY_BACK, GGMLType.F32, like.ne, (grad, rows, w, x, ids, weights), (wrt,))
 
 
 # ---- backward ops ---------------------------------------------------------------------------

@@ -372,11 +372,16 @@ class TrainGraph:
     evaluation, `loss_scale` what the objective's loss was multiplied by (1 / opt_period
     for per-datapoint losses, so that accumulated gradients are the step's mean gradient),
     so recorded losses are unscaled. `pred`/`ncorrect` give accuracy when present.
+    `checkpoints` (forward nodes) makes the backward pass recompute the other forward
+    intermediates it needs instead of keeping them (gradient checkpointing, recompute.py).
+    `allocator`: one shared with other graphs computed in turn (one arena for all of them;
+    see GraphAllocator.alloc_graph); a new one when None.
     """
 
     def __init__(self, ctx: Context, objective: Tensor, loss: Tensor, *, grad_accs: dict[int, Tensor] | None,
                  inputs: Tensor | None = None, pred: Tensor | None = None, ncorrect: Tensor | None = None,
-                 outputs: Sequence[Tensor] = (), loss_scale: float = 1.0, loss_per_datapoint: bool = True) -> None:
+                 outputs: Sequence[Tensor] = (), loss_scale: float = 1.0, loss_per_datapoint: bool = True,
+                 checkpoints: Sequence[Tensor] | None = None, allocator: GraphAllocator | None = None) -> None:
         self.inputs, self.loss, self.pred, self.ncorrect = inputs, loss, pred, ncorrect
         # predictions per evaluation (ggml counts the outputs' rows)
         self.ndata = pred.nelements() if pred is not None else (outputs[0].ne[1] if outputs else 1)
@@ -389,8 +394,8 @@ class TrainGraph:
         self.backward = None
         if grad_accs is not None:
             self.backward = self.forward.copy()
-            build_backward_expand(ctx, self.backward, grad_accs)
-        self.allocator = GraphAllocator()
+            build_backward_expand(ctx, self.backward, grad_accs, checkpoints)
+        self.allocator = allocator or GraphAllocator()
         self.allocator.alloc_graph(self.backward or self.forward)
 
     def record(self, result: Result | None, counted: np.ndarray | None = None,

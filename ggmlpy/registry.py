@@ -89,7 +89,9 @@ OPS: Mapping[Op, OpInfo] = MappingProxyType({
     Op.SWIGLU: OpInfo(inplace=True),
     Op.GEGLU: OpInfo(inplace=True),
     Op.CROSS_ENTROPY_LOSS: OpInfo(no_grad={1: "the labels", 2: "the label weights"}),
-    Op.CROSS_ENTROPY_LOSS_BACK: OpInfo(forward_only=_BACK),
+    Op.CROSS_ENTROPY_LOSS_BACK: OpInfo(inplace=True, forward_only=_BACK),  # row by row: read, then written
+    Op.LINEAR_CROSS_ENTROPY: OpInfo(no_grad={2: "the label ids", 3: "the label weights"}),
+    Op.LINEAR_CROSS_ENTROPY_BACK: OpInfo(forward_only=_BACK),
     Op.OPT_STEP_ADAMW: OpInfo(forward_only=_STEP),
     Op.OPT_STEP_SGD: OpInfo(forward_only=_STEP),
     Op.ACC: OpInfo(),

@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .backend.cpu.kernels import exp_shifted, max_f32, sum_f64
+from .backend.cpu.kernels import exp_f32, max_f32, sum_f64
 
 F32 = np.float32
 
@@ -136,9 +136,9 @@ def dist_select(x, rnd):
 def exp_sum(row, scratch):
     """(max, sum(exp(row - max))) with scratch = exp(row - max), as ggml's log-softmax:
     float exp, double sum."""
-    scratch[:] = row
     m = max_f32(row)
-    exp_shifted(scratch, m)
+    for i in range(row.shape[0]):  # a loop, not scratch[:] = row: numba's slice assignment costs a second to compile
+        scratch[i] = exp_f32(row[i] - m)
     return m, sum_f64(scratch)
 
 

@@ -79,6 +79,8 @@ class Op(IntEnum):
     MIN_P_CUT = auto()
     PENALTIES = auto()
     SAMPLE_DIST = auto()
+    LINEAR_CROSS_ENTROPY = auto()
+    LINEAR_CROSS_ENTROPY_BACK = auto()
 
 
 class Flag(IntFlag):

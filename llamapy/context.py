@@ -152,6 +152,8 @@ class Context:
     def _find_slots(self, ubatches) -> list[list[np.ndarray]]:
         """Cells for every ubatch in every cache, found before anything is computed (llama.cpp's
         prepare): if the batch does not fit, KVCacheFullError leaves the caches as they were."""
+        if len(ubatches) == 1:  # nothing to place before the search: the caches stay untouched
+            return [[cache.find_slot(ubatches[0]) for cache in self.kv.caches]]
         saved = self.kv.snapshot()
         try:
             slots = []

@@ -165,6 +165,8 @@ class GraphBuilder:
         if shape.n_outputs < shape.n_tokens:
             self.inp_out_ids = c.new_tensor_1d(GGMLType.I32, shape.n_outputs, "inp_out_ids").set_input()
         self.logits: Tensor | None = None
+        self.boundaries: list[Tensor] = []  # the residual stream between layers (gradient checkpoints)
+        self.head: tuple[Tensor, Tensor] | None = None  # (output weight, its input) when the loss takes the layer
 
     @classmethod
     def for_cache(cls, model, kv: KVMemory, shape: GraphShape, flash_attn: bool = True, adapters=()) -> "GraphBuilder":
@@ -194,6 +196,13 @@ class GraphBuilder:
             self.inp_out_ids.array().reshape(-1)[:] = np.flatnonzero(ub.output)
 
     # ---- common blocks ------------------------------------------------------------------
+    def layer_boundary(self, x: Tensor) -> Tensor:
+        """Mark `x`, the residual stream entering a layer (or leaving the last one), as a
+        place where training may keep the activations and recompute the rest (gradient
+        checkpointing); returns x."""
+        self.boundaries.append(x)
+        return x
+
     def mm(self, name: str, cur: Tensor) -> Tensor:
         """W x for the model tensor `name`, plus each attached LoRA's scaled B (A x), plus
         W's bias when the model has one (in llama.cpp's order: LoRA inside, bias after)."""
@@ -242,6 +251,18 @@ class GraphBuilder:
         kqv = gg.mul_mat(c, gg.transpose(c, values), kq)  # [head_dim, n_seq_tokens, n_head, n_seqs]
         cur = gg.permute(c, kqv, 0, 2, 1, 3)
         return gg.cont(c, cur, hv * hp.n_head, s.n_tokens)
+
+    def output(self, weight: Tensor, cur: Tensor) -> Tensor | None:
+        """The output layer, the logits W cur, when the graph gives logits (inference). A
+        training window's graph leaves the layer to its loss, which computes it a chunk of
+        the vocabulary at a time (ggmlpy's linear_cross_entropy): `head` records (W, cur)
+        and there are no logits (None). An architecture whose logits are more than this
+        product (a final softcap) builds them itself and calls `finish`; its training loss
+        then takes the whole logits."""
+        if not self.logits_out:
+            self.head = (weight, cur)
+            return None
+        return self.finish(gg.mul_mat(self.ctx, weight, cur))
 
     def finish(self, logits: Tensor) -> Tensor:
         logits.set_name("result_output")

@@ -55,13 +55,16 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     as llama.cpp's log_softmax; logits [n_seq, rows, n_vocab], targets [n_seq, rows];
     rows in parallel, no temporaries beyond one row."""
     n_seq, n_rows = targets.shape
+    n = n_seq * n_rows
     out = np.empty((n_seq, n_rows), dtype=np.float64)
-    for r in prange(n_seq * n_rows):
-        s, i = r // n_rows, r % n_rows
-        row = logits[s, i]
-        e = np.empty(row.shape[0], dtype=np.float32)
-        m, total = exp_sum(row, e)
-        out[s, i] = np.log(total) - (np.float64(row[targets[s, i]]) - np.float64(m))
+    n_tasks = min(n, 64)  # one scratch row per task, not per row (262,144 floats on Gemma 3)
+    for task in prange(n_tasks):
+        e = np.empty(logits.shape[2], dtype=np.float32)
+        for r in range(task * n // n_tasks, (task + 1) * n // n_tasks):
+            s, i = r // n_rows, r % n_rows
+            row = logits[s, i]
+            m, total = exp_sum(row, e)
+            out[s, i] = np.log(total) - (np.float64(row[targets[s, i]]) - np.float64(m))
     return out
 
 

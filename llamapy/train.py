@@ -22,7 +22,8 @@ With n_ubatch = n_ctx_train a window is one graph and step 1 is empty.
 Labels are token ids, IGNORE (-1) where a prediction does not count (prompts, padding);
 the graph's cross-entropy takes them as ids with a weight per position (0 where ignored),
 never as [n_vocab x n_tokens] one-hot rows, so those positions add no loss and get no
-gradient. The loss of an optimizer step is the mean over the positions
+gradient. The output layer is part of the loss (ggmlpy's linear_cross_entropy): logits and
+their gradient are made a chunk of the vocabulary at a time, never [n_vocab x n_tokens]. The loss of an optimizer step is the mean over the positions
 that count in all its windows (every rank's): the graph's constant loss scale makes it
 the mean over all positions, and each counted row is weighted by positions / counted
 (exactly 1 when every position counts, as in plain text).
@@ -55,7 +56,8 @@ class UbatchGraph:
     the model's forward over a WindowInput, the loss, and its ggmlpy TrainGraph."""
 
     def __init__(self, opt: OptContext, model, n_prev: int, n_tokens: int, inject: bool, loss_scale: float,
-                 adapters=()) -> None:
+                 adapters=(), grad_checkpoint: bool = False, checkpoint_every: int | None = None,
+                 allocator: gg.GraphAllocator | None = None) -> None:
         b = self.builder = GraphBuilder.for_window(model, n_prev, n_tokens, adapters)
         c, attn = b.ctx, b.attn
         logits = model.arch.build(b, model)
@@ -63,8 +65,11 @@ class UbatchGraph:
         # and each position's weight in the step's mean (0 where ignored)
         self.label_ids = c.new_tensor_1d(GGMLType.I32, n_tokens, "label_ids").set_input()
         self.label_weights = c.new_tensor_1d(GGMLType.F32, n_tokens, "label_weights").set_input()
-        loss = gg.scale(c, gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), loss_scale)
-        pred = gg.argmax(c, logits)
+        if b.head is not None:  # the output layer, loss and predictions a chunk of the vocabulary at a time
+            loss, pred = gg.linear_cross_entropy_loss(c, *b.head, self.label_ids, self.label_weights)
+        else:  # logits the architecture built itself
+            loss, pred = gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), gg.argmax(c, logits)
+        loss = gg.scale(c, loss, loss_scale)
         ncorrect = gg.count_equal(c, pred, self.label_ids)
         objective = loss
         self.grad_k: list[Tensor] = []
@@ -75,8 +80,19 @@ class UbatchGraph:
                     g = c.new_tensor(GGMLType.F32, t.ne[:3], f"grad_in.{il}").set_input()
                     grads.append(g)
                     objective = gg.add(c, objective, gg.sum(c, gg.mul(c, t, g)))
+        checkpoints = None
+        self.checkpoint_every = 0  # keep every k-th layer boundary (0: no gradient checkpointing)
+        if grad_checkpoint:
+            if not b.boundaries:
+                raise InputError(f"gradient checkpointing: the {model.arch.name} graph marks no layer boundaries")
+            k = self.checkpoint_every = checkpoint_every or gg.checkpoint_stride(gg.new_graph(objective), b.boundaries)
+            # the residual stream at every k-th layer boundary; and what the loss reads first in
+            # the backward pass: the output layer's input (the fused head recomputes its logits
+            # a chunk at a time) or, for logits an architecture builds itself, the logits
+            checkpoints = b.boundaries[::k] + [b.head[1] if b.head is not None else logits]
         self.train = opt.train_graph(c, objective, loss, inputs=b.inp_tokens, pred=pred, ncorrect=ncorrect,
-                                     outputs=attn.k_cur + attn.v_cur, loss_scale=loss_scale)
+                                     outputs=attn.k_cur + attn.v_cur, loss_scale=loss_scale, checkpoints=checkpoints,
+                                     allocator=allocator)
 
     def kv_prev_grads(self, il: int) -> tuple[np.ndarray, np.ndarray]:
         """The gradients this ubatch's backward sent to the earlier K and V of layer il."""
@@ -116,6 +132,9 @@ class Trainer:
         self.label_weight = 1.0  # of a counted position in the step being trained (begin_step)
         self._t_last = 0.0
         self._graphs: dict[tuple[int, bool], UbatchGraph] = {}
+        # a window's ubatch graphs run one after another and their results are copied out
+        # at once (K/V stores, losses): they share one arena, as large as the largest plan
+        self._allocator = gg.GraphAllocator()
         hp = model.hparams
         self._kv_shape = (hp.n_layer, self.n_ctx, hp.n_head_kv, hp.n_embd_head_k)
         self._vv_shape = (hp.n_layer, self.n_ctx, hp.n_head_kv, hp.n_embd_head_v)
@@ -186,7 +205,7 @@ class Trainer:
     def memory_plan(self) -> dict[str, int]:
         """Bytes the run will hold, known before the first step, each counted once: the
         model's frozen weights (mapped from the file), the trained tensors, their gradients
-        and optimizer state, the planned arenas of a window's ubatch graphs (built here, as
+        and optimizer state, the arena a window's ubatch graphs share (built here, as
         the first window would build them) and the window's K/V stores and their gradients."""
         U = self.n_ctx // self.n_ubatch
         graphs = [self._graph(u * self.n_ubatch, u < U - 1) for u in range(U)]
@@ -197,17 +216,23 @@ class Trainer:
             "trained": sum(t.nbytes() for t in self.trained.values()),
             "gradients": optimizer.grad_flat.nbytes,
             "optimizer state": sum(t.nbytes() for t in optimizer.state.tensors()),
-            "graph arenas": sum(g.train.allocator.arena.nbytes for g in graphs),
+            "graph arenas": sum({id(a): a.arena.nbytes for a in (g.train.allocator for g in graphs)}.values()),
             # stores written only when a window spans several ubatches
             "window K/V": 4 * 2 * (int(np.prod(self._kv_shape)) + int(np.prod(self._vv_shape))) if U > 1 else 0,
         }
+
+    def checkpoint_strides(self) -> list[int]:
+        """With gradient checkpointing, the strides k (every k-th layer boundary kept) the
+        ubatch graphs built so far chose (memory_plan builds a window's graphs)."""
+        return sorted({g.checkpoint_every for g in self._graphs.values() if g.checkpoint_every})
 
     # -- graphs ------------------------------------------------------------------------------
     def _graph(self, n_prev: int, inject: bool) -> UbatchGraph:
         key = (n_prev, inject)
         if key not in self._graphs:
             self._graphs[key] = UbatchGraph(self.opt, self.model, n_prev, self.n_ubatch, inject,
-                                            self.opt.loss_scale, self.lctx.adapters)
+                                            self.opt.loss_scale, self.lctx.adapters, self.params.grad_checkpoint,
+                                            self.params.grad_checkpoint_every, self._allocator)
         return self._graphs[key]
 
     def _eval(self, g: UbatchGraph, backward: bool, window: tuple[np.ndarray, ...], u: int, label_weight: float,

@@ -143,6 +143,11 @@ class TrainParams(BaseModel):
     lora: LoraParams | None = None
     window_bos: bool = False  # training windows start with BOS (see dataset.text_windows)
     grad_clip: float | None = Field(None, gt=0)  # global gradient L2 norm limit (PyTorch's clip_grad_norm_)
+    # gradient checkpointing: keep the residual stream at layer boundaries and recompute
+    # each segment's forward during the backward pass (same gradients, less memory, more time);
+    # grad_checkpoint_every k keeps every k-th boundary (None: the k with the smallest planned peak)
+    grad_checkpoint: bool = False
+    grad_checkpoint_every: int | None = Field(None, ge=1)
 
     @field_validator("optimizer")
     @classmethod
@@ -150,6 +155,12 @@ class TrainParams(BaseModel):
         if "alpha" in optimizer.model_fields_set:
             raise ValueError("set the learning rate with schedule=LRSchedule(lr0=...), not the optimizer's alpha")
         return optimizer
+
+    @model_validator(mode="after")
+    def _checkpoint_stride_needs_checkpointing(self) -> "TrainParams":
+        if self.grad_checkpoint_every is not None and not self.grad_checkpoint:
+            raise ValueError("grad_checkpoint_every needs grad_checkpoint=True")
+        return self
 
     @model_validator(mode="after")
     def _lora_trains_adapters(self) -> "TrainParams":

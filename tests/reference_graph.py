@@ -148,4 +148,19 @@ def _op(node: gg.Tensor, x: list[np.ndarray]) -> np.ndarray:
         log_softmax = logits - mx - np.log(np.exp(logits - mx).sum(axis=-1, keepdims=True))
         rows = -(labels * log_softmax).sum(axis=-1)
         return np.full(shape, rows.sum() / rows.size)
+    if op == Op.LINEAR_CROSS_ENTROPY:
+        return linear_cross_entropy_ref(*x).reshape(shape)
     raise NotImplementedError(f"reference for {op.name}")
+
+
+def linear_cross_entropy_ref(w: np.ndarray, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """ggmlpy's linear_cross_entropy in float64 from the whole logits mul_mat(w, x): per row
+    (weights * (lse - logit at the id), 0 where the id is negative; lse; first argmax)."""
+    logits = mul_mat_ref(w, x)[0]
+    flat = logits.reshape(-1, logits.shape[-1])
+    ids, weights = ids.reshape(-1).astype(np.int64), weights.reshape(-1)
+    mx = flat.max(axis=-1)
+    lse = np.log(np.exp(flat - mx[:, None]).sum(axis=-1)) + mx
+    target = flat[np.arange(flat.shape[0]), np.maximum(ids, 0)]
+    loss = np.where(ids >= 0, weights * (lse - target), 0.0)
+    return np.stack([loss, lse, flat.argmax(axis=-1).astype(np.float64)], axis=-1).reshape(logits.shape[:-1] + (3,))

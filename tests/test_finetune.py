@@ -79,6 +79,39 @@ def test_training_loss_equals_inference_cross_entropy(stories, wiki_tokens):
         assert loss == pytest.approx(nll.mean(), rel=2e-6)
 
 
+def test_output_layer_fused_with_the_loss_equals_the_logits_graph(stories, wiki_tokens, monkeypatch):
+    """The training graph's output layer and loss a chunk of the vocabulary at a time give
+    the loss, accuracy and gradients (the trained output matrix's too) of the graph that
+    makes the whole logits (what an architecture with softcapped logits trains with), with
+    prompt-like positions ignored; and no tensor of the graph is [n_vocab x n_tokens]."""
+    import ggmlpy as gg
+    from llamapy.graph_builder import GraphBuilder
+    from ggmlpy.backend.cpu import linear_ce
+    monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1)  # 16 chunks of 32 tokens of the vocabulary
+    ds = token_windows(wiki_tokens, N_CTX)
+    labels = ds.labels[0].copy()
+    labels[:20] = -1  # IGNORE
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(GraphBuilder, "output", lambda g, w, cur: g.finish(gg.mul_mat(g.ctx, w, cur)))
+        ctx = trainer_for(stories, 64)
+        tr = ctx.trainer
+        result = gg.opt.Result()
+        losses = tr.window(ds.data[0], labels, True, result)
+        graph = tr._graph(0, True).train.backward
+        n_vocab = ctx.model.hparams.n_vocab
+        assert any(t.ne[:2] == (n_vocab, 64) for t in graph.nodes) != fused  # logits or their gradient
+        runs.append((losses, result.ncorrect, grads(ctx), tr.window(ds.data[1], labels, False, None)))
+    (lf, cf, gf, vf), (lu, cu, gu, vu) = runs
+    np.testing.assert_allclose(lf, lu, rtol=1e-6)
+    np.testing.assert_allclose(vf, vu, rtol=1e-6)
+    assert cf == cu
+    assert "output.weight" in gf
+    for name in gf:
+        np.testing.assert_allclose(gf[name], gu[name], rtol=0, atol=1e-5 * np.abs(gu[name]).max(), err_msg=name)
+
+
 def test_gradient_matches_finite_differences_through_split_windows(stories, wiki_tokens):
     """Directional derivative of the window loss along a random direction, for the K
     projection of layer 0 (whose gradient crosses ubatch boundaries) and a norm weight."""

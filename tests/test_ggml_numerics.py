@@ -97,11 +97,19 @@ def test_rows_addressed_by_offset_in_a_shared_buffer(kernels, type):
         np.testing.assert_array_equal(out, reference(type, rows, x))
 
 
-def test_q4_k_rows_not_a_multiple_of_8_keep_the_tile_path():
-    """ggml repacks (and sums in the repacked kernels' order) only Q4_K matrices whose rows are
-    a multiple of 8; others are not claimed by qexact."""
-    assert qexact.supports(T.Q4_K, 64) and not qexact.supports(T.Q4_K, 60)
-    assert qexact.supports(T.Q5_0, 3) and not qexact.supports(T.Q4_0, 64)
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_q4_k_rows_not_a_multiple_of_8_take_the_repacked_order_too(kernels, n):
+    """ggml repacks only Q4_K matrices whose rows are a multiple of 8 (the others it sums with
+    ggml_vec_dot_q4_K_q8_K); here every Q4_K matrix takes the repacked kernels' order, so that
+    a type has one kernel. Q4_0 and Q5_K are not claimed by qexact (qdot.py, the tile path)."""
+    rng = np.random.default_rng(60 + n)
+    m, k = 60, 512
+    rows = quantized_rows(rng, T.Q4_K, m, k)
+    x = activations(rng, n, k)
+    out = np.empty((n, m), F32)
+    mul_mat_q(QuantMatrix.from_bytes(T.Q4_K, rows, k), x, out, Scratch())
+    np.testing.assert_array_equal(out, reference(T.Q4_K, rows, x))
+    assert qexact.supports(T.Q5_0) and not qexact.supports(T.Q4_0) and not qexact.supports(T.Q5_K)
 
 
 def test_the_graph_product_uses_them():

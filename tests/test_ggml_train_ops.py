@@ -370,6 +370,23 @@ def test_cross_entropy_with_label_ids_is_the_dense_one_to_the_bit(rng, shape, la
     assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("sparse", [True, False], ids=["ids", "rows"])
+def test_cross_entropy_rows_share_no_work_row_between_threads(rng, sparse):
+    """Rows in parallel, each thread on its own work row of the backend's scratch: the loss
+    on every thread equals the loss on one, to the bit."""
+    logits, labels = ce_inputs(rng, (1, 1, 32, 100_000), "one_hot", 2.0)  # rows long enough to overlap
+    ids = labels.reshape(32, 100_000).argmax(axis=1).astype(np.int32)
+    results = []
+    for threads in (1, 2):
+        ctx = gg.Context()
+        lab = (ctx.from_numpy(ids.reshape(1, 32), T.I32), ctx.from_numpy(np.ones((1, 32), np.float32))) if sparse \
+            else (ctx.from_numpy(labels),)
+        loss = gg.cross_entropy_loss(ctx, ctx.from_numpy(logits), *lab)
+        gg.compute(gg.new_graph(loss), gg.CpuBackend(threads))
+        results.append(loss.numpy().tobytes())
+    assert results[0] == results[1]
+
+
 @pytest.mark.parametrize("layouts", [("contig", "contig"), ("perm", "contig"), ("trans", "pad"), ("pad", "perm")],
                          ids=lambda l: "-".join(l))
 @pytest.mark.parametrize("kind", ["soft", "one_hot", "weighted"])

@@ -198,6 +198,16 @@ CASES = {
     "cross_entropy_loss_label_ids": (lambda ctx, a: gg.cross_entropy_loss(
         ctx, a, ctx.from_numpy(np.array([[[[3, -1, 6]]]], np.int32), gg.GGMLType.I32),
         ctx.from_numpy(np.array([[[[1.0, 1.0, 2.5]]]], np.float32))), [rn(7, 3, scale=2.0)], None),
+    # the output layer fused with its loss: every field of the rows (loss, log-sum-exp; the
+    # argmax has no gradient) weighted by the check's random W, in the weight and the input
+    "linear_cross_entropy": (lambda ctx, w, x: gg.linear_cross_entropy(
+        ctx, w, x, ctx.from_numpy(np.array([[[[3, -1, 6, 0]]]], np.int32), gg.GGMLType.I32),
+        ctx.from_numpy(np.array([[[[1.0, 1.0, 2.5, 0.0]]]], np.float32))), [rn(5, 7, scale=0.7), rn(5, 4, seed=2)],
+        ["trans", "view"]),
+    "linear_cross_entropy_loss_batched": (lambda ctx, w, x: gg.linear_cross_entropy_loss(
+        ctx, w, x, ctx.from_numpy(np.array([[[1], [4]], [[2], [6]], [[0], [3]]], np.int32), gg.GGMLType.I32),
+        ctx.from_numpy(np.array([[[0.5], [1.0]], [[2.0], [1.0]], [[1.0], [0.0]]], np.float32)))[0],
+        [rn(5, 7, scale=0.7), rn(5, 1, 2, 3, seed=2)], ["view", "contig"]),
     "shared_input_several_uses": (lambda ctx, a: gg.add(ctx, gg.mul(ctx, a, a), gg.mul_mat(ctx, a, a)), [rn(4, 4)], None),
     "attention_block": (_attention, [rn(4, 2, 5), rn(4, 2, 5, seed=2), rn(4, 2, 5, seed=3)], None),
     # the pieces qwen2, qwen3 and Llama 3 add to llama's layer

@@ -164,6 +164,31 @@ def test_gemma3_lora_finetune_lowers_loss_and_perplexity(gemma3_path, wiki_path,
     assert ppl("--lora-scaled", str(adapter), "0") == base
 
 
+@pytest.mark.slow
+def test_gemma3_fused_output_layer_equals_the_logits_graph(gemma3_path, wiki_path, monkeypatch):
+    """Gemma 3's tied 262,144 x 640 Q8_0 head through the chunked output layer and loss gives
+    the window loss and accuracy of the graph that makes the whole logits, and the same
+    LoRA gradients to float rounding (carried back through 18 layers)."""
+    import ggmlpy as gg
+    from llamapy.graph_builder import GraphBuilder
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(GraphBuilder, "output", lambda g, w, cur: g.finish(gg.mul_mat(g.ctx, w, cur)))
+        model = llamapy.load_model(gemma3_path)
+        ctx = llamapy.Context(model, n_ctx=128, n_batch=128, n_ubatch=128, n_threads=1)
+        ctx.opt_init(TrainParams.for_model(model))
+        ds = token_windows(model.vocab.tokenize(wiki_path.read_text()[:2000]), 128)
+        result = gg.opt.Result()
+        losses = ctx.trainer.window(ds.data[0], ds.labels[0], True, result)
+        runs.append((losses, result.ncorrect, {n: ctx.trainer.grad(n).copy() for n in ctx.trainer.trained}))
+    (lf, cf, gf), (lu, cu, gu) = runs
+    np.testing.assert_allclose(lf, lu, rtol=1e-6)
+    assert cf == cu
+    for name in gf:
+        np.testing.assert_allclose(gf[name], gu[name], rtol=0, atol=1e-4 * np.abs(gu[name]).max(), err_msg=name)
+
+
 def test_training_policy_for_a_model(model, stories_path):
     """TrainParams.for_model decides what a user gets by default (the CLI uses it too): full
     finetune at llama.cpp's rate on F32 weights, a rank-8 adapter at 3e-4 on quantized ones."""

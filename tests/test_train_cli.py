@@ -61,8 +61,8 @@ def test_help_lists_the_training_flags_with_defaults(module):
     run = run_app(module, "--help")
     assert run.returncode == 0
     text = re.sub(r"[│╭╮╰╯─]", " ", run.stdout)
-    for flag in ("--warmup", "--lr-schedule", "--cos-restart", "--grad-clip", "--checkpoint-out", "--save-every",
-                 "--checkpoint-in", "--force-resume", "-lr-min", "-lr-half", "--seed"):
+    for flag in ("--warmup", "--lr-schedule", "--cos-restart", "--grad-clip", "--grad-checkpoint", "--checkpoint-out",
+                 "--save-every", "--checkpoint-in", "--force-resume", "-lr-min", "-lr-half", "--seed"):
         assert flag in text, flag
     assert re.search(r"--lr-schedule.*?\[default: exp\]", text, re.S)
     assert re.search(r"--save-every.*?default: only at epoch ends", text, re.S)

@@ -639,13 +639,22 @@ def round_rows_q8_k(x):
         xr = x[r]
         for i in range(nb):
             xo = i * QK_K
-            amax, mx = signed_absmax(xr, xo, QK_K)
-            if amax == 0:
+            d, iscale = activation_superblock_scale(xr, xo)
+            if d == 0:
                 for j in range(QK_K):
                     xr[xo + j] = F32(0.0)
                 continue
-            iscale = F32(-127.0) / mx
-            d = F32(F32(1.0) / iscale)
             for j in range(QK_K):
                 q = min(127, nearest_int(iscale * xr[xo + j]))
                 xr[xo + j] = F32(d * F32(q))
+
+
+@njit(cache=True, inline="always")
+def activation_superblock_scale(xr, xo):
+    """(d, iscale) of the activations' Q8_K super-block at xr[xo:xo + 256] (round_rows_q8_k):
+    q = min(127, nearest_int(iscale * x)) are its integers; (0, 0) for an all-zero block."""
+    amax, mx = signed_absmax(xr, xo, QK_K)
+    if amax == 0:
+        return F32(0.0), F32(0.0)
+    iscale = F32(-127.0) / mx
+    return F32(F32(1.0) / iscale), iscale

@@ -57,5 +57,7 @@ class Architecture:
         return names
 
     def build(self, g, model):
-        """Add the forward graph of one ubatch to GraphBuilder `g`; return the logits."""
+        """Add the forward graph of one ubatch to GraphBuilder `g`, ending with
+        `g.output(output weight, last hidden state)`; return what that returns (the logits,
+        or None in a training window's graph, whose loss takes the output layer)."""
         raise NotImplementedError

@@ -53,6 +53,7 @@ class Gemma3(Architecture):
         inp = gg.scale(c, inp, float(np.sqrt(np.float32(hp.n_embd))))
         for il in range(hp.n_layer):
             blk = f"blk.{il}."
+            g.layer_boundary(inp)
             base = hp.rope_base_of(il)
             cur = g.norm_rms(inp, w(blk + "attn_norm.weight"))
             q = gg.reshape(c, g.mm(blk + "attn_q.weight", cur), hd, hp.n_head, n_tokens)
@@ -73,5 +74,5 @@ class Gemma3(Architecture):
             cur = g.mm(blk + "ffn_down.weight", gg.geglu_split(c, gate, up))
             cur = g.norm_rms(cur, w(blk + "post_ffw_norm.weight"))
             inp = gg.add(c, cur, sa_out)
-        cur = g.norm_rms(inp, w("output_norm.weight"))
-        return g.finish(gg.mul_mat(c, model.output_weight, cur))
+        cur = g.norm_rms(g.layer_boundary(inp), w("output_norm.weight"))
+        return g.output(model.output_weight, cur)

@@ -39,6 +39,7 @@ class Llama(Architecture):
         inp = g.token_embeddings(w("token_embd.weight"))
         for il in range(hp.n_layer):
             blk = f"blk.{il}."
+            g.layer_boundary(inp)
             cur = g.norm_rms(inp, w(blk + "attn_norm.weight"))
             q, k, v = self.queries_keys_values(g, blk, cur)
             cur = g.attention(il, g.rope(q), g.rope(k), v)
@@ -51,5 +52,5 @@ class Llama(Architecture):
             up = g.mm(blk + "ffn_up.weight", cur)
             cur = g.mm(blk + "ffn_down.weight", gg.swiglu_split(c, gate, up))
             inp = gg.add(c, cur, ffn_inp)
-        cur = g.norm_rms(inp, w("output_norm.weight"))
-        return g.finish(gg.mul_mat(c, model.output_weight, cur))
+        cur = g.norm_rms(g.layer_boundary(inp), w("output_norm.weight"))
+        return g.output(model.output_weight, cur)

@@ -5,6 +5,7 @@ a loop of calls, each straight into numpy/BLAS or a numba kernel.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -161,14 +162,21 @@ def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
     k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
     float_kv = (GGMLType.F16, GGMLType.F32)
     if q.ne[1] >= ATT.Q_TILE and k.type == v.type and k.type in float_kv:
+        n_kv = k.ne[1]  # the tiled kernel reads every cell of a tile some row sees: all converted
+
         def run() -> None:
-            ATT.flash_attn_tiled(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type), dv, scale, max_bias,
+            ATT.flash_attn_tiled(qv, k_f32(n_kv), v_f32(n_kv), convert.to_f32(mv, mask_type), dv, scale, max_bias,
                                  softcap, has_mask)
         return run
     half_k, half_v = k.type == GGMLType.F16, v.type == GGMLType.F16
+    n_kv = k.ne[1]
 
     def run_one_chunk() -> None:
-        ATT.flash_attn_one_chunk(qv, k_f32(), v_f32(), convert.to_f32(mv, mask_type), dv, scale, max_bias,
+        mask = convert.to_f32(mv, mask_type)
+        # the one-chunk kernel never reads a masked cell: a decode step converts the cache only
+        # up to the last cell some query sees, not the whole padded length
+        used = K.attn_cells_seen(mask) if has_mask else n_kv
+        ATT.flash_attn_one_chunk(qv, k_f32(used), v_f32(used), mask, dv, scale, max_bias,
                                  softcap, has_mask, half_k, half_v)
     return run_one_chunk
 
@@ -180,24 +188,27 @@ def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
     return False, _EMPTY_F32, GGMLType.F32
 
 
-def _cells_f32(t: Tensor) -> Callable[[], np.ndarray]:
+def _cells_f32(t: Tensor) -> Callable[[int], np.ndarray]:
     """A reader of K or V as the cache stores them, cells first ([n3, n_kv, n_head_kv, d]),
     contiguous float32: the array itself when it is one, else a buffer of its own filled
-    on each call (F16 through numba, several times faster than numpy's cast)."""
+    on each call (F16 through numba, several times faster than numpy's cast) with at
+    least the first `used` cells of each sequence."""
     cells = t.array().transpose(0, 2, 1, 3)
     if t.type == GGMLType.F32 and cells.flags.c_contiguous:
-        return lambda: cells
+        return lambda used: cells
     buf = np.empty(cells.shape, dtype=np.float32)
     if t.type == GGMLType.F16 and cells.flags.c_contiguous:
         bits, flat = cells.reshape(-1).view(np.uint16), buf.reshape(-1)
+        per_cell = math.prod(cells.shape[2:])
 
-        def read_f16() -> np.ndarray:
-            K.f16_to_f32(bits, flat)
+        def read_f16(used: int) -> np.ndarray:
+            n = used * per_cell if cells.shape[0] == 1 else bits.shape[0]  # one sequence: a prefix
+            K.f16_to_f32(bits[:n], flat[:n])
             return buf
         return read_f16
     src_type = t.type
 
-    def read() -> np.ndarray:
+    def read(used: int) -> np.ndarray:
         np.copyto(buf, convert.to_f32(cells, src_type))
         return buf
     return read

@@ -1,11 +1,12 @@
 """Preparers for reductions, tiling and the training ops (losses, `*_back`, optimizer steps)."""
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from ...tensor import Op, Tensor
 from . import train_kernels as TK
-from .kernel_table import KernelTable, Prepared, require_f32
+from .kernel_table import PARALLEL_MIN_ELEMENTS, KernelTable, Prepared, require_f32
 from .plan import Plan
 
 KERNELS = KernelTable()
@@ -116,16 +117,23 @@ def _count_equal(node: Tensor, plan: Plan) -> Prepared:
     return lambda: dv.fill(np.count_nonzero(av == bv))
 
 
-@KERNELS.register(Op.CROSS_ENTROPY_LOSS)
+def _by_logits(node: Tensor) -> bool:
+    """A loss is one number: whether its logits are worth every thread."""
+    return node.src[0].nelements() >= PARALLEL_MIN_ELEMENTS
+
+
+@KERNELS.register(Op.CROSS_ENTROPY_LOSS, parallel=_by_logits)
 def _cross_entropy_loss(node: Tensor, plan: Plan) -> Prepared:
     logits, labels, *weights = node.src
     require_f32(node, logits, *(weights or [labels]))
     lv, dv = logits.array(), node.array()
     rows = np.empty(logits.nrows(), dtype=np.float64)
     kernel, args = _ce_labels(TK.cross_entropy_rows, TK.cross_entropy_rows_ids, labels, weights)
+    n0, scratch = logits.ne[0], plan.scratch
 
     def run() -> None:
-        kernel(lv, *args, rows)
+        threads = numba.get_num_threads()  # one work row per thread, the backend's scratch
+        kernel(lv, *args, rows, scratch.get("cross-entropy rows", threads * n0).reshape(threads, n0))
         dv.fill(np.sum(rows) / rows.shape[0])
     return run
 

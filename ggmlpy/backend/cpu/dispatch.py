@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ...tensor import Op, Tensor
-from . import compute, compute_sampling, compute_train, matmul
+from . import compute, compute_sampling, compute_train, linear_ce, matmul
 from .kernel_table import Kernel, Prepared
 from .plan import Plan
 
@@ -19,7 +19,7 @@ def _merge(*tables: Mapping[Op, Kernel]) -> Mapping[Op, Kernel]:
     return MappingProxyType(merged)
 
 
-KERNELS = _merge(compute.KERNELS, matmul.KERNELS, compute_train.KERNELS, compute_sampling.KERNELS)
+KERNELS = _merge(compute.KERNELS, matmul.KERNELS, compute_train.KERNELS, linear_ce.KERNELS, compute_sampling.KERNELS)
 
 
 def _kernel(node: Tensor) -> Kernel:

@@ -268,6 +268,22 @@ _FMA = {"contract"}
 
 
 @njit(cache=True)
+def attn_cells_seen(mask):
+    """1 + the last cell some row of mask ([m3, m2, n_rows, n_kv]) does not mask (-inf): the
+    cells attention reads."""
+    n_kv = mask.shape[3]
+    hi = 0
+    for i3 in range(mask.shape[0]):
+        for i2 in range(mask.shape[1]):
+            for r in range(mask.shape[2]):
+                j = n_kv
+                while j > hi and mask[i3, i2, r, j - 1] == -np.inf:
+                    j -= 1
+                hi = max(hi, j)
+    return hi
+
+
+@njit(cache=True)
 def _rope_yarn_corr_dim(n_dims, n_ctx_orig, n_rot, base):
     return F32(n_dims) * F32(math.log(F32(n_ctx_orig) / (F32(n_rot) * F32(2.0 * math.pi)))) / (F32(2.0) * F32(math.log(base)))
 

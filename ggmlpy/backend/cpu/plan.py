@@ -8,8 +8,10 @@ a new one, so no caller ever has to clear anything. Checking is cheap: while no 
 anywhere has been bound since the last check, a plan is valid without looking further.
 
 What kernels need besides their operands is owned here too: per-plan tables (RoPE's
-cos/sin of a positions tensor, shared by every rope of the graph) and the backend's
-scratch buffers (ops run one at a time, so one buffer per use serves them all).
+cos/sin of a positions tensor, shared by every rope of the graph), memory one step writes
+for a later step of the same graph to read (a fused loss's softmax-weighted rows, made
+by its forward step while the weight's rows pass through it, for its backward step) and
+the backend's scratch buffers (ops run one at a time, so one buffer per use serves them all).
 """
 from __future__ import annotations
 
@@ -70,9 +72,13 @@ class Plan:
                  prepare: Callable[[Tensor, "Plan"], Callable[[], None]], parallel: Callable[[Tensor], bool]) -> None:
         self.scratch = scratch
         self._rope_tables: dict[tuple, RopeTable] = {}
+        self._shared: dict[tuple, np.ndarray] = {}
+        self._nodes = graph.nodes
+        self._users: dict[int, list[Tensor]] | None = None
         self.n_nodes = len(graph.nodes)
         computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
         self.steps: list[Step] = [(n.op.name, prepare(n, self), parallel(n)) for n in computed]
+        self._nodes, self._users = [], None  # only preparing asks who uses a node
         bases = {id(b): b for n in computed for t in (n, *n.src) for b in (t.view_src or t,)}
         self._bindings = [(t, t.binding) for t in bases.values()]
         self._checked = tensor_module.BINDINGS
@@ -87,6 +93,26 @@ class Plan:
             return False
         self._checked = tensor_module.BINDINGS
         return True
+
+    def users(self, node: Tensor) -> list[Tensor]:
+        """The nodes of this plan's graph that read `node` (a kernel may do more work for a
+        later step that needs it)."""
+        if self._users is None:
+            self._users = {}
+            for n in self._nodes:
+                for s in n.src:
+                    self._users.setdefault(id(s), []).append(n)
+        return self._users.get(id(node), [])
+
+    def shared(self, key: tuple, shape: tuple[int, ...], create: bool = True) -> np.ndarray:
+        """A float32 array of this plan, the same for every step that asks with `key`: one
+        step writes it (create), a later one reads it (it lives as long as the plan)."""
+        buf = self._shared.get(key)
+        if not create and (buf is None or buf.shape != shape):
+            raise KeyError(f"no step of this plan makes {key[0]!r} of shape {shape}")
+        if buf is None or buf.shape != shape:
+            buf = self._shared[key] = np.zeros(shape, dtype=np.float32)
+        return buf
 
     def rope_table(self, pos: Tensor, freq_factors: Tensor | None, args: tuple) -> RopeTable:
         """The table every rope of this plan with these positions, factors and parameters reads."""

@@ -549,10 +549,12 @@ def _q8_k_vnni(scratch, xq, bs16, n: int, k: int, nb: int):
 Q0_BLOCK_BYTES = {GGMLType.Q5_0: 22, GGMLType.Q8_0: 34}
 
 
-def supports(type: GGMLType, m_rows: int) -> bool:
-    """Whether products with a `type` matrix of m_rows rows follow ggml's order here (Q4_K
-    only as ggml repacks it: rows a multiple of 8)."""
-    return type in Q0_BLOCK_BYTES or type == GGMLType.Q6_K or (type == GGMLType.Q4_K and m_rows % 8 == 0)
+def supports(type: GGMLType) -> bool:
+    """Whether products with a `type` matrix follow ggml's order here. (For Q4_K, ggml repacks
+    only matrices whose rows are a multiple of 8 and sums the others with
+    ggml_vec_dot_q4_K_q8_K: those get the repacked kernels' order here too, equal to llama.cpp's
+    to float32 rounding rather than bit for bit.)"""
+    return type in Q0_BLOCK_BYTES or type in (GGMLType.Q4_K, GGMLType.Q6_K)
 
 
 def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:

@@ -6,7 +6,7 @@ rows are independent and run in parallel, row sums are kept in float64 as ggml d
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_thread_id, njit, prange
 
 from ...rowops import exp_sum
 from .kernels import (
@@ -16,6 +16,8 @@ from .kernels import (
     _row_index,
     dot_f64,
     exp_f32,
+    exp_shifted,
+    max_f32,
     sum_f64,
 )
 
@@ -93,13 +95,14 @@ def gelu_back_f32(g, x, dst):
 
 
 @njit(parallel=True, cache=True)
-def cross_entropy_rows(logits, labels, out):
-    """out[r] = -sum(labels * log_softmax(logits)) of row r, in double."""
+def cross_entropy_rows(logits, labels, out, scratch):
+    """out[r] = -sum(labels * log_softmax(logits)) of row r, in double. scratch: a row of
+    work per thread (numba.get_num_threads() x ne0), so no row allocates."""
     n3, n2, n1, n0 = logits.shape
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         row, lab = logits[i3, i2, i1], labels[i3, i2, i1]
-        m, s = exp_sum(row, np.empty(n0, dtype=np.float32))
+        m, s = exp_sum(row, scratch[get_thread_id()])
         log_sum = np.log(s) + np.float64(m)
         out[r] = log_sum * sum_f64(lab) - dot_f64(lab, row)
 
@@ -111,7 +114,8 @@ def cross_entropy_back_f32(d, logits, labels, dst):
     The gradient of the forward for label rows of any sum: ggml's (softmax - labels)
     assumes each row sums to 1; a weighted row scales its gradient and an all-zero row
     (an ignored datapoint) has none. For a distribution the sum is 1.0 and the product by
-    it exact, so those rows get ggml's bits."""
+    it exact, so those rows get ggml's bits. dst may be logits itself (the allocator places
+    the op over the logits): each element is read before it is written."""
     n3, n2, n1, n0 = logits.shape
     n_rows = n3 * n2 * n1
     sc = F32(d / n_rows)
@@ -126,7 +130,7 @@ def cross_entropy_back_f32(d, logits, labels, dst):
 
 
 @njit(parallel=True, cache=True)
-def cross_entropy_rows_ids(logits, ids, weights, out):
+def cross_entropy_rows_ids(logits, ids, weights, out, scratch):
     """cross_entropy_rows for label rows weights[r] * onehot(ids[r]) (nothing where ids[r] < 0),
     without the dense rows: the same double sums, so the same bits."""
     n3, n2, n1, n0 = logits.shape
@@ -137,13 +141,14 @@ def cross_entropy_rows_ids(logits, ids, weights, out):
             out[r] = 0.0
             continue
         row = logits[i3, i2, i1]
-        m, s = exp_sum(row, np.empty(n0, dtype=np.float32))
+        m, s = exp_sum(row, scratch[get_thread_id()])
         out[r] = (np.log(s) + np.float64(m)) * w - w * np.float64(row[t])
 
 
 @njit(parallel=True, cache=True)
 def cross_entropy_back_ids_f32(d, logits, ids, weights, dst):
-    """cross_entropy_back_f32 for label rows weights[r] * onehot(ids[r]) (zero where ids[r] < 0)."""
+    """cross_entropy_back_f32 for label rows weights[r] * onehot(ids[r]) (zero where ids[r] < 0);
+    dst may be logits itself, as there."""
     n3, n2, n1, n0 = logits.shape
     n_rows = n3 * n2 * n1
     sc = F32(d / n_rows)
@@ -227,3 +232,104 @@ def scale_f32(x, factor):
     f = F32(factor)
     for i in prange(x.shape[0]):
         x[i] = x[i] * f
+
+
+# ---- a linear layer followed by cross-entropy (linear_ce.py runs these over chunks of classes) ----
+@njit(parallel=True, cache=True)
+def lce_fold_chunk(z, c0, ids, m, s, arg, zt, rescale):
+    """Fold the logits of classes c0..c0+C (z: (rows, C)) into each row's running max m,
+    sum s = sum(exp(z - m)) (float exp, double sum, as log-softmax), first argmax and
+    target logit zt; z becomes exp(z - m) for the new m (the chunk's softmax numerators),
+    and rescale[r] = exp(m_before - m) is what the row's earlier sums were multiplied by."""
+    n_rows, n_cols = z.shape
+    for r in prange(n_rows):
+        row = z[r]
+        t = ids[r] - c0
+        if 0 <= t < n_cols:
+            zt[r] = row[t]
+        cm = max_f32(row)
+        f = 1.0
+        if cm > m[r]:  # strictly larger: an equal maximum of a later chunk is not the first
+            f = np.exp(np.float64(m[r]) - np.float64(cm)) if m[r] > -np.inf else 0.0
+            s[r] *= f
+            m[r] = cm
+            for i in range(n_cols):
+                if row[i] == cm:
+                    arg[r] = c0 + i
+                    break
+        rescale[r] = f
+        mr = m[r]
+        if mr == -np.inf:  # every logit so far is -inf (or NaN): nothing to add yet
+            for i in range(n_cols):
+                row[i] = F32(0.0) if row[i] == -np.inf else row[i]
+            continue
+        exp_shifted(row, mr)
+        s[r] += sum_f64(row)
+
+
+@njit(parallel=True, cache=True)
+def lce_finish(m, s, zt, ids, weights, arg, out):
+    """out[r] = (weights[r] * (lse_r - zt_r) or 0 where ids[r] < 0, lse_r, argmax_r) with
+    lse_r = log(s_r) + m_r, in double before the float32 store (cross_entropy_rows_ids' sums)."""
+    for r in prange(m.shape[0]):
+        lse = np.log(s[r]) + np.float64(m[r])
+        w = np.float64(weights[r])
+        out[r, 0] = 0.0 if ids[r] < 0 or w == 0.0 else lse * w - w * np.float64(zt[r])
+        out[r, 1] = lse
+        out[r, 2] = F32(arg[r])
+
+
+@njit(parallel=True, cache=True)
+def scale_rows_f32(a, f):
+    """a[r] *= f[r] (float32), skipped where f[r] is 1."""
+    for r in prange(a.shape[0]):
+        if f[r] != 1.0:
+            fr = F32(f[r])
+            for i in range(a.shape[1]):
+                a[r, i] *= fr
+
+
+@njit(parallel=True, cache=True)
+def lce_coefficients(g, ids, weights, a, b):
+    """Per row, the gradient of the loss in the logits is a_r softmax(z_r) - b_r onehot(ids[r]):
+    a = g_lse + weights * g_loss and b = weights * g_loss where the row counts, a = g_lse and
+    b = 0 where it does not (its loss field is constant zero). g: (rows, LCE_FIELDS)."""
+    for r in prange(g.shape[0]):
+        w = weights[r] if ids[r] >= 0 else F32(0.0)
+        b[r] = w * g[r, 0]
+        a[r] = g[r, 1] + b[r]
+
+
+@njit(parallel=True, cache=True)
+def lce_dx(a, b, soft, target, dst):
+    """dst[r] = a_r * soft[r] - b_r * target[r]: soft = softmax(z_r) W, target = W[ids[r]]."""
+    for r in prange(dst.shape[0]):
+        ar, br = a[r], b[r]
+        for i in range(dst.shape[1]):
+            dst[r, i] = ar * soft[r, i] - br * target[r, i]
+
+
+@njit(parallel=True, cache=True)
+def lce_grad_chunk(z, c0, lse, ids, a, b):
+    """z (rows, C), the logits of classes c0..c0+C, becomes the gradient of the loss in them:
+    a_r * exp(z - lse_r) - b_r at the row's label."""
+    n_rows, n_cols = z.shape
+    for r in prange(n_rows):
+        row, lr, ar = z[r], lse[r], a[r]
+        for i in range(n_cols):
+            row[i] = ar * exp_f32(row[i] - lr)
+        t = ids[r] - c0
+        if 0 <= t < n_cols:
+            row[t] -= b[r]
+
+
+@njit(parallel=True, cache=True)
+def lce_grad_probs(p, ids, a, b):
+    """p (rows, classes), each row's softmax, becomes the gradient of the loss in the logits:
+    a_r * p - b_r at the row's label (lce_grad_chunk when the forward kept the softmax)."""
+    for r in prange(p.shape[0]):
+        row, ar = p[r], a[r]
+        for i in range(p.shape[1]):
+            row[i] = ar * row[i]
+        if ids[r] >= 0:
+            row[ids[r]] -= b[r]
