@@ -14,16 +14,30 @@ are row-major floats.
 """
 from __future__ import annotations
 
+import os
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
+from numba.core import config
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 W = 16  # columns per tile: one AVX-512 register of float32
-_FEATURES = llvm.get_host_cpu_features()
-# AVX512-VNNI: integer sums of 4 byte products per lane in one instruction (the same sums)
-VNNI = all(_FEATURES.get(f, False) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
+
+
+def target_features() -> dict[str, bool]:
+    """The CPU features numba compiles for: the host's, or NUMBA_CPU_FEATURES when set (as
+    numba itself decides; NUMBA_CPU_NAME=generic means none)."""
+    if config.CPU_FEATURES is not None:
+        return {f[1:]: f[0] == "+" for f in config.CPU_FEATURES.split(",") if f[:1] in "+-" and len(f) > 1}
+    return dict(llvm.get_host_cpu_features())
+
+
+_VNNI_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512vnni")
+# AVX512-VNNI: integer sums of 4 byte products per lane in one instruction (the same sums).
+# Without it (or with GGMLPY_NO_VNNI=1) the integer sums run as exact float32 vector code.
+VNNI = all(target_features().get(f, False) for f in _VNNI_FEATURES) and not os.environ.get("GGMLPY_NO_VNNI")
 _F = ir.FloatType()
 _D = ir.DoubleType()
 _I32 = ir.IntType(32)
