@@ -180,6 +180,29 @@ def test_soft_max_is_ggmls(n0, max_bias):
         np.testing.assert_array_equal(y.array()[0, h], ref)
 
 
+def test_soft_max_rows_do_not_depend_on_the_masked_cells_after_them():
+    """A training ubatch's attention row spans the cells before it: 16 for the first of
+    n_ubatch 16, 64 in a whole window of 64. A token's weights are the same for every such
+    length that is a multiple of ggml's 16-entry chunks (-inf cells add exactly 0): one of
+    the properties that keep a window's loss independent of n_ubatch (test_gemma3.py)."""
+    rng = np.random.default_rng(4)
+    n_rows = 16
+    x = (rng.standard_normal((1, 2, n_rows, 64)) * 6).astype(F32)
+    mask = np.zeros((1, 1, n_rows, 64), F32)
+    for i in range(n_rows):
+        mask[0, 0, i, i + 1:] = -np.inf
+    outs = {}
+    for n_kv in (16, 32, 48, 64):
+        ctx = gg.Context()
+        y = gg.soft_max_ext(ctx, ctx.from_numpy(np.ascontiguousarray(x[..., :n_kv])),
+                            ctx.from_numpy(np.ascontiguousarray(mask[..., :n_kv])), 0.0625, 0.0)
+        gg.compute(gg.new_graph(y))
+        outs[n_kv] = y.array()
+        assert not outs[n_kv][..., 16:].any()
+    for n_kv in (32, 48, 64):
+        np.testing.assert_array_equal(outs[n_kv][..., :16], outs[16])
+
+
 # ---- flash attention ---------------------------------------------------------------------------
 ATTN = {
     # name: (n_q, n_kv, n_head, n_head_kv, dk, dv, softcap, with_mask, max_bias)
