@@ -23,7 +23,7 @@ from numba import njit, prange
 
 from ...quants import VEC_DOT_TYPE
 from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
-from ...quants.kquants import _scale_min_k4, activation_superblock_scale
+from ...quants.kquants import activation_superblock_scale, scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 
@@ -111,8 +111,8 @@ def _row_q5_k(buf, sbuf, o, x, xd, xs):
         s1 = np.int64(0)
         s2 = np.int64(0)
         for c in range(4):
-            sc1, m1 = _scale_min_k4(2 * c, buf, ob + 4)
-            sc2, m2 = _scale_min_k4(2 * c + 1, buf, ob + 4)
+            sc1, m1 = scale_min_k4(2 * c, buf, ob + 4)
+            sc2, m2 = scale_min_k4(2 * c + 1, buf, ob + 4)
             xo = i * QK_K + 64 * c
             s_lo, s_hi = _isums_nibbles_q5(buf[ob + 48 + 32 * c:ob + 80 + 32 * c], buf[ob + 16:ob + 48], c,
                                            x[xo:xo + 64])
@@ -126,7 +126,16 @@ def _row_q5_k(buf, sbuf, o, x, xd, xs):
 
 
 # ---- the products: rows in parallel, each column in turn ---------------------------------------------
-_Q4_0, _Q5_K = int(GGMLType.Q4_0), int(GGMLType.Q5_K)
+TYPES = (GGMLType.Q4_0, GGMLType.Q5_K)
+_Q4_0 = int(GGMLType.Q4_0)
+
+
+@njit(cache=True, inline="always")
+def _row(type, buf, sbuf, o, x, xd, xs):
+    """Row at buf[o] of a `type` matrix . one column, in float64."""
+    if type == _Q4_0:
+        return _row_q4_0(buf, sbuf, o, x, xd, xs)
+    return _row_q5_k(buf, sbuf, o, x, xd, xs)
 
 
 @njit(parallel=True, cache=True)
@@ -136,13 +145,9 @@ def dot_rows(type, buf, offs, xq, xd, xs, out):
     sbuf = buf.view(np.int8)
     for m in prange(offs.shape[0]):
         for n in range(xq.shape[0]):
-            if type == _Q4_0:
-                out[n, m] = F32(_row_q4_0(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
-            else:
-                out[n, m] = F32(_row_q5_k(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+            out[n, m] = F32(_row(type, buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
 
 
-TYPES = (GGMLType.Q4_0, GGMLType.Q5_K)
 _ACTIVATIONS = {GGMLType.Q8_0: (quantize_activations_q8_0, QK), GGMLType.Q8_K: (quantize_activations_q8_k, QK_K)}
 
 

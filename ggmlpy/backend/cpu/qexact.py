@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
-from ...quants.kquants import _scale_min_k4
+from ...quants.kquants import scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
@@ -279,8 +279,8 @@ def _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin):
             wd[r, i] = d
             wdm[r, i] = dmin
             for c in range(4):
-                sc1, m1 = _scale_min_k4(2 * c, buf, o + 4)
-                sc2, m2 = _scale_min_k4(2 * c + 1, buf, o + 4)
+                sc1, m1 = scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = scale_min_k4(2 * c + 1, buf, o + 4)
                 wmin[r, 8 * i + 2 * c] = F32(m1)
                 wmin[r, 8 * i + 2 * c + 1] = F32(m2)
                 qo = o + 16 + 32 * c
@@ -301,8 +301,8 @@ def _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin):
             wd[i, r] = f16_to_f32(buf[o], buf[o + 1])
             wdm[i, r] = f16_to_f32(buf[o + 2], buf[o + 3])
             for c in range(4):
-                sc1, m1 = _scale_min_k4(2 * c, buf, o + 4)
-                sc2, m2 = _scale_min_k4(2 * c + 1, buf, o + 4)
+                sc1, m1 = scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = scale_min_k4(2 * c + 1, buf, o + 4)
                 wmin[8 * i + 2 * c, r] = F32(m1)
                 wmin[8 * i + 2 * c + 1, r] = F32(m2)
                 qo = o + 16 + 32 * c
@@ -411,7 +411,7 @@ def _q4_k_gemv_vnni(buf, offs, xs, xd, bs32, out, n0):
         for m in range(task * GEMV_ROWS, min(offs.shape[0], task * GEMV_ROWS + GEMV_ROWS)):
             for i in range(nb):
                 for s in range(8):
-                    sc[8 * i + s], mn[8 * i + s] = _scale_min_k4(s, buf, offs[m] + i * 144 + 4)
+                    sc[8 * i + s], mn[8 * i + s] = scale_min_k4(s, buf, offs[m] + i * 144 + 4)
             for n in range(n0, out.shape[0]):
                 out[n, m] = q4_k_row_vnni(buf, offs[m], sc, mn, xs[n], xd[n], bs32[n], nb)
 
