@@ -53,3 +53,20 @@ def test_compile_ahead_child_compiles_the_last_steps_into_the_cache_without_runn
     done = subprocess.run([sys.executable, "-c", AHEAD], capture_output=True, text=True, cwd=REPO_ROOT, env=env,
                           timeout=300)
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_compile_ahead_serialises_numba_cache_saves(tmp_path):
+    """Two processes saving signatures of one function at once must not mix index and data."""
+    from numba.core.caching import IndexDataCacheFile
+    from ggmlpy.backend.cpu import compile_ahead
+    original = IndexDataCacheFile.save
+    try:
+        compile_ahead._lock_cache_saves()
+        compile_ahead._lock_cache_saves()  # idempotent: one lock, not two nested
+        assert IndexDataCacheFile.save.locked and IndexDataCacheFile.save is not original
+        cache = IndexDataCacheFile(str(tmp_path), "f", ("stamp", 1))
+        cache.save("key", b"data")
+        assert cache.load("key") == b"data"
+        assert (tmp_path / ".ggmlpy-save.lock").exists()
+    finally:
+        IndexDataCacheFile.save = original

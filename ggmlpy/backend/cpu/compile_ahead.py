@@ -3,6 +3,10 @@ compiles a plan's kernels from its last step backwards while this process runs t
 from its first. numba loads a kernel from its on-disk cache when it meets a new signature,
 so the two meet in the middle and a first run's compile time is shared between two cores.
 
+Both processes save to the same cache, so its saves are serialised by a file lock (numba
+writes a function's index before its data: two processes saving two signatures of one
+function at once could otherwise pair one's index entry with the other's code).
+
 The child never executes a kernel: numba's OpenMP pool does not survive a fork, and its
 data is whatever the arena held. Every numba call in the child compiles (or loads) the
 kernel for the arguments' types, drops it from memory again and stops that step, so the
@@ -11,6 +15,7 @@ in shared memory), and is killed when the run ends.
 """
 from __future__ import annotations
 
+import fcntl
 import gc
 import mmap
 import os
@@ -19,6 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from numba.core.caching import IndexDataCacheFile
 from numba.core.dispatcher import Dispatcher
 
 
@@ -28,10 +34,27 @@ class _Compiled(Exception):
 
 def available() -> bool:
     """Forking is only safe for a plain process on a system with fork and a spare core:
-    never under MPI (its library does not support fork) or on one core.
+    never under MPI (its library does not support fork) or on one core; and numba must
+    save its cache the way _lock_cache_saves expects.
     GGMLPY_COMPILE_AHEAD=0 turns it off (to compare, bench/cold_start.py)."""
     return (os.environ.get("GGMLPY_COMPILE_AHEAD", "1") != "0" and hasattr(os, "fork")
-            and (os.cpu_count() or 1) > 1 and "mpi4py" not in sys.modules)
+            and (os.cpu_count() or 1) > 1 and "mpi4py" not in sys.modules
+            and hasattr(IndexDataCacheFile, "save"))
+
+
+def _lock_cache_saves() -> None:
+    """Make numba's cache saves exclusive between processes (one lock file per cache folder)."""
+    save = IndexDataCacheFile.save
+    if getattr(save, "locked", False):
+        return
+
+    def locked_save(self: IndexDataCacheFile, key, data) -> None:
+        with open(os.path.join(self._cache_path, ".ggmlpy-save.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            save(self, key, data)
+
+    locked_save.locked = True
+    IndexDataCacheFile.save = locked_save
 
 
 class CompileAhead:
@@ -41,6 +64,7 @@ class CompileAhead:
         self._shared = mmap.mmap(-1, 8)
         self._progress = np.frombuffer(self._shared, dtype=np.int64)
         self._progress[0] = 0
+        _lock_cache_saves()
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
