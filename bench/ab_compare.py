@@ -22,10 +22,11 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from peak_rss import peak_rss_mb  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("LLAMAPY_SHARED", ROOT.parent / "shared"))
@@ -52,17 +53,10 @@ print(f"tg32 = {best:.1f} tokens/s", file=sys.stderr)
 
 def run(checkout: Path, argv: list[str]) -> tuple[str, float]:
     """Run `python argv` from `checkout`; its stderr and peak RSS in MB."""
-    wrapper = ("import resource, subprocess, sys;"
-               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
-               "sys.stderr.write(r.stderr);"
-               "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr);"
-               "sys.exit(r.returncode)")
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    r = subprocess.run([sys.executable, "-c", wrapper, sys.executable, *argv], capture_output=True,
-                       text=True, cwd=checkout, env=env)
+    r, mb = peak_rss_mb([sys.executable, *argv], checkout)
     if r.returncode:
         raise SystemExit(f"{checkout}: {argv[:2]} failed:\n{r.stderr[-3000:]}")
-    return r.stderr, int(re.search(r"PEAK_RSS_KB (\d+)", r.stderr).group(1)) / 1024
+    return r.stderr, mb
 
 
 def measures(tmp: Path, threads: int) -> dict[str, tuple[list[str], str]]:

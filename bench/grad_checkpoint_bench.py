@@ -18,26 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from peak_rss import peak_rss_mb  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("LLAMAPY_SHARED", ROOT.parent / "shared"))
-
-
-def peak_rss_mb(cmd: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
-    """Run cmd in a child and return its result and the child's peak RSS in MB."""
-    wrapper = ("import resource, subprocess, sys;"
-               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
-               "sys.stdout.write(r.stdout); sys.stderr.write(r.stderr);"
-               "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr);"
-               "sys.exit(r.returncode)")
-    env = {**os.environ, "PYTHONPATH": str(cwd)}
-    r = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, cwd=cwd, env=env)
-    kb = int(re.search(r"PEAK_RSS_KB (\d+)", r.stderr).group(1))
-    return r, kb / 1024
 
 
 def configs(tmp: Path) -> dict[str, list[str]]:

@@ -27,8 +27,8 @@ GROUP_MAX_EPS = F32(1e-15)
 
 
 @njit(cache=True, inline="always")
-def _scale_min_k4(j, buf, o):
-    """ggml's get_scale_min_k4: 6-bit scale and min j of the 12 bytes at buf[o]."""
+def scale_min_k4(j, buf, o):
+    """ggml's getscale_min_k4: 6-bit scale and min j of the 12 bytes at buf[o]."""
     if j < 4:
         return np.int32(buf[o + j]) & 63, np.int32(buf[o + j + 4]) & 63
     sc = (np.int32(buf[o + j + 4]) & 0xF) | ((np.int32(buf[o + j - 4]) >> 6) << 4)
@@ -108,8 +108,8 @@ def dequantize_q4_k(buf, offs, dst):
             d = f16_to_f32(buf[o], buf[o + 1])
             dmin = f16_to_f32(buf[o + 2], buf[o + 3])
             for c in range(4):
-                sc1, m1 = _scale_min_k4(2 * c, buf, o + 4)
-                sc2, m2 = _scale_min_k4(2 * c + 1, buf, o + 4)
+                sc1, m1 = scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = scale_min_k4(2 * c + 1, buf, o + 4)
                 d1, mm1 = d * F32(sc1), dmin * F32(m1)
                 d2, mm2 = d * F32(sc2), dmin * F32(m2)
                 base = i * QK_K + 64 * c
@@ -130,8 +130,8 @@ def dequantize_q5_k(buf, offs, dst):
             d = f16_to_f32(buf[o], buf[o + 1])
             dmin = f16_to_f32(buf[o + 2], buf[o + 3])
             for c in range(4):
-                sc1, m1 = _scale_min_k4(2 * c, buf, o + 4)
-                sc2, m2 = _scale_min_k4(2 * c + 1, buf, o + 4)
+                sc1, m1 = scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = scale_min_k4(2 * c + 1, buf, o + 4)
                 d1, mm1 = d * F32(sc1), dmin * F32(m1)
                 d2, mm2 = d * F32(sc2), dmin * F32(m2)
                 base = i * QK_K + 64 * c
@@ -508,7 +508,7 @@ def _quantize_qkx_block(xr, xo, y, o, nmax, rmin, rdelta, nstep, L, Laux, w, sca
     put_f16(y, o + 2, max_min / F32(63.0))
     dd, dm_all = _f16_value(y, o), _f16_value(y, o + 2)
     for j in range(8):
-        sc, m = _scale_min_k4(j, y, so)
+        sc, m = scale_min_k4(j, y, so)
         d = dd * F32(sc)
         if d == 0:
             continue

@@ -21,7 +21,7 @@ from numba import njit, prange
 
 from ...quants import VEC_DOT_TYPE
 from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
-from ...quants.kquants import activation_superblock_scale
+from ...quants.kquants import activation_superblock_scale, scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 
@@ -134,16 +134,6 @@ def _isum_q6_k(wl, wh, shift, g, x):
     return s
 
 
-@njit(cache=True, inline="always")
-def _scale_min_k4(j, buf, o):
-    """ggml's get_scale_min_k4: 6-bit scale and min j of the 12 bytes at buf[o]."""
-    if j < 4:
-        return np.int64(buf[o + j]) & 63, np.int64(buf[o + j + 4]) & 63
-    sc = (np.int64(buf[o + j + 4]) & 0xF) | ((np.int64(buf[o + j - 4]) >> 6) << 4)
-    m = (np.int64(buf[o + j + 4]) >> 4) | ((np.int64(buf[o + j]) >> 6) << 4)
-    return sc, m
-
-
 # ---- one row's dot product per type ----------------------------------------------------------------
 @njit(cache=True, inline="always")
 def _row_q8_0(buf, sbuf, o, x, xd, xs):
@@ -184,8 +174,8 @@ def _row_q4_k(buf, sbuf, o, x, xd, xs):
         s1 = np.int64(0)
         s2 = np.int64(0)
         for c in range(4):
-            sc1, m1 = _scale_min_k4(2 * c, buf, ob + 4)
-            sc2, m2 = _scale_min_k4(2 * c + 1, buf, ob + 4)
+            sc1, m1 = scale_min_k4(2 * c, buf, ob + 4)
+            sc2, m2 = scale_min_k4(2 * c + 1, buf, ob + 4)
             xo = i * QK_K + 64 * c
             s_lo, s_hi = _isums_nibbles(buf[ob + 16 + 32 * c:ob + 48 + 32 * c], x[xo:xo + 64])
             s1 += sc1 * np.int64(s_lo) + sc2 * np.int64(s_hi)
@@ -205,8 +195,8 @@ def _row_q5_k(buf, sbuf, o, x, xd, xs):
         s1 = np.int64(0)
         s2 = np.int64(0)
         for c in range(4):
-            sc1, m1 = _scale_min_k4(2 * c, buf, ob + 4)
-            sc2, m2 = _scale_min_k4(2 * c + 1, buf, ob + 4)
+            sc1, m1 = scale_min_k4(2 * c, buf, ob + 4)
+            sc2, m2 = scale_min_k4(2 * c + 1, buf, ob + 4)
             xo = i * QK_K + 64 * c
             s_lo, s_hi = _isums_nibbles_q5(buf[ob + 48 + 32 * c:ob + 80 + 32 * c], buf[ob + 16:ob + 48], c,
                                            x[xo:xo + 64])
@@ -238,62 +228,42 @@ def _row_q6_k(buf, sbuf, o, x, xd, xs):
 
 
 # ---- the products: rows in parallel, each column in turn ---------------------------------------------
-@njit(parallel=True, cache=True)
-def dot_q8_0(buf, offs, xq, xd, xs, out):
-    sbuf = buf.view(np.int8)
-    for m in prange(offs.shape[0]):
-        for n in range(xq.shape[0]):
-            out[n, m] = F32(_row_q8_0(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+_ROWS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = (int(t) for t in _ROWS)
+
+
+@njit(cache=True, inline="always")
+def _row(type, buf, sbuf, o, x, xd, xs):
+    """Row at buf[o] of a `type` matrix . one column, in float64."""
+    if type == _Q8_0:
+        return _row_q8_0(buf, sbuf, o, x, xd, xs)
+    if type == _Q4_0:
+        return _row_q4_0(buf, sbuf, o, x, xd, xs)
+    if type == _Q5_0:
+        return _row_q5_0(buf, sbuf, o, x, xd, xs)
+    if type == _Q4_K:
+        return _row_q4_k(buf, sbuf, o, x, xd, xs)
+    if type == _Q5_K:
+        return _row_q5_k(buf, sbuf, o, x, xd, xs)
+    return _row_q6_k(buf, sbuf, o, x, xd, xs)
 
 
 @njit(parallel=True, cache=True)
-def dot_q4_0(buf, offs, xq, xd, xs, out):
+def dot_rows(type, buf, offs, xq, xd, xs, out):
+    """out[n, m] = row m of a `type` matrix (bytes at buf[offs[m]]) . activation column n.
+    One kernel for every type: one compilation, one cache entry (the branch is per row)."""
     sbuf = buf.view(np.int8)
     for m in prange(offs.shape[0]):
         for n in range(xq.shape[0]):
-            out[n, m] = F32(_row_q4_0(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
+            out[n, m] = F32(_row(type, buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
 
 
-@njit(parallel=True, cache=True)
-def dot_q5_0(buf, offs, xq, xd, xs, out):
-    sbuf = buf.view(np.int8)
-    for m in prange(offs.shape[0]):
-        for n in range(xq.shape[0]):
-            out[n, m] = F32(_row_q5_0(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
-
-
-@njit(parallel=True, cache=True)
-def dot_q4_k(buf, offs, xq, xd, xs, out):
-    sbuf = buf.view(np.int8)
-    for m in prange(offs.shape[0]):
-        for n in range(xq.shape[0]):
-            out[n, m] = F32(_row_q4_k(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
-
-
-@njit(parallel=True, cache=True)
-def dot_q5_k(buf, offs, xq, xd, xs, out):
-    sbuf = buf.view(np.int8)
-    for m in prange(offs.shape[0]):
-        for n in range(xq.shape[0]):
-            out[n, m] = F32(_row_q5_k(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
-
-
-@njit(parallel=True, cache=True)
-def dot_q6_k(buf, offs, xq, xd, xs, out):
-    sbuf = buf.view(np.int8)
-    for m in prange(offs.shape[0]):
-        for n in range(xq.shape[0]):
-            out[n, m] = F32(_row_q6_k(buf, sbuf, offs[m], xq[n], xd[n], xs[n]))
-
-
-DOT_KERNELS = {GGMLType.Q8_0: dot_q8_0, GGMLType.Q4_0: dot_q4_0, GGMLType.Q5_0: dot_q5_0,
-               GGMLType.Q4_K: dot_q4_k, GGMLType.Q5_K: dot_q5_k, GGMLType.Q6_K: dot_q6_k}
 _ACTIVATIONS = {GGMLType.Q8_0: (quantize_activations_q8_0, QK), GGMLType.Q8_K: (quantize_activations_q8_k, QK_K)}
 
 
 def supports(type: GGMLType, n_columns: int) -> bool:
     """Whether a product with `n_columns` activation columns takes the integer path."""
-    return type in DOT_KERNELS and 0 < n_columns <= MAX_COLUMNS
+    return type in _ROWS and 0 < n_columns <= MAX_COLUMNS
 
 
 def mul_mat_dot(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:
@@ -304,4 +274,4 @@ def mul_mat_dot(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray
     xd = scratch.get("act_d", n * (k // block)).reshape(n, k // block)
     xs = scratch.get("act_sums", n * (k // QK)).reshape(n, k // QK)
     quantize(np.ascontiguousarray(x), xq, xd, xs)
-    DOT_KERNELS[type](buf, offs, xq, xd, xs, out)
+    dot_rows(int(type), buf, offs, xq, xd, xs, out)
