@@ -94,6 +94,10 @@ class CompileAhead:
 
 
 def _compile_backwards(steps: Sequence[Callable[[], None]], progress: np.ndarray) -> None:
+    # Ctrl-C reaches the whole process group: the parent's handlers (a trainer saving its
+    # checkpoint) must not run here too; the parent ends this process itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.nice(5)  # the run in the parent comes first when the cores are busy
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
