@@ -39,7 +39,8 @@ def commands(threads: int) -> dict[str, list[str]]:
 def run(cmd: list[str], ahead: bool) -> tuple[float, float | None]:
     """Wall seconds of the command and, for a finetune, its printed start-up seconds."""
     with tempfile.TemporaryDirectory(prefix="cold-") as tmp:
-        env = {**os.environ, "NUMBA_CACHE_DIR": tmp, "GGMLPY_COMPILE_AHEAD": "1" if ahead else "0"}
+        env = {**os.environ, "NUMBA_CACHE_DIR": tmp, "GGMLPY_COMPILE_AHEAD": "1" if ahead else "0",
+               "PYTHONPATH": str(REPO)}
         t0 = time.perf_counter()
         done = subprocess.run([c.format(tmp=tmp) for c in cmd], cwd=tmp, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0
