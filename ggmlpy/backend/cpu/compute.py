@@ -16,7 +16,7 @@ from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import kernels as K
 from .gemm import matmul
-from .kernel_table import KernelTable, Prepared, require_f32
+from .kernel_table import KernelTable, Prepared, read_only, require_f32
 from .plan import Plan
 
 KERNELS = KernelTable()
@@ -47,15 +47,14 @@ _BINARY_CODE = {Op.ADD: K.OP_ADD, Op.SUB: K.OP_SUB, Op.MUL: K.OP_MUL, Op.DIV: K.
 @KERNELS.register(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
 def _binary(node: Tensor, plan: Plan) -> Prepared:
     """Rows of a with rows of b repeated over them (the layers' adds and norm weights) go
-    through a parallel numba kernel, split by rows as the products around them are, so each
-    thread finds its rows in its own cache; other broadcasts through numpy."""
+    through a numba kernel; other broadcasts through numpy."""
     a, b = node.src
     require_f32(node, a, b, node)
     av, bv, dv = a.array(), b.array(), node.array()
     n0 = av.shape[-1]
     if all(x.flags.c_contiguous for x in (av, bv, dv)) and av.shape == dv.shape and bv.shape[-1] == n0 \
             and _rows_repeat(av.shape, bv.shape):
-        a2, b2, d2 = av.reshape(-1, n0), bv.reshape(-1, n0), dv.reshape(-1, n0)
+        a2, b2, d2 = read_only(av.reshape(-1, n0)), read_only(bv.reshape(-1, n0)), dv.reshape(-1, n0)
         code = _BINARY_CODE[node.op]
         return lambda: K.binary_rows_f32(a2, b2, d2, code)
     ufunc = _BINARY[node.op]
@@ -280,6 +279,7 @@ def _get_rows(node: Tensor, plan: Plan) -> Prepared:
         i12 = np.arange(idx.shape[0])[:, None, None]
         i11 = np.arange(idx.shape[1])[None, :, None]
         return lambda: np.copyto(dv, convert.to_f32(av[i12, i11, idx], a.type))
+    av, idx = read_only(av), read_only(idx)
     return lambda: K.get_rows(av, idx, dv)
 
 
