@@ -180,7 +180,56 @@ def llamapy_eval(args) -> None:
     Path(args.out_prefix + ".json").write_text(json.dumps(dict(window_losses=[float(x) for x in result.losses])))
 
 
+def llamapy_profile(args) -> None:
+    """--profile: seconds per op (and per op and source types) of the main job's training
+    windows, through Context.opt_fit as the CLI calls it, after one warm-up epoch."""
+    from collections import Counter, defaultdict
+
+    import ggmlpy.backend.cpu.plan as plan_module
+    from ggmlpy.registry import OPS, OpKind
+    from llamapy import Context, load_model
+    from llamapy.dataset import TokenWindows
+    from llamapy.train_params import TrainParams
+    data = np.load(args.data)
+    cfg = json.loads(str(data["config"]))
+    labels_by_plan: dict[int, list[str]] = {}
+    original_init = plan_module.Plan.__init__
+
+    def labelled_init(self, graph, *a, **kw):  # op names with their sources' types
+        original_init(self, graph, *a, **kw)
+        computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
+        self.steps = [(f"{n.op.name}({','.join(t.type.name for t in n.src[:2] if t is not None)})", run, par)
+                      for n, (_, run, par) in zip(computed, self.steps)]
+    plan_module.Plan.__init__ = labelled_init
+    m = load_model(args.model)
+    n_win = min(cfg["windows"], args.profile_windows)
+    ds = TokenWindows(cfg["n_tokens"], cfg["n_ctx"], cfg["stride"], n_win)
+    ds.data[:], ds.labels[:] = data["tokens"][:n_win], data["labels"][:n_win]
+    ctx = Context(m, n_ctx=cfg["n_ctx"], n_batch=cfg["n_ctx"], n_ubatch=512, n_threads=args.threads)
+    ctx.opt_init(TrainParams.for_model(m))
+    ctx.opt_fit(ds, epochs=1, val_split=0.0, seed=0, silent=True)  # warm-up: graphs, plans, kernels
+    prof = ctx.backend.enable_profile()
+    calls: Counter[str] = Counter()
+    run = ctx.backend._run
+
+    def counting_run(plan):
+        calls.update(name for name, _, _ in plan.steps)
+        run(plan)
+    ctx.backend._run = counting_run
+    t0 = time.perf_counter()
+    ctx.opt_fit(ds, epochs=1, val_split=0.0, seed=1, silent=True)
+    wall = time.perf_counter() - t0
+    by_op: dict[str, float] = defaultdict(float)
+    for name, sec in prof.items():
+        by_op[name.split("(")[0]] += sec
+    Path(args.out_prefix + ".json").write_text(json.dumps(dict(
+        windows=n_win, wall_seconds=wall, op_seconds=sum(prof.values()), by_label=dict(prof),
+        calls=dict(calls), by_op=dict(by_op), threads=args.threads)))
+
+
 def llamapy_half(args) -> None:
+    if args.profile:
+        return llamapy_profile(args)
     if args.eval_only:
         return llamapy_eval(args)
     t_start = time.perf_counter()
@@ -302,7 +351,8 @@ def run_half(which: str, args, data_path: Path, prefix: Path) -> dict:
         env.pop("PYTHONPATH", None)  # the torch venv must not pick up llamapy or its numpy
     cmd = [py, str(Path(__file__).resolve()), "--half", which, "--data", str(data_path), "--out-prefix",
            str(prefix), "-t", str(args.threads), "--model", str(args.model_path)] \
-        + (["--model-given"] if args.model else []) + (["--eval-only"] if args.check else [])
+        + (["--model-given"] if args.model else []) + (["--eval-only"] if args.check else []) \
+        + (["--profile", "--profile-windows", str(args.profile_windows)] if args.profile else [])
     load_before = load_average()
     log = open(str(prefix) + ".log", "w")
     t0 = time.perf_counter()
@@ -316,7 +366,7 @@ def run_half(which: str, args, data_path: Path, prefix: Path) -> dict:
     res = json.loads(Path(str(prefix) + ".json").read_text())
     res.update(wall_seconds=wall, load_before=load_before, load_after=load_average(),
                peak_rss_mb=int(r.stderr.rsplit("PEAK_RSS_KB", 1)[1].split()[0]) / 1024)
-    if which == "llamapy" and not args.check:  # the CLI's own lines, for the record
+    if which == "llamapy" and not (args.check or args.profile):  # the CLI's own lines, for the record
         res["cli_lines"] = [ln for ln in r.stderr.splitlines() if ln.startswith(("finetune:", "memory:", "epoch", " "))]
     return res
 
@@ -337,18 +387,24 @@ def bench(args, work: Path) -> None:
           f"eps {cfg['eps']:g} wd {cfg['wd']:g}; -t {args.threads}", flush=True)
     if args.check:
         return check(args, data_path, work)
+    if args.profile:
+        return profile(args, data_path, work)
     runs: dict[str, list[dict]] = {"llamapy": [], "torch": []}
     for rnd in range(args.rounds):
-        order = ("llamapy", "torch") if rnd % 2 == 0 else ("torch", "llamapy")
+        order = ("llamapy", "torch") if (rnd + args.torch_first) % 2 == 0 else ("torch", "llamapy")
         for which in order:
             res = run_half(which, args, data_path, work / f"{which}-{rnd}")
             runs[which].append(res)
-            vals = ", ".join(f"{v:.4f}" for v in res["val_losses"] if v is not None)
-            print(f"round {rnd + 1} {which:7s}: {res['tokens_per_second']:7.1f} training tokens/s (first step "
-                  f"{res['startup_seconds']:.1f} s), whole command {res['wall_seconds']:6.1f} s, peak RSS "
-                  f"{res['peak_rss_mb']:6.0f} MB, step-0 loss {res['step_losses'][0]:.5f}, val loss per epoch "
-                  f"[{vals}]; load {res['load_before']} -> {res['load_after']}", flush=True)
+            print_round(rnd, which, res)
     summarize(args, cfg, runs)
+
+
+def print_round(rnd: int, which: str, res: dict) -> None:
+    vals = ", ".join(f"{v:.4f}" for v in res["val_losses"] if v is not None)
+    print(f"round {rnd + 1} {which:7s}: {res['tokens_per_second']:7.1f} training tokens/s (first step "
+          f"{res['startup_seconds']:.1f} s), whole command {res['wall_seconds']:6.1f} s, peak RSS "
+          f"{res['peak_rss_mb']:6.0f} MB, step-0 loss {res['step_losses'][0]:.5f}, val loss per epoch "
+          f"[{vals}]; load {res['load_before']} -> {res['load_after']}", flush=True)
 
 
 def check(args, data_path: Path, work: Path) -> None:
@@ -360,6 +416,22 @@ def check(args, data_path: Path, work: Path) -> None:
     print(f"check: base-model loss per window, llamapy - torch over {len(d)} windows: mean {d.mean():+.5f}, "
           f"max |diff| {np.abs(d).max():.5f}, relative {np.abs(d / b).max():.2e}; mean llamapy {a.mean():.5f}, "
           f"torch {b.mean():.5f}; load {load_average()}")
+
+
+def profile(args, data_path: Path, work: Path) -> None:
+    r = run_half("llamapy", args, data_path, work / "profile")
+    n, wall, ops = r["windows"], r["wall_seconds"], r["op_seconds"]
+    print(f"profile: llamapy, {n} training windows of the main job (after a warm-up epoch), -t {args.threads}: "
+          f"{wall / n:.2f} s per window ({n * 256 / wall:.1f} tokens/s), of which {ops / n:.2f} s in op kernels "
+          f"and {(wall - ops) / n:.2f} s outside them; load {r['load_before']} -> {r['load_after']}")
+    print("by op:")
+    for op, sec in sorted(r["by_op"].items(), key=lambda kv: -kv[1])[:args.profile_top]:
+        print(f"  {op:22s} {sec / n:7.3f} s/window  {100 * sec / ops:5.1f}%")
+    print("by op and source types:")
+    for label, sec in sorted(r["by_label"].items(), key=lambda kv: -kv[1])[:args.profile_top]:
+        c = r["calls"].get(label, 0)
+        print(f"  {label:40s} {sec / n:7.3f} s/window  {100 * sec / ops:5.1f}%  {c // n:5d} calls/window  "
+              f"{1e3 * sec / max(c, 1):8.2f} ms/call")
 
 
 def summarize(args, cfg: dict, runs: dict) -> None:
@@ -409,11 +481,19 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=0, help="epochs (default: the CLI's, 2; --quick: 1)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_CHARS} characters, one epoch: checks the script")
     ap.add_argument("--model", help="GGUF (default: the CLI's, Gemma 3 270M Q4_K_M)")
+    ap.add_argument("--torch-first", action="store_true", help="torch runs first in odd rounds (default: llamapy)")
+    ap.add_argument("--summarize", type=Path, metavar="DIR",
+                    help="only print the summary of the runs kept in DIR (a --work directory), e.g. after a "
+                         "run was stopped between rounds")
     ap.add_argument("--torch-python", default=DEFAULT_TORCH_PYTHON)
     ap.add_argument("--json", type=Path, help="also write every run's numbers here")
     ap.add_argument("--work", type=Path, help="keep the files (windows, logs, adapters) here")
     ap.add_argument("--check", action="store_true",
                     help="no training: the base model's loss on every window, llamapy (opt_evaluate) and torch")
+    ap.add_argument("--profile", action="store_true",
+                    help="no torch: llamapy's seconds per op over --profile-windows training windows of the main job")
+    ap.add_argument("--profile-windows", type=int, default=6)
+    ap.add_argument("--profile-top", type=int, default=20)
     ap.add_argument("--eval-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--half", choices=("llamapy", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -428,6 +508,19 @@ def main() -> None:
         raise SystemExit(f"no PyTorch at {args.torch_python}: python -m venv /work/torchvenv && /work/torchvenv/bin/pip "
                          "install torch==2.13.0 transformers peft gguf sentencepiece numpy")
     sys.path.insert(0, str(ROOT))
+    if args.summarize:
+        data = np.load(args.summarize / "windows.npz")
+        cfg = json.loads(str(data["config"]))
+        runs = {w: [json.loads(p.read_text()) for p in sorted(args.summarize.glob(f"{w}-[0-9]*.json"),
+                                                                 key=lambda p: int(p.stem.split("-")[1]))]
+                for w in ("llamapy", "torch")}
+        n = min(len(runs["llamapy"]), len(runs["torch"]))
+        runs = {w: r[:n] for w, r in runs.items()}
+        args.rounds = n
+        for rnd in range(n):
+            for w in ("llamapy", "torch"):
+                print_round(rnd, w, runs[w][rnd])
+        return summarize(args, cfg, runs)
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
         bench(args, args.work)
