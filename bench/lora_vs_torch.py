@@ -47,13 +47,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from peak_rss import peak_rss_mb  # bench/, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TORCH_PYTHON = "/work/torchvenv/bin/python"
@@ -62,13 +63,6 @@ HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
             "ffn_down": "mlp.down_proj"}
 QUICK_CHARS, QUICK_EPOCHS = 4000, 1
-
-# a wrapper process runs one half and reports its peak RSS (the largest child's ru_maxrss)
-_WRAPPER = ("import resource, subprocess, sys;"
-            "r = subprocess.run(sys.argv[1:]);"
-            "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr);"
-            "sys.exit(r.returncode)")
-
 
 # ================================================================================================
 # the torch half (runs in the torch venv: imports torch, transformers, peft and numpy only)
@@ -359,18 +353,15 @@ def run_half(which: str, args, data_path: Path, prefix: Path) -> dict:
         + (["--model-given"] if args.model else []) + (["--eval-only"] if args.check else []) \
         + (["--profile", "--profile-windows", str(args.profile_windows)] if args.profile else [])
     load_before = load_average()
-    log = open(str(prefix) + ".log", "w")
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], stdout=log, stderr=subprocess.PIPE, text=True,
-                       env=env, cwd=ROOT)
+    r, peak_mb = peak_rss_mb(cmd, ROOT, env)
     wall = time.perf_counter() - t0
-    log.write(r.stderr)
-    log.close()
+    Path(str(prefix) + ".log").write_text(r.stdout + r.stderr)
     if r.returncode:
         raise SystemExit(f"{which} half failed (log {prefix}.log):\n{r.stderr[-3000:]}")
     res = json.loads(Path(str(prefix) + ".json").read_text())
     res.update(wall_seconds=wall, load_before=load_before, load_after=load_average(),
-               peak_rss_mb=int(r.stderr.rsplit("PEAK_RSS_KB", 1)[1].split()[0]) / 1024)
+               peak_rss_mb=peak_mb)
     if which == "llamapy" and not (args.check or args.profile):  # the CLI's own lines, for the record
         res["cli_lines"] = [ln for ln in r.stderr.splitlines() if ln.startswith(("finetune:", "memory:", "epoch", " "))]
     return res
