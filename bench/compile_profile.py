@@ -26,6 +26,7 @@ class CompileTimes(event.Listener):
     def __init__(self) -> None:
         self.started: dict[int, float] = {}
         self.seconds: dict[str, float] = {}
+        self.compiles: dict[str, int] = {}
 
     def on_start(self, ev) -> None:
         self.started[id(ev.data["dispatcher"])] = time.process_time()
@@ -36,6 +37,7 @@ class CompileTimes(event.Listener):
         if t0 is not None:
             name = f"{d.py_func.__module__}.{d.py_func.__qualname__}"
             self.seconds[name] = self.seconds.get(name, 0.0) + time.process_time() - t0
+            self.compiles[name] = self.compiles.get(name, 0) + 1
 
 
 def main() -> None:
@@ -50,9 +52,9 @@ def main() -> None:
     except SystemExit:
         pass
     print(f"\n{module}: {time.process_time() - cpu0:.1f} s CPU, {time.perf_counter() - wall0:.1f} s wall; "
-          "compile CPU seconds by function (nested included):", file=sys.stderr)
+          "compile CPU seconds by function (nested included), and how many signatures:", file=sys.stderr)
     for name, s in sorted(times.seconds.items(), key=lambda kv: -kv[1])[:30]:
-        print(f"  {s:6.2f}  {name}", file=sys.stderr)
+        print(f"  {s:6.2f}  x{times.compiles[name]:<2d} {name}", file=sys.stderr)
 
 
 if __name__ == "__main__":

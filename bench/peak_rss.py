@@ -14,9 +14,10 @@ _WRAPPER = ("import resource, subprocess, sys;"
             "sys.exit(r.returncode)")
 
 
-def peak_rss_mb(cmd: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
-    """Run cmd from checkout `cwd` (on its PYTHONPATH); its result and peak RSS in MB."""
-    env = {**os.environ, "PYTHONPATH": str(cwd)}
+def peak_rss_mb(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run cmd from checkout `cwd` (on its PYTHONPATH unless `env` is given); its result and
+    peak RSS in MB (the largest of the command's processes)."""
+    env = env if env is not None else {**os.environ, "PYTHONPATH": str(cwd)}
     r = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True, cwd=cwd, env=env)
     kb = int(re.search(r"PEAK_RSS_KB (\d+)", r.stderr).group(1))
     return r, kb / 1024

@@ -8,7 +8,7 @@ sequences decode side by side as one batched attention (what llama.cpp does when
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 import ggmlpy
 from ggmlpy import GGMLType, Tensor
@@ -303,14 +303,14 @@ class KVMemory:
         return max(c.seq_pos_min(seq) for c in self.caches)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def fill_kq_mask(cell_pos, cell_seqs, tok_pos, tok_bits, n_swa, mask):
     """mask[j, 0, i, c] = 0 where token i of stream j (position tok_pos, sequence bit
     tok_bits) may attend to cell c of that stream (position cell_pos, sequence bits
     cell_seqs), -inf elsewhere: the cell holds one of the token's sequences at an earlier
     or equal position, less than n_swa back when n_swa > 0."""
     n_seqs, n_tok, n_kv = mask.shape[0], mask.shape[2], cell_pos.shape[1]
-    for t in prange(n_seqs * n_tok):
+    for t in range(n_seqs * n_tok):
         j, i = t // n_tok, t % n_tok
         p, bit = tok_pos[t], tok_bits[t]
         row = mask[j, 0, i]

@@ -6,7 +6,6 @@ llama.cpp's perplexities and greedy texts on them are in ../shared/golden.
 from __future__ import annotations
 
 import filecmp
-import json
 import os
 import subprocess
 import sys
@@ -29,12 +28,6 @@ from golden import running_ppl
 
 MODELS = ["qwen2", "qwen3", "rope-freqs"]
 REL = 1e-4  # acceptance: llama.cpp's running values [1], [10], [100] and the final one to 1e-4
-# With 32-token ubatches llama.cpp itself computes attention by another kernel (ggml's one-chunk
-# flash attention under 64 query rows, which accumulates in F16) and so does llamapy: compared
-# with llama.cpp's own -ub 32 run (tests/record_small_ubatch_perplexity.py). These models' F32
-# products are not summed in ggml's order (BLAS), a difference that kernel amplifies to ~1.5e-4.
-UB32 = json.loads((REPO_ROOT / "tests" / "data" / "llama_cpp_stories260K_ub32.json").read_text(encoding="utf-8"))
-REL_UB32 = 3e-4
 
 
 def model_path(name: str):
@@ -61,14 +54,11 @@ def stories():
 def test_perplexity_matches_llama_cpp(name, n_ubatch, wiki_tokens):
     assert len(wiki_tokens) >= 100 * 128
     golden = running_ppl(shared_path("golden", f"ppl_stories260K-{name}_wiki_c128_ch100.txt"))
-    rel = REL
-    if n_ubatch == 32:
-        golden, rel = {int(i): v for i, v in UB32["running"][name].items()}, REL_UB32
     result = perplexity(llamapy.load_model(model_path(name)), wiki_tokens, n_ctx=128, n_batch=128, n_ubatch=n_ubatch,
                         n_chunks=100)
     for chunk in (1, 10, 100):
-        assert result.running[chunk - 1] == pytest.approx(golden[chunk], rel=rel), f"[{chunk}]"
-    assert result.ppl == pytest.approx(golden[100], rel=rel)  # llama.cpp's final estimate is its last running value
+        assert result.running[chunk - 1] == pytest.approx(golden[chunk], rel=REL), f"[{chunk}]"
+    assert result.ppl == pytest.approx(golden[100], rel=REL)  # llama.cpp's final estimate is its last running value
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -207,13 +207,13 @@ def test_soft_max_rows_do_not_depend_on_the_masked_cells_after_them():
 ATTN = {
     # name: (n_q, n_kv, n_head, n_head_kv, dk, dv, softcap, with_mask, max_bias)
     "tiled_gemma": (70, 150, 4, 1, 256, 256, 0.0, True, 0.0),
-    "tiled_small_heads": (64, 64, 2, 2, 8, 8, 0.0, True, 0.0),
+    "tiled_head_48": (64, 64, 2, 2, 48, 48, 0.0, True, 0.0),  # heads <= 32: small_head_attention.py
     "tiled_dk_ne_dv": (96, 130, 2, 1, 64, 32, 0.0, True, 0.0),
     "tiled_softcap_alibi": (64, 80, 4, 2, 80, 80, 30.0, True, 8.0),
     "tiled_no_mask": (65, 20, 2, 1, 64, 64, 0.0, False, 0.0),
     "one_chunk_gemma": (1, 200, 4, 1, 256, 256, 0.0, True, 0.0),
     "one_chunk_prompt": (13, 40, 4, 2, 64, 64, 0.0, True, 0.0),
-    "one_chunk_small_heads": (5, 17, 2, 1, 8, 8, 50.0, True, 0.0),
+    "one_chunk_softcap": (5, 17, 2, 1, 48, 48, 50.0, True, 0.0),
 }
 
 

@@ -22,3 +22,51 @@ def test_an_empty_numba_cache_is_seen_and_a_filled_one_is_not(tmp_path):
     rms_norm_f32(x, np.empty_like(x), 1e-5)  # compiled (and cached) by now, if not before
     assert probe({**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}) == "False"
     assert probe(dict(os.environ)) == "True"
+
+
+AHEAD = """
+import mmap, os
+import numpy as np
+from ggmlpy.backend.cpu import kernels as K
+from ggmlpy.backend.cpu.compile_ahead import CompileAhead
+
+x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(1, 1, 4, 16)
+shared = np.frombuffer(mmap.mmap(-1, x.nbytes), dtype=np.float32).reshape(x.shape)  # seen by both processes
+norm = np.empty_like(x)
+steps = [lambda: K.rms_norm_f32(x, norm, 1e-5), lambda: K.silu_f32(x, shared)]
+ahead = CompileAhead(steps)
+_, status = os.waitpid(ahead.pid, 0)  # the child compiles the last step and stops before the first
+assert os.WEXITSTATUS(status) == 0
+assert not shared.any(), "the child ran a kernel"
+assert not K.silu_f32.signatures and not K.rms_norm_f32.signatures
+for step in steps:
+    step()
+assert sum(K.silu_f32._cache_hits.values()) == 1, "silu was not loaded from the child's cache entry"
+assert sum(K.rms_norm_f32._cache_misses.values()) == 1, "rms_norm should have been left to this process"
+np.testing.assert_allclose(shared, x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6)
+print("ok")
+"""
+
+
+def test_compile_ahead_child_compiles_the_last_steps_into_the_cache_without_running_them(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AHEAD], capture_output=True, text=True, cwd=REPO_ROOT, env=env,
+                          timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_compile_ahead_serialises_numba_cache_saves(tmp_path):
+    """Two processes saving signatures of one function at once must not mix index and data."""
+    from numba.core.caching import IndexDataCacheFile
+    from ggmlpy.backend.cpu import compile_ahead
+    original = IndexDataCacheFile.save
+    try:
+        compile_ahead._lock_cache_saves()
+        compile_ahead._lock_cache_saves()  # idempotent: one lock, not two nested
+        assert IndexDataCacheFile.save.locked and IndexDataCacheFile.save is not original
+        cache = IndexDataCacheFile(str(tmp_path), "f", ("stamp", 1))
+        cache.save("key", b"data")
+        assert cache.load("key") == b"data"
+        assert (tmp_path / ".ggmlpy-save.lock").exists()
+    finally:
+        IndexDataCacheFile.save = original

@@ -4,12 +4,13 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 
 import numba
 import numpy as np
 
 from ...graph import Graph
-from . import dispatch, train_kernels
+from . import compile_ahead, dispatch, train_kernels
 from .plan import Plan, Scratch
 
 
@@ -61,6 +62,9 @@ class CpuBackend:
         self.scratch = Scratch()
         self._plans: weakref.WeakKeyDictionary[Graph, Plan] = weakref.WeakKeyDictionary()
         self.set_n_threads(n_threads or numba.config.NUMBA_NUM_THREADS)
+        # on a cold numba cache, each plan's first run shares its compiling with a child
+        self._compile_ahead = compile_ahead.available() and not kernels_cached()
+        self._plans_run: weakref.WeakSet[Plan] = weakref.WeakSet()
 
     def set_n_threads(self, n_threads: int) -> None:
         """Threads for numba's pool, which runs every kernel and product (BLAS included)."""
@@ -79,9 +83,22 @@ class CpuBackend:
             self._run(plan)
 
     def _run(self, plan: Plan) -> None:
+        if self._compile_ahead and plan not in self._plans_run:
+            self._plans_run.add(plan)
+            ahead = compile_ahead.CompileAhead([run for _, run, _ in plan.steps])
+            try:
+                self._run_steps(plan, ahead.at)
+            finally:
+                ahead.close()
+            return
+        self._run_steps(plan, None)
+
+    def _run_steps(self, plan: Plan, at_step: Callable[[int], None] | None) -> None:
         threads = 0
         profile = self.profile
-        for name, run, parallel in plan.steps:
+        for i, (name, run, parallel) in enumerate(plan.steps):
+            if at_step is not None:
+                at_step(i)
             want = self.n_threads if parallel else 1
             if want != threads:
                 _set_threads(want)

@@ -16,7 +16,8 @@ from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import attention as ATT
 from . import kernels as K
-from .kernel_table import KernelTable, Prepared, require_f32
+from . import small_head_attention as SHA
+from .kernel_table import KernelTable, Prepared, read_only, require_f32
 from .plan import Plan
 
 KERNELS = KernelTable()
@@ -47,15 +48,14 @@ _BINARY_CODE = {Op.ADD: K.OP_ADD, Op.SUB: K.OP_SUB, Op.MUL: K.OP_MUL, Op.DIV: K.
 @KERNELS.register(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
 def _binary(node: Tensor, plan: Plan) -> Prepared:
     """Rows of a with rows of b repeated over them (the layers' adds and norm weights) go
-    through a parallel numba kernel, split by rows as the products around them are, so each
-    thread finds its rows in its own cache; other broadcasts through numpy."""
+    through a numba kernel; other broadcasts through numpy."""
     a, b = node.src
     require_f32(node, a, b, node)
     av, bv, dv = a.array(), b.array(), node.array()
     n0 = av.shape[-1]
     if all(x.flags.c_contiguous for x in (av, bv, dv)) and av.shape == dv.shape and bv.shape[-1] == n0 \
             and _rows_repeat(av.shape, bv.shape):
-        a2, b2, d2 = av.reshape(-1, n0), bv.reshape(-1, n0), dv.reshape(-1, n0)
+        a2, b2, d2 = read_only(av.reshape(-1, n0)), read_only(bv.reshape(-1, n0)), dv.reshape(-1, n0)
         code = _BINARY_CODE[node.op]
         return lambda: K.binary_rows_f32(a2, b2, d2, code)
     ufunc = _BINARY[node.op]
@@ -152,14 +152,17 @@ def _soft_max(node: Tensor, plan: Plan) -> Prepared:
 
 @KERNELS.register(Op.FLASH_ATTN_EXT)
 def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
-    """ggml-cpu's flash attention, rounding for rounding (attention.py): the tiled kernel from
-    64 query rows up with F16/F32 K and V of one type, the one-chunk kernel otherwise."""
+    """Wide heads: ggml-cpu's flash attention, rounding for rounding (attention.py): the tiled
+    kernel from 64 query rows up with F16/F32 K and V of one type, the one-chunk kernel
+    otherwise. Heads up to 32 values: small_head_attention.py, queries as vector lanes."""
     q, k, v = node.src[:3]
     require_f32(node, q)
     scale, max_bias, softcap = (float(p) for p in node.op_params[:3])
     qv, dv = q.array(), node.array()
     has_mask, mv, mask_type = _attn_mask(node)
     k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
+    if max(q.ne[0], node.ne[0]) <= SHA.MAX_HEAD_DIM:
+        return _flash_attn_small_heads(qv, dv, has_mask, mv, mask_type, k_f32, v_f32, k.ne[1], (scale, max_bias, softcap))
     float_kv = (GGMLType.F16, GGMLType.F32)
     if q.ne[1] >= ATT.Q_TILE and k.type == v.type and k.type in float_kv:
         n_kv = k.ne[1]  # the tiled kernel reads every cell of a tile some row sees: all converted
@@ -179,6 +182,22 @@ def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
         ATT.flash_attn_one_chunk(qv, k_f32(used), v_f32(used), mask, dv, scale, max_bias,
                                  softcap, has_mask, half_k, half_v)
     return run_one_chunk
+
+
+def _flash_attn_small_heads(qv: np.ndarray, dv: np.ndarray, has_mask: bool, mv: np.ndarray, mask_type: GGMLType,
+                            k_f32: Callable[[int], np.ndarray], v_f32: Callable[[int], np.ndarray], n_kv: int,
+                            params: tuple[float, float, float]) -> Prepared:
+    scale, max_bias, softcap = params
+    dk_dims, dv_dims = (0,) * qv.shape[3], (0,) * dv.shape[3]  # head sizes as compile-time constants
+
+    def run() -> None:
+        mask = convert.to_f32(mv, mask_type)
+        # cells past the last one any query sees are never read: a decode step converts the
+        # cache only up to its position, not the whole padded length
+        used = K.attn_cells_seen(mask) if has_mask else n_kv
+        SHA.flash_attn_f32(qv, k_f32(used), v_f32(used), mask,
+                           dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, SHA.Q_TILE)
+    return run
 
 
 def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
@@ -250,6 +269,7 @@ def _get_rows(node: Tensor, plan: Plan) -> Prepared:
         i12 = np.arange(idx.shape[0])[:, None, None]
         i11 = np.arange(idx.shape[1])[None, :, None]
         return lambda: np.copyto(dv, convert.to_f32(av[i12, i11, idx], a.type))
+    av, idx = read_only(av), read_only(idx)
     return lambda: K.get_rows(av, idx, dv)
 
 

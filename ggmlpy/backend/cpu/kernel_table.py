@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ...tensor import Op, Tensor
 from ...types import GGMLType
 
@@ -51,3 +53,14 @@ def require_f32(node: Tensor, *tensors: Tensor) -> None:
     for t in tensors:
         if t.type != GGMLType.F32:
             raise NotImplementedError(f"{node.op.name} on {t.type.name} operand {t.name!r} is not supported")
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """a as a read-only view: numba types a read-only array apart from a writable one, so a
+    kernel's sources go in read-only whether they are memory-mapped weights or arena tensors,
+    and the kernel compiles once on a cold start instead of twice."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view

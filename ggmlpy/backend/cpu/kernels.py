@@ -1,7 +1,11 @@
 """numba kernels of the CPU backend, written to reproduce ggml's float32 arithmetic.
 
 Arrays arrive in ggml order reversed: shape (ne3, ne2, ne1, ne0), any strides. Rows
-(the innermost dimension) are independent, so the outer loops run in parallel.
+(the innermost dimension) are independent. Kernels with much work per element (attention,
+the transcendental activations) run their rows on numba's threads (parallel=True); the
+cheap row passes (norms, adds, rope, row gathers and scatters) run on one thread: they cost
+O(rows x width) next to the products' O(rows x width^2), while a parallel=True kernel
+costs numba 0.5-4 s more to compile on a cold start (bench/compile_profile.py).
 Accumulations that ggml does in `ggml_float` (double) are done in float64 here too.
 """
 from __future__ import annotations
@@ -22,10 +26,10 @@ def _row_index(r, n2, n1):
     return r // (n2 * n1), (r // n1) % n2, r % n1
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def rms_norm_f32(x, dst, eps):
     n3, n2, n1, n0 = x.shape
-    for r in prange(n3 * n2 * n1):
+    for r in range(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         xr, dr = x[i3, i2, i1], dst[i3, i2, i1]
         mean = F32(sum_sq_f64(xr) / n0)
@@ -48,23 +52,23 @@ def _binary_op(x, y, op):
     return x / y
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def binary_rows_f32(a, b, dst, op):
     """dst[r] = a[r] (op) b[r % rows(b)] for C-contiguous [rows, n0] arrays; one IEEE op per
     element, as numpy's. Indexed without row views (a view per row costs as much as the row);
     LLVM takes the op's branch out of the loop, which stays a vector loop."""
     n1, n0 = a.shape
     b1 = b.shape[0]
-    for r in prange(n1):
+    for r in range(n1):
         rb = r % b1
         for i in range(n0):
             dst[r, i] = _binary_op(a[r, i], b[rb, i], op)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def norm_f32(x, dst, eps):
     n3, n2, n1, n0 = x.shape
-    for r in prange(n3 * n2 * n1):
+    for r in range(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         xr, dr = x[i3, i2, i1], dst[i3, i2, i1]
         mean = F32(sum_f64(xr) / n0)
@@ -110,13 +114,13 @@ def f16_to_f32(src_bits, dst):
         dst[i] = f16_bits_to_f32(src_bits[i])
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def set_rows_f16(src, idx, dst_bits):
     """Row i1 of src[i3, i2] goes, rounded to half, to row idx[i3 % c2, i2 % c1, i1] of
     dst_bits[i3, i2] (the bits of an F16 tensor)."""
     n3, n2, n1, n0 = src.shape
     c2, c1 = idx.shape[0], idx.shape[1]
-    for r in prange(n3 * n2 * n1):
+    for r in range(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         row = idx[i3 % c2, i2 % c1, i1]
         for i0 in range(n0):
@@ -316,10 +320,10 @@ def rope_cache(p, ne0, n_dims, freq_base, freq_scale, ext_factor, attn_factor, c
         theta *= theta_scale
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def rope_table(pos, ff, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, has_ff, cos, sin):
     """cos[i], sin[i]: the n_dims/2 rotations at position pos[i] (ggml's rope cache)."""
-    for i in prange(pos.shape[0]):
+    for i in range(pos.shape[0]):
         # angles for the n_dims/2 rotated pairs only: freq_factors holds just n_dims/2 values
         rope_cache(pos[i], n_dims, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr0, corr1, ff, has_ff,
                    cos[i], sin[i])
@@ -336,7 +340,7 @@ def same_values(a, b):
     return True
 
 
-@njit(parallel=True, cache=True, fastmath=_FMA)
+@njit(cache=True, fastmath=_FMA)
 def rope_f32(x, cos, sin, dst, n_dims, neox, sign):
     """Rotate pairs of each head by the token's row of cos/sin; `sign` -1 gives the inverse
     rotation (rope_back). Pairs are (k, k + n_dims/2) in NEOX mode, (2k, 2k + 1) otherwise.
@@ -349,7 +353,7 @@ def rope_f32(x, cos, sin, dst, n_dims, neox, sign):
     n3, n2, n1, n0 = x.shape
     half = n_dims // 2
     sg = F32(sign)
-    for r in prange(n3 * n2):
+    for r in range(n3 * n2):
         i3 = r // n2
         i2 = r % n2
         for i1 in range(n1):
@@ -369,12 +373,12 @@ def rope_f32(x, cos, sin, dst, n_dims, neox, sign):
                 dst[i3, i2, i1, i0] = x[i3, i2, i1, i0]
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def get_rows(src, idx, dst):
     """dst[i12, i11, i10, :] = src[i12, i11, idx[i12, i11, i10], :] (with conversion to dst's type)."""
     n12, n11, n10 = idx.shape
     n0 = dst.shape[3]
-    for r in prange(n12 * n11 * n10):
+    for r in range(n12 * n11 * n10):
         i12, i11, i10 = _row_index(r, n11, n10)
         row = idx[i12, i11, i10]
         for i0 in range(n0):

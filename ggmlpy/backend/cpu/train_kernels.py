@@ -24,11 +24,11 @@ from .kernels import (
 F32 = np.float32
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def rms_norm_back_f32(g, x, dst, eps):
     """dx = (g - y * mean(g * y)) / rms with y = x / rms, rms = sqrt(mean(x^2) + eps)."""
     n3, n2, n1, n0 = x.shape
-    for r in prange(n3 * n2 * n1):
+    for r in range(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         sxx = 0.0
         sxg = 0.0
@@ -226,11 +226,11 @@ def sum_sq_f64(x):
     return total
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def scale_f32(x, factor):
     """x *= factor in place (flat F32; factor rounded to F32 as PyTorch's mul_ does)."""
     f = F32(factor)
-    for i in prange(x.shape[0]):
+    for i in range(x.shape[0]):
         x[i] = x[i] * f
 
 
@@ -279,10 +279,10 @@ def lce_finish(m, s, zt, ids, weights, arg, out):
         out[r, 2] = F32(arg[r])
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def scale_rows_f32(a, f):
     """a[r] *= f[r] (float32), skipped where f[r] is 1."""
-    for r in prange(a.shape[0]):
+    for r in range(a.shape[0]):
         if f[r] != 1.0:
             fr = F32(f[r])
             for i in range(a.shape[1]):
