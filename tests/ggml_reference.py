@@ -292,10 +292,10 @@ def soft_max(x, mask, scale, slope=1.0):
         return (p * (1.0 / total).astype(F32)[..., None]).astype(F32)
 
 
-def flash_attn(q, k, v, mask, scale, softcap=0.0, slope=None, half_kv=True):
+def flash_attn(q, k, v, mask, scale, softcap=0.0, slope=None, half_kv=True, tiled=None):
     """FLASH_ATTN_EXT (ops.cpp) of q (H, NQ, DK), k (HKV, NKV, DK), v (HKV, NKV, DV), mask
     (NQ, NKV) or None; slope per head or None. K, V halves when half_kv. Returns (NQ, H, DV):
-    the tiled kernel from 64 query rows, the one-chunk kernel below."""
+    the tiled kernel from 64 query rows, the one-chunk kernel below (or as `tiled` says)."""
     h_, nq, dk = q.shape
     hkv, nkv, dv = v.shape
     k, v = (half(k), half(v)) if half_kv else (np.asarray(k, F32), np.asarray(v, F32))
@@ -305,7 +305,7 @@ def flash_attn(q, k, v, mask, scale, softcap=0.0, slope=None, half_kv=True):
         hk = h // (h_ // hkv)
         sl = F32(1.0) if slope is None else F32(slope[h])
         mrow = np.zeros((nq, nkv), F32) if mask is None else (sl * np.asarray(mask, F32)).astype(F32)
-        if nq >= 64:
+        if (nq >= 64) if tiled is None else tiled:
             out[:, h] = _tiled(q[h], k[hk], v[hk], mrow, sc, softcap)
         else:
             out[:, h] = _one_chunk(q[h], k[hk], v[hk], mrow, sc, softcap, half_kv)

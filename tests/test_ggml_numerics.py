@@ -207,7 +207,7 @@ def test_soft_max_rows_do_not_depend_on_the_masked_cells_after_them():
 ATTN = {
     # name: (n_q, n_kv, n_head, n_head_kv, dk, dv, softcap, with_mask, max_bias)
     "tiled_gemma": (70, 150, 4, 1, 256, 256, 0.0, True, 0.0),
-    "tiled_head_48": (64, 64, 2, 2, 48, 48, 0.0, True, 0.0),  # heads <= 32: small_head_attention.py
+    "tiled_head_48": (64, 64, 2, 2, 48, 48, 0.0, True, 0.0),
     "tiled_dk_ne_dv": (96, 130, 2, 1, 64, 32, 0.0, True, 0.0),
     "tiled_softcap_alibi": (64, 80, 4, 2, 80, 80, 30.0, True, 8.0),
     "tiled_no_mask": (65, 20, 2, 1, 64, 64, 0.0, False, 0.0),
@@ -217,9 +217,28 @@ ATTN = {
 }
 
 
+# heads up to 32 values (small_head_attention.py): ggml's tiled arithmetic for every ubatch
+SMALL_HEAD_ATTN = {
+    "small_tiled": (70, 150, 4, 2, 8, 8, 0.0, True, 0.0),
+    "small_decode": (1, 200, 8, 4, 8, 8, 0.0, True, 0.0),
+    "small_prompt_softcap_alibi": (13, 100, 4, 2, 16, 16, 30.0, True, 8.0),
+    "small_dk_ne_dv_no_mask": (40, 20, 2, 1, 32, 16, 0.0, False, 0.0),
+}
+
+
 @pytest.mark.parametrize("kv_type", [T.F16, T.F32], ids=lambda t: t.name)
 @pytest.mark.parametrize("case", ATTN.values(), ids=ATTN.keys())
 def test_flash_attn_is_ggmls(case, kv_type):
+    check_flash_attn(case, kv_type, tiled=None)
+
+
+@pytest.mark.parametrize("kv_type", [T.F16, T.F32], ids=lambda t: t.name)
+@pytest.mark.parametrize("case", SMALL_HEAD_ATTN.values(), ids=SMALL_HEAD_ATTN.keys())
+def test_small_head_flash_attn_is_ggmls_tiled_kernel(case, kv_type):
+    check_flash_attn(case, kv_type, tiled=True)
+
+
+def check_flash_attn(case, kv_type, tiled):
     n_q, n_kv, n_head, n_head_kv, dk, dv, softcap, with_mask, max_bias = case
     rng = np.random.default_rng(n_q * n_kv + dk)
     q = (rng.standard_normal((n_q, n_head, dk)) * 0.3).astype(F32)  # the graph's layout: permuted view
@@ -246,5 +265,5 @@ def test_flash_attn_is_ggmls(case, kv_type):
         m0, m1 = F32(2.0) ** (F32(-max_bias) / n_log2), F32(2.0) ** (F32(-max_bias / 2) / n_log2)
         slope = [m0 ** F32(h + 1) if h < n_log2 else m1 ** F32(2 * (h - n_log2) + 1) for h in range(n_head)]
     ref = flash_attn(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2), mask if with_mask else None,
-                     0.125, softcap, slope, half_kv=kv_type == T.F16)
+                     0.125, softcap, slope, half_kv=kv_type == T.F16, tiled=tiled)
     np.testing.assert_array_equal(y.array().reshape(n_q, n_head, dv), ref)

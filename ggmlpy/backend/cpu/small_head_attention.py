@@ -1,39 +1,39 @@
 """Flash attention for small heads (head size <= 32: stories260K's 8, toy and test models).
 
-ggml's own kernels (attention.py) work one head and one query row (or tile of 64 rows) at a
-time, with the head's dot products as vector lanes: for a head of 8 values that leaves most
-of every vector empty and the per-task cost dominant (stories260K's perplexity ran at 0.70x
-this kernel's speed through them, 0.37x at -ub 32). From 64 values up, ggml's kernels fill
-their vectors and are what llama.cpp computes. Here a task is Q_TILE queries of one
-sequence for every head, the queries are the vector lanes, and the head size is a
-compile-time constant (the length of a tuple argument), so the loops over it unroll.
+attention.py follows ggml's kernels task for task: one head and a tile of 64 query rows (or
+one row) at a time, the head's dot products as the vector lanes. For a head of 8 values
+that leaves most of every vector empty and the per-task cost dominant (stories260K's
+perplexity ran at 0.70x this module's speed through them, 0.37x at -ub 32). Here a task is
+Q_TILE queries of one sequence for every head, the queries are the vector lanes, and the
+head size is a compile-time constant (the length of a tuple argument), so the loops over it
+unroll.
 
-Numerics: ggml's tiled kernel's arithmetic in a fixed order that does not depend on the
-ubatch — float32 scores and outputs summed in order over the head and the cells, the
-softmax sum in double, normalised at the end — so n_ubatch and the thread count change no
-bit. (ggml's one-chunk kernel, which it takes under 64 query rows, sums in F16; for small
-heads the difference is ~3e-5 of a perplexity, tests/test_perplexity.py.)
+Numerics: ggml's tiled kernel's, rounding for rounding, for every ubatch size (so n_ubatch
+and the thread count change no bit): per tile of 64 cells, scores by fma chains over the
+head, then scale, softcap and mask; the tile's max, the running max and sum rescaled with
+expf, the weights by ggml_v_expf and their sum in double over 16-lane reductions, V
+accumulated by fma chains over the cells; normalised at the end. Each query row's result
+depends only on itself, so the 32 lanes here give what ggml's 64-row tiles give. (Under 64
+query rows llama.cpp takes its one-chunk kernel, which sums in F16: ~3e-5 of a perplexity.)
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .kernels import alibi_slope, exp_f32
+from .attention import KV_TILE, _score_post
+from .kernels import alibi_slope
+from .simd import expf, expf_avx512, fma_f32
 
 F32 = np.float32
 MAX_HEAD_DIM = 32  # head sizes unrolled at compile time; wider heads go to attention.py
-Q_TILE = 32  # query rows attended together: the vector width of the attention loops
-_F32_MAX = F32(np.finfo(np.float32).max)
-
-# The loops are compiled with fused multiply-adds; nothing is reassociated, every sum stays in order.
-_FMA = {"contract"}
+Q_TILE = 32  # query rows attended together: the vector width of the loops
 
 
 @njit(cache=True)
 def _attn_mask_tile(mask, q0, nt, mt):
     """mt[j, i] = mask[q0 + i, j] for the tile's nt queries over its span [lo, hi) of cells
-    that some of them sees (beyond it every weight is exactly 0)."""
+    that some of them sees (outside it every weight is exactly 0)."""
     n_kv = mask.shape[1]
     lo, hi = n_kv, 0
     for i in range(nt):
@@ -52,80 +52,106 @@ def _attn_mask_tile(mask, q0, nt, mt):
     return lo, max(lo, hi)
 
 
-KV_BLOCK = 8  # cells per pass over the output accumulator in _attn_pv
-
-
-@njit(cache=True, fastmath=_FMA)
-def _attn_pv(p, vh, acc, lo, hi, width, dv_dims):
-    """acc[d, i] = sum over cells j in [lo, hi) of p[j, i] * vh[j, d] for the tile's first
-    `width` queries, summed in order of j.
-    KV_BLOCK cells per read/write of the accumulator, so that its stores, which the compiler
-    cannot tell apart from p's loads, are few and the loop over queries vectorises."""
-    dv = len(dv_dims)
-    for d in range(dv):  # loops, not slice assignments: those cost numba seconds to compile
-        for i in range(width):
-            acc[d, i] = 0.0
-    n_blocks = (hi - lo) // KV_BLOCK
-    for b in range(n_blocks):
-        j0 = lo + b * KV_BLOCK
-        for d in range(dv):
-            a_d = acc[d]
-            for i in range(width):
-                a = a_d[i]
-                for jj in range(KV_BLOCK):
-                    a += p[j0 + jj, i] * vh[j0 + jj, d]
-                a_d[i] = a
-    for j in range(lo + n_blocks * KV_BLOCK, hi):
-        for d in range(dv):
-            a_d = acc[d]
-            vd = vh[j, d]
-            for i in range(width):
-                a_d[i] += p[j, i] * vd
-
-
 @njit(cache=True, inline="always")
-def _attn_dot(kj, qt, i, dk_dims):
-    """q_i . k_j, summed in order of the head dimension (qt holds the tile's queries by column)."""
-    a = F32(0.0)
-    for d in range(len(dk_dims)):
-        a += kj[d] * qt[d, i]
-    return a
+def _reduce16_lane(p, o, i):
+    """simd.reduce16 of p[o..o + 15, i]: _mm512_reduce_add_ps's order."""
+    u0 = (p[o, i] + p[o + 8, i]) + (p[o + 4, i] + p[o + 12, i])
+    u1 = (p[o + 1, i] + p[o + 9, i]) + (p[o + 5, i] + p[o + 13, i])
+    u2 = (p[o + 2, i] + p[o + 10, i]) + (p[o + 6, i] + p[o + 14, i])
+    u3 = (p[o + 3, i] + p[o + 11, i]) + (p[o + 7, i] + p[o + 15, i])
+    return (u0 + u2) + (u1 + u3)
 
 
-@njit(cache=True, fastmath=_FMA)
-def _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, tile):
-    """flash_attn_f32's score pass with a logit softcap: tanh(q.k * sc) * cap + slope * mask (sc: scale / cap)."""
-    for j in range(lo, hi):
-        kj = k[i3, j, hk]
-        s = st[j]
-        mj = mth[j]
-        for i in range(tile):
-            s[i] = np.tanh(_attn_dot(kj, qt, i, dk_dims) * sc) * cap + slope * mj[i]
-        for i in range(tile):
-            mx[i] = np.maximum(mx[i], s[i])
+@njit(cache=True)
+def _attn_head(q, k, v, mt, dst, i3, h, hk, q0, w, lo, hi, sc, cap, slope, has_mask,
+               qt, s, acc, mx, sm, tm, dk_dims, dv_dims):
+    """One head of one tile of w queries: dst[i3, q0 + i, h] for i < w."""
+    dk, dv = len(dk_dims), len(dv_dims)
+    n_kv = k.shape[1]
+    k3, v3 = i3 % k.shape[0], i3 % v.shape[0]
+    for d in range(dk):
+        for i in range(w):
+            qt[d, i] = q[i3, h, q0 + i, d]
+    for d in range(dv):
+        for i in range(w):
+            acc[d, i] = 0.0
+    for i in range(w):
+        mx[i] = -np.inf
+        sm[i] = 0.0
+    for c0 in range(lo - lo % KV_TILE, hi, KV_TILE):  # ggml's tiles of cells; the ones no query sees add nothing
+        a, b = max(lo, c0) - c0, min(hi, c0 + KV_TILE) - c0  # the tile's cells some query sees
+        for c in range(a, b):  # scores: fma chains over the head, scale (softcap), then the mask
+            kc = k[k3, c0 + c, hk]
+            sc_ = s[c]
+            for i in range(w):
+                x = F32(0.0)
+                for d in range(dk):
+                    x = fma_f32(kc[d], qt[d, i], x)
+                sc_[i] = _score_post(x, sc, cap)
+            if has_mask:
+                mj = mt[c0 + c]
+                for i in range(w):
+                    sc_[i] = sc_[i] + slope * mj[i]
+        for c in range(KV_TILE):  # cells no query sees, and past the last cell (ggml's padding)
+            if c < a or c >= b:
+                for i in range(w):
+                    s[c, i] = -np.inf
+        for i in range(w):
+            tm[i] = -np.inf
+        for c in range(KV_TILE):  # the tile's max per query
+            sc_ = s[c]
+            for i in range(w):
+                tm[i] = np.maximum(tm[i], sc_[i])
+        for i in range(w):  # the running max and sum rescaled; a query that sees nothing here: no change
+            if tm[i] > mx[i]:
+                ms = expf(mx[i] - tm[i])
+                for d in range(dv):
+                    acc[d, i] = acc[d, i] * ms
+                sm[i] = sm[i] * ms
+                mx[i] = tm[i]
+            tm[i] = mx[i] if tm[i] != -np.inf else F32(0.0)  # exp(-inf - 0) = 0: weights 0
+        for c in range(KV_TILE):
+            sc_ = s[c]
+            for i in range(w):
+                sc_[i] = expf_avx512(sc_[i] - tm[i])
+        for i in range(w):
+            total = 0.0
+            for o in range(0, KV_TILE, 16):
+                total += np.float64(_reduce16_lane(s, o, i))
+            sm[i] = F32(np.float64(sm[i]) + total)
+        for c in range(a, b):  # output: fma chains over the cells (the others' weights are 0)
+            vc = v[v3, c0 + c, hk]
+            pc = s[c]
+            for d in range(dv):
+                a_d = acc[d]
+                vd = vc[d]
+                for i in range(w):
+                    a_d[i] = fma_f32(vd, pc[i], a_d[i])
+    for i in range(w):
+        inv = F32(0.0) if sm[i] == 0.0 else F32(1.0) / sm[i]
+        for d in range(dv):
+            dst[i3, q0 + i, h, d] = acc[d, i] * inv
 
 
-@njit(parallel=True, cache=True, fastmath=_FMA)
+@njit(parallel=True, cache=True)
 def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, tile):
-    """dst = softmax(q.k * scale [softcapped] + slope * mask) . v per query row, as ggml's
-    tiled CPU kernel: float32 products, the softmax sum in double, normalised at the end.
+    """dst = softmax(q.k * scale [softcapped] + slope * mask) . v per query row, in ggml's
+    tiled kernel's arithmetic (module docstring).
 
     q: [n3, n_head, n_q, dk], k/v: [n3, n_kv, n_head_kv, dk/dv] (the KV cache's memory order),
-    mask: [m3, m2, >= n_q, n_kv],
-    dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one sequence, for every head;
-    the inner loops run over the tile's queries (vectorised, each query's sums in plain
-    sequential order), only as many as the tile has (one for a decode step). `tile` must be
-    Q_TILE: it comes at run time only so that LLVM keeps the loops over it as vector loops
-    (given the constant 32, it unrolls them into scalar code, 20% slower). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
-    which are part of the type, so numba compiles them as constants and the loops over them
-    unroll. Only the tile's span of unmasked cells is computed.
+    mask: [m3, m2, >= n_q, n_kv], dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one
+    sequence, for every head. `tile` must be Q_TILE: it comes at run time only so that LLVM
+    keeps the loops over the queries as vector loops (given the constant, it unrolls them
+    into scalar code). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
+    which are part of the type, so numba compiles them as constants. Only the cells some
+    query of a tile sees are read.
     """
     dk, dv = len(dk_dims), len(dv_dims)
     n3, n_head, n_q = q.shape[0], q.shape[1], q.shape[2]
     n_kv, n_head_kv = k.shape[1], k.shape[2]
     group = n_head // n_head_kv
     m3, m2 = mask.shape[0], mask.shape[1]
-    sc = F32(scale / softcap) if softcap != 0.0 else F32(scale)  # ggml's softcap: cap * tanh(s * scale / cap)
+    sc = F32(scale / softcap) if softcap != 0.0 else F32(scale)  # ggml: cap * tanh(s * scale / cap)
     cap = F32(softcap)
     n_tiles = (n_q + Q_TILE - 1) // Q_TILE
     for task in prange(n3 * n_tiles):
@@ -133,56 +159,20 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
         u = task % n_tiles
         t = u // 2 if u % 2 == 0 else n_tiles - 1 - u // 2  # big and small tiles alternate: even halves
         q0 = t * Q_TILE
-        nt = min(Q_TILE, n_q - q0)
-        w = min(tile, nt)  # the lanes worth computing: all of a full tile, one for a decode
-        if has_mask:
-            mt = np.empty((m2, n_kv, Q_TILE), dtype=np.float32)
-        else:
-            mt = np.zeros((m2, n_kv, Q_TILE), dtype=np.float32)  # added as a mask, changes nothing
+        w = min(tile, n_q - q0)  # the tile's queries: Q_TILE, or fewer in the last (one for a decode)
+        mt = np.empty((m2, n_kv if has_mask else 0, Q_TILE), dtype=np.float32)
         spans = np.empty((m2, 2), dtype=np.int64)
         for i2 in range(m2):
             if has_mask:
-                spans[i2, 0], spans[i2, 1] = _attn_mask_tile(mask[i3 % m3, i2], q0, nt, mt[i2])
+                spans[i2, 0], spans[i2, 1] = _attn_mask_tile(mask[i3 % m3, i2], q0, w, mt[i2])
             else:
                 spans[i2, 0], spans[i2, 1] = 0, n_kv
-        qt = np.zeros((dk, Q_TILE), dtype=np.float32)
-        st = np.empty((n_kv, Q_TILE), dtype=np.float32)
+        qt = np.empty((dk, Q_TILE), dtype=np.float32)
+        s = np.empty((KV_TILE, Q_TILE), dtype=np.float32)
         acc = np.empty((dv, Q_TILE), dtype=np.float32)
         mx = np.empty(Q_TILE, dtype=np.float32)
-        sm = np.empty(Q_TILE, dtype=np.float64)
+        sm = np.empty(Q_TILE, dtype=np.float32)
+        tm = np.empty(Q_TILE, dtype=np.float32)
         for h in range(n_head):
-            hk = h // group
-            mth = mt[h % m2]
-            lo, hi = spans[h % m2, 0], spans[h % m2, 1]
-            slope = alibi_slope(max_bias, h, n_head)
-            for d in range(dk):
-                for i in range(nt):
-                    qt[d, i] = q[i3, h, q0 + i, d]
-            # a query that sees no cell keeps -max: its weights exp(-inf) are 0, its output 0 (as ggml)
-            for i in range(Q_TILE):
-                mx[i] = -_F32_MAX
-            if softcap == 0.0:
-                for j in range(lo, hi):
-                    kj = k[i3, j, hk]
-                    s = st[j]
-                    mj = mth[j]
-                    for i in range(w):  # score, mask and running max in one pass
-                        a = _attn_dot(kj, qt, i, dk_dims) * sc + slope * mj[i]
-                        s[i] = a
-                        mx[i] = np.maximum(mx[i], a)  # not max(): that compiles to masked stores, slow on AMD
-            else:
-                _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, w)
-            for i in range(Q_TILE):
-                sm[i] = 0.0
-            for j in range(lo, hi):
-                s = st[j]
-                for i in range(w):
-                    s[i] = exp_f32(s[i] - mx[i])
-                for i in range(w):
-                    sm[i] += np.float64(s[i])
-            _attn_pv(st, v[i3, :, hk], acc, lo, hi, w, dv_dims)
-            for i in range(nt):
-                inv = F32(0.0) if sm[i] == 0.0 else F32(1.0 / sm[i])
-                for d in range(dv):
-                    dst[i3, q0 + i, h, d] = acc[d, i] * inv
-
+            _attn_head(q, k, v, mt[h % m2], dst, i3, h, h // group, q0, w, spans[h % m2, 0], spans[h % m2, 1],
+                       sc, cap, alibi_slope(max_bias, h, n_head), has_mask, qt, s, acc, mx, sm, tm, dk_dims, dv_dims)
