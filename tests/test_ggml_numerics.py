@@ -154,7 +154,8 @@ def _expf_avx512(x, out):
 
 def test_expf_avx512_is_ggml_v_expf():
     x = np.concatenate([np.linspace(-120, 100, 200001, dtype=F32),
-                        np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, -87.3, -103.97, -104.0, 88.7, 89.0], F32)])
+                        np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, -87.3, -103.97, -104.0, 88.7, 89.0,
+                                  -133.0, -134.0, 133.0, 134.0, -200.0, 200.0, 3e38, -3e38], F32)])
     out = np.empty_like(x)
     _expf_avx512(x, out)
     np.testing.assert_array_equal(out, v_expf_avx512(x))

@@ -201,6 +201,44 @@ def _gelu_ggml_ref(x, b=None):
     return np.where(x <= -10.0, np.float32(0.0), act * np.asarray(b, dtype=np.float32))
 
 
+# name -> (build, input generator, reference, error scale)
+UNARY = {
+    "sqr": (gg.sqr, lambda r, s: randn(r, s, 3.0), np.square, None),
+    "sqrt": (gg.sqrt, lambda r, s: r.uniform(0.01, 50.0, s).astype(np.float32), np.sqrt, None),
+    "log": (gg.log, lambda r, s: r.uniform(0.01, 50.0, s).astype(np.float32), np.log, None),
+    "exp": (gg.exp, lambda r, s: randn(r, s, 3.0), np.exp, None),
+    "silu": (gg.silu, lambda r, s: randn(r, s, 4.0), lambda x: x / (1.0 + np.exp(-x)), None),
+    "scale": (lambda ctx, a: gg.scale(ctx, a, 0.37), lambda r, s: randn(r, s, 3.0), lambda x: x * np.float64(np.float32(0.37)), None),
+    "scale_bias": (lambda ctx, a: gg.scale(ctx, a, -1.5, 0.25), lambda r, s: randn(r, s, 3.0), lambda x: x * -1.5 + 0.25,
+                   lambda x, ref: np.abs(x * 1.5) + 0.25),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", UNARY)
+def test_unary(rng, name, layout):
+    build, gen, ref_fn, scale_fn = UNARY[name]
+    x = gen(rng, (2, 3, 5, 33))
+    ctx = gg.Context()
+    got = run(build(ctx, make(ctx, x, layout)))
+    x64 = x.astype(np.float64)
+    ref = ref_fn(x64)
+    assert_close(got, ref, None if scale_fn is None else scale_fn(x64, ref))
+
+
+@pytest.mark.parametrize("fn", ["silu_f32", "swiglu_f32"])
+def test_silu_over_its_input_is_the_same(rng, fn):
+    """The graph computes SiLU and SwiGLU over their input when it dies there: the same bits."""
+    from ggmlpy.backend.cpu import kernels as K
+    a, g = randn(rng, (2, 3, 5, 37), 4.0), randn(rng, (2, 3, 5, 37))
+    args = (a, g) if fn == "swiglu_f32" else (a,)
+    out = np.empty_like(a)
+    getattr(K, fn)(*args, out)
+    over = a.copy()
+    getattr(K, fn)(*((over, g) if fn == "swiglu_f32" else (over,)), over)
+    np.testing.assert_array_equal(over, out)
+
+
 # SHA-256 of ggml's GELU table (ggml_table_gelu_f16, 65,536 halves) as llama.cpp's CPU backend
 # builds it: read from the vendored build's library (llama-cpp-python 0.3.36, AVX-512 machine)
 # with ctypes after ggml_cpu_init(), `hashlib.sha256(bytes(table))`.

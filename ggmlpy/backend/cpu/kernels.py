@@ -389,31 +389,73 @@ SILU_CHUNK = 16  # ggml_vec_silu_f32 / ggml_vec_swiglu_f32's vector step (AVX-51
 
 
 @njit(cache=True, inline="always")
-def _silu(v, vector):
-    """ggml_v_silu (x / (1 + ggml_v_expf(0 - x))) on the elements of a row's full 16-element
-    chunks, ggml_silu_f32 (libm's expf) on the rest."""
-    e = expf_avx512(F32(0.0) - v) if vector else F32(math.exp(-v))
-    return v / (F32(1.0) + e)
+def _silu_vec(v):
+    """ggml_v_silu: x / (1 + ggml_v_expf(0 - x)), on a row's full 16-element chunks."""
+    return v / (F32(1.0) + expf_avx512(F32(0.0) - v))
+
+
+@njit(cache=True, inline="always")
+def _silu_tail(v):
+    """ggml_silu_f32 (libm's expf), on the elements past a row's last full chunk."""
+    return v / (F32(1.0) + F32(math.exp(-v)))
+
+
+@njit(cache=True, error_model="numpy")  # numpy's: no zero-division branch in the vector loop
+def _silu_row(x, g, out, n_vec, gated):
+    """out = silu(x) [* g]: ggml_v_silu over the full 16-element chunks, ggml_silu_f32 after."""
+    if gated:
+        for i in range(n_vec):
+            out[i] = _silu_vec(x[i]) * g[i]
+        for i in range(n_vec, x.shape[0]):
+            out[i] = _silu_tail(x[i]) * g[i]
+    else:
+        for i in range(n_vec):
+            out[i] = _silu_vec(x[i])
+        for i in range(n_vec, x.shape[0]):
+            out[i] = _silu_tail(x[i])
+
+
+@njit(cache=True, error_model="numpy")
+def _silu_row_inplace(x, g, n_vec, gated):
+    """_silu_row with out = x: LLVM vectorises a loop only where it can rule out that the
+    output overlaps an input, which an output written over its input (the graph's in-place
+    ops) never passes; one array for both keeps it a vector loop."""
+    if gated:
+        for i in range(n_vec):
+            x[i] = _silu_vec(x[i]) * g[i]
+        for i in range(n_vec, x.shape[0]):
+            x[i] = _silu_tail(x[i]) * g[i]
+    else:
+        for i in range(n_vec):
+            x[i] = _silu_vec(x[i])
+        for i in range(n_vec, x.shape[0]):
+            x[i] = _silu_tail(x[i])
 
 
 @njit(parallel=True, cache=True)
 def silu_f32(x, dst):
     n3, n2, n1, n0 = x.shape
     n_vec = n0 - n0 % SILU_CHUNK
+    inplace = x.ctypes.data == dst.ctypes.data and x.strides == dst.strides
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        for i0 in range(n0):
-            dst[i3, i2, i1, i0] = _silu(x[i3, i2, i1, i0], i0 < n_vec)
+        if inplace:
+            _silu_row_inplace(dst[i3, i2, i1], dst[i3, i2, i1], n_vec, False)
+        else:
+            _silu_row(x[i3, i2, i1], x[i3, i2, i1], dst[i3, i2, i1], n_vec, False)
 
 
 @njit(parallel=True, cache=True)
 def swiglu_f32(a, b, dst):
     n3, n2, n1, n0 = a.shape
     n_vec = n0 - n0 % SILU_CHUNK
+    inplace = a.ctypes.data == dst.ctypes.data and a.strides == dst.strides
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        for i0 in range(n0):
-            dst[i3, i2, i1, i0] = _silu(a[i3, i2, i1, i0], i0 < n_vec) * b[i3, i2, i1, i0]
+        if inplace:
+            _silu_row_inplace(dst[i3, i2, i1], b[i3, i2, i1], n_vec, True)
+        else:
+            _silu_row(a[i3, i2, i1], b[i3, i2, i1], dst[i3, i2, i1], n_vec, True)
 
 
 GELU_COEF_A = 0.044715

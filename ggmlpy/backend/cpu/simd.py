@@ -83,19 +83,20 @@ _EXP_RANGE = F32(192.0)
 def expf_avx512(x):
     """ggml_v_expf for __m512: n = round(x / ln 2), the polynomial j of the remainder, and
     j * 2^n by scalef (one rounding, subnormals included); 0 for n < -192 (and -inf),
-    inf for n > 192."""
+    inf for n > 192, NaN for NaN. Written without branches (n clamped to +-193, the
+    ends selected), so that loops over it vectorise."""
     z = fma_f32(x, _EXP_LOG2E, _EXP_SHIFT)
     n = z - _EXP_SHIFT
     b = fma_f32(-n, _EXP_LN2_LO, fma_f32(-n, _EXP_LN2_HI, x))
     u = b * b
     j = fma_f32(fma_f32(fma_f32(_EXP_C0, b, _EXP_C1), u, fma_f32(_EXP_C2, b, _EXP_C3)), u,
                 fma_f32(_EXP_C4, b, F32(1.0)))
-    if abs(n) > _EXP_RANGE:  # x = -inf gives n = -inf: 0
-        return F32(0.0) if n <= F32(0.0) else F32(np.inf)
-    if n != n:  # NaN in, NaN out (scalef's)
-        return n
-    two_n = np.int64((np.int64(n) + 1023) << 52).view(np.float64)  # 2^n, |n| <= 192
-    return F32(np.float64(j) * two_n)  # j * 2^n exact in double, rounded once (scalef)
+    nc = min(max(n, -_EXP_RANGE - F32(1.0)), _EXP_RANGE + F32(1.0))
+    two_n = np.int64((np.int64(nc) + 1023) << 52).view(np.float64)  # 2^nc, |nc| <= 193
+    r = F32(np.float64(j) * two_n)  # j * 2^n exact in double, rounded once (scalef)
+    r = F32(0.0) if n < -_EXP_RANGE else r  # x = -inf: n = -inf, j NaN
+    r = F32(np.inf) if n > _EXP_RANGE else r  # x = inf: j NaN
+    return n if n != n else r  # NaN in, NaN out (scalef's)
 
 
 @njit(cache=True, inline="always")

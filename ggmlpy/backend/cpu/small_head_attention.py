@@ -21,13 +21,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import KV_TILE, _score_post
+from .attention import KV_TILE
 from .kernels import alibi_slope
 from .simd import expf, expf_avx512, fma_f32
+from .vecir import LANES, lanes_scores, lanes_values
 
 F32 = np.float32
 MAX_HEAD_DIM = 32  # head sizes unrolled at compile time; wider heads go to attention.py
-Q_TILE = 32  # query rows attended together: the vector width of the loops
+Q_TILE = LANES  # query rows attended together: the vector kernels' lanes
 
 
 @njit(cache=True)
@@ -62,10 +63,20 @@ def _reduce16_lane(p, o, i):
     return (u0 + u2) + (u1 + u3)
 
 
+@njit(cache=True, inline="always")
+def _score(k, k3, j, hk, qt, i, dk_dims):
+    """q_i . k_j as ggml's tiled kernel sums it: an fma chain over the head."""
+    x = F32(0.0)
+    for d in range(len(dk_dims)):
+        x = fma_f32(k[k3, j, hk, d], qt[d, i], x)
+    return x
+
+
 @njit(cache=True)
 def _attn_head(q, k, v, mt, dst, i3, h, hk, q0, w, lo, hi, sc, cap, slope, has_mask,
-               qt, s, acc, mx, sm, tm, dk_dims, dv_dims):
-    """One head of one tile of w queries: dst[i3, q0 + i, h] for i < w."""
+               qt, s, acc, mx, sm, tm, sd, dk_dims, dv_dims):
+    """One head of one tile of w queries: dst[i3, q0 + i, h] for i < w. Every loop over the
+    queries is a vector loop, and there are few per cell: their set-up is the cost here."""
     dk, dv = len(dk_dims), len(dv_dims)
     n_kv = k.shape[1]
     k3, v3 = i3 % k.shape[0], i3 % v.shape[0]
@@ -73,35 +84,27 @@ def _attn_head(q, k, v, mt, dst, i3, h, hk, q0, w, lo, hi, sc, cap, slope, has_m
         for i in range(w):
             qt[d, i] = q[i3, h, q0 + i, d]
     for d in range(dv):
-        for i in range(w):
+        for i in range(Q_TILE):  # every lane: the vector kernels compute them all
             acc[d, i] = 0.0
     for i in range(w):
         mx[i] = -np.inf
         sm[i] = 0.0
     for c0 in range(lo - lo % KV_TILE, hi, KV_TILE):  # ggml's tiles of cells; the ones no query sees add nothing
         a, b = max(lo, c0) - c0, min(hi, c0 + KV_TILE) - c0  # the tile's cells some query sees
-        for c in range(a, b):  # scores: fma chains over the head, scale (softcap), then the mask
-            kc = k[k3, c0 + c, hk]
-            sc_ = s[c]
-            for i in range(w):
-                x = F32(0.0)
-                for d in range(dk):
-                    x = fma_f32(kc[d], qt[d, i], x)
-                sc_[i] = _score_post(x, sc, cap)
-            if has_mask:
-                mj = mt[c0 + c]
-                for i in range(w):
-                    sc_[i] = sc_[i] + slope * mj[i]
-        for c in range(KV_TILE):  # cells no query sees, and past the last cell (ggml's padding)
-            if c < a or c >= b:
-                for i in range(w):
-                    s[c, i] = -np.inf
-        for i in range(w):
+        for i in range(Q_TILE):
             tm[i] = -np.inf
-        for c in range(KV_TILE):  # the tile's max per query
-            sc_ = s[c]
-            for i in range(w):
-                tm[i] = np.maximum(tm[i], sc_[i])
+        if cap == 0.0:  # scores: fma chains over the head, scale, mask; the tile's max
+            lanes_scores(k[k3, c0:, hk], qt, mt[c0:], s, tm, a, b, sc, slope, has_mask)
+        else:  # with ggml's softcap (tanhf: a call)
+            for c in range(a, b):
+                j = c0 + c
+                for i in range(w):
+                    s[c, i] = F32(np.tanh(_score(k, k3, j, hk, qt, i, dk_dims) * sc)) * cap
+                if has_mask:
+                    for i in range(w):
+                        s[c, i] = s[c, i] + slope * mt[j, i]
+                for i in range(w):
+                    tm[i] = tm[i] if tm[i] > s[c, i] else s[c, i]
         for i in range(w):  # the running max and sum rescaled; a query that sees nothing here: no change
             if tm[i] > mx[i]:
                 ms = expf(mx[i] - tm[i])
@@ -110,23 +113,23 @@ def _attn_head(q, k, v, mt, dst, i3, h, hk, q0, w, lo, hi, sc, cap, slope, has_m
                 sm[i] = sm[i] * ms
                 mx[i] = tm[i]
             tm[i] = mx[i] if tm[i] != -np.inf else F32(0.0)  # exp(-inf - 0) = 0: weights 0
-        for c in range(KV_TILE):
-            sc_ = s[c]
+            sd[i] = 0.0
+        for c in range(a, b):  # the weights: ggml_v_expf
             for i in range(w):
-                sc_[i] = expf_avx512(sc_[i] - tm[i])
+                s[c, i] = expf_avx512(s[c, i] - tm[i])
+        g0, g1 = a - a % 16, min(KV_TILE, b + (-b) % 16)  # the 16-cell groups the cells fall in
+        for c in range(g0, a):  # their other cells weigh 0
+            for i in range(w):
+                s[c, i] = 0.0
+        for c in range(b, g1):
+            for i in range(w):
+                s[c, i] = 0.0
+        for o in range(g0, g1, 16):  # the sum: 16-lane reductions added in double (the groups left out add 0)
+            for i in range(w):
+                sd[i] += np.float64(_reduce16_lane(s, o, i))
         for i in range(w):
-            total = 0.0
-            for o in range(0, KV_TILE, 16):
-                total += np.float64(_reduce16_lane(s, o, i))
-            sm[i] = F32(np.float64(sm[i]) + total)
-        for c in range(a, b):  # output: fma chains over the cells (the others' weights are 0)
-            vc = v[v3, c0 + c, hk]
-            pc = s[c]
-            for d in range(dv):
-                a_d = acc[d]
-                vd = vc[d]
-                for i in range(w):
-                    a_d[i] = fma_f32(vd, pc[i], a_d[i])
+            sm[i] = F32(np.float64(sm[i]) + sd[i])
+        lanes_values(s, v[v3, c0:, hk], acc, a, b)  # output: fma chains over the cells (the others' weights are 0)
     for i in range(w):
         inv = F32(0.0) if sm[i] == 0.0 else F32(1.0) / sm[i]
         for d in range(dv):
@@ -160,19 +163,20 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
         t = u // 2 if u % 2 == 0 else n_tiles - 1 - u // 2  # big and small tiles alternate: even halves
         q0 = t * Q_TILE
         w = min(tile, n_q - q0)  # the tile's queries: Q_TILE, or fewer in the last (one for a decode)
-        mt = np.empty((m2, n_kv if has_mask else 0, Q_TILE), dtype=np.float32)
+        mt = np.zeros((m2, n_kv if has_mask else 1, Q_TILE), dtype=np.float32)  # lanes past the tile's queries: 0
         spans = np.empty((m2, 2), dtype=np.int64)
         for i2 in range(m2):
             if has_mask:
                 spans[i2, 0], spans[i2, 1] = _attn_mask_tile(mask[i3 % m3, i2], q0, w, mt[i2])
             else:
                 spans[i2, 0], spans[i2, 1] = 0, n_kv
-        qt = np.empty((dk, Q_TILE), dtype=np.float32)
-        s = np.empty((KV_TILE, Q_TILE), dtype=np.float32)
+        qt = np.zeros((dk, Q_TILE), dtype=np.float32)
+        s = np.zeros((KV_TILE, Q_TILE), dtype=np.float32)
         acc = np.empty((dv, Q_TILE), dtype=np.float32)
         mx = np.empty(Q_TILE, dtype=np.float32)
         sm = np.empty(Q_TILE, dtype=np.float32)
         tm = np.empty(Q_TILE, dtype=np.float32)
+        sd = np.empty(Q_TILE, dtype=np.float64)
         for h in range(n_head):
             _attn_head(q, k, v, mt[h % m2], dst, i3, h, h // group, q0, w, spans[h % m2, 0], spans[h % m2, 1],
-                       sc, cap, alibi_slope(max_bias, h, n_head), has_mask, qt, s, acc, mx, sm, tm, dk_dims, dv_dims)
+                       sc, cap, alibi_slope(max_bias, h, n_head), has_mask, qt, s, acc, mx, sm, tm, sd, dk_dims, dv_dims)

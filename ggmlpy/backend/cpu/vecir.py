@@ -763,3 +763,93 @@ def q6_k_row_vnni(typingctx, buf, o, xs, xd, bse, bso, nb):
             b.store(b.call(fma8, [_bcast8(b, d), b.sitofp(lanes, _VF8), b.load(acc)]), acc)
         return _hsum8_vec(b, b.load(acc))
     return sig, codegen
+
+
+# ---- small-head attention (small_head_attention.py): the queries of a tile are the lanes ----
+LANES = 2 * W  # queries per tile: two registers
+
+
+def _row_stride(context, b, aryty, ary):
+    """The first-dimension stride of a 2-D float32 array, in elements."""
+    return b.sdiv(b.extract_value(context.make_array(aryty)(context, b, ary).strides, 0), ir.Constant(_I64, 4))
+
+
+@intrinsic
+def lanes_scores(typingctx, kh, qt, mt, s, tm, a, b_, sc, slope, has_mask):
+    """The scores of LANES queries against cells a .. b - 1 of a tile: s[c, i] = (fma chain
+    over d of kh[c, d] * qt[d, i], from 0) * sc [+ slope * mt[c, i]], and the running max
+    tm[i] = tm[i] > s ? tm[i] : s (ggml's MAX). kh (cells, dk) any row stride; qt (dk, LANES),
+    mt (cells, LANES), s (64, LANES) C-contiguous; tm (LANES,)."""
+    if sc != types.float32 or slope != types.float32:
+        return None
+    sig = types.void(kh, qt, mt, s, tm, a, b_, sc, slope, has_mask)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        b = builder
+        kh_p, qt_p, mt_p, s_p, tm_p = (e.ptr(context, ty, x) for ty, x in zip(signature.args[:5], args[:5]))
+        a_, b1 = e.i64(args[5]), e.i64(args[6])
+        sc_v, slope_v = e.splat(args[7]), e.splat(args[8])
+        masked = args[9]
+        ks = _row_stride(context, b, signature.args[0], args[0])
+        dk = b.extract_value(context.make_array(signature.args[0])(context, b, args[0]).shape, 1)
+        lanes = e.const(LANES)
+        tms = [e.acc() for _ in range(2)]
+        for v in range(2):
+            b.store(e.load(tm_p, e.const(W * v)), tms[v])
+        with cgutils.for_range_slice(b, a_, b1, e.const(1)) as (c, _):
+            xs = [e.acc() for _ in range(2)]
+            krow = e.gep(kh_p, b.mul(c, ks))
+            with cgutils.for_range(b, dk) as loop:
+                d = loop.index
+                kd = e.splat(e.scalar(krow, d))
+                for v in range(2):
+                    q = e.load(qt_p, b.add(b.mul(d, lanes), e.const(W * v)))
+                    b.store(e.fma(kd, q, b.load(xs[v])), xs[v])
+            for v in range(2):
+                x = e.mul(b.load(xs[v]), sc_v)
+                b.store(x, xs[v])
+            with b.if_then(masked):
+                for v in range(2):
+                    m = e.load(mt_p, b.add(b.mul(c, lanes), e.const(W * v)))
+                    b.store(e.add(b.load(xs[v]), e.mul(slope_v, m)), xs[v])
+            for v in range(2):
+                x = b.load(xs[v])
+                e.store(s_p, b.add(b.mul(c, lanes), e.const(W * v)), x)
+                t = b.load(tms[v])
+                b.store(b.select(b.fcmp_ordered(">", t, x), t, x), tms[v])
+        for v in range(2):
+            e.store(tm_p, e.const(W * v), b.load(tms[v]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def lanes_values(typingctx, p, vh, acc, a, b_):
+    """The output of LANES queries over cells a .. b - 1 of a tile: acc[d, i] = fma chain over
+    c of vh[c, d] * p[c, i], continuing from acc. vh (cells, dv) any row stride; p (64, LANES),
+    acc (dv, LANES) C-contiguous."""
+    sig = types.void(p, vh, acc, a, b_)
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        b = builder
+        p_p, vh_p, acc_p = (e.ptr(context, ty, x) for ty, x in zip(signature.args[:3], args[:3]))
+        a_, b1 = e.i64(args[3]), e.i64(args[4])
+        vs = _row_stride(context, b, signature.args[1], args[1])
+        dv = b.extract_value(context.make_array(signature.args[1])(context, b, args[1]).shape, 1)
+        lanes = e.const(LANES)
+        with cgutils.for_range(b, dv) as outer:
+            d = outer.index
+            xs = [e.acc() for _ in range(2)]
+            for v in range(2):
+                b.store(e.load(acc_p, b.add(b.mul(d, lanes), e.const(W * v))), xs[v])
+            with cgutils.for_range_slice(b, a_, b1, e.const(1)) as (c, _):
+                vd = e.splat(e.scalar(vh_p, b.add(b.mul(c, vs), d)))
+                for v in range(2):
+                    pv = e.load(p_p, b.add(b.mul(c, lanes), e.const(W * v)))
+                    b.store(e.fma(vd, pv, b.load(xs[v])), xs[v])
+            for v in range(2):
+                e.store(acc_p, b.add(b.mul(d, lanes), e.const(W * v)), b.load(xs[v]))
+        return context.get_dummy_value()
+    return sig, codegen
