@@ -1,11 +1,12 @@
-"""One-column quantized products (a generated token): integer dot products on the packed
-blocks (qdot.py) against the tile path (dequantize tiles, BLAS), alternated A B A B.
+"""Few-column quantized products (generated tokens) of the types qdot.py serves (Q4_0, Q5_K):
+integer dot products on the packed blocks against the tile path (dequantize tiles, BLAS),
+alternated A B A B. (Q5_0, Q8_0, Q4_K and Q6_K take qexact.py's kernels for any column
+count; there is no tile path for them to compare with.)
 
-    python bench/qdot_bench.py [--threads 1] [--reps 9] [--columns 1] [--types Q8_0,Q5_0,Q4_K,Q6_K]
+    python bench/qdot_bench.py [--threads 1] [--reps 9] [--columns 1] [--types Q4_0,Q5_K]
 
-Shapes are gemma-3-270m's: (rows x k) 1024 x 640 (attn_q, Q5_0), 2048 x 640 (ffn_up/gate),
-640 x 2048 (ffn_down, Q4_K/Q6_K), 640 x 1024 (attn_output, Q4_K) and the 262,144 x 640
-Q8_0 head. Medians in milliseconds, and the bytes of packed weights read per second.
+Shapes are gemma-3-270m's: (rows x k) 2048 x 640 (ffn_up/gate), 640 x 2048 (ffn_down).
+Medians in milliseconds, and the bytes of packed weights read per second.
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from ggmlpy.backend.cpu import qdot
 from ggmlpy.backend.cpu.plan import Scratch
 from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
 
-SHAPES = {T.Q8_0: [(262144, 640), (256, 640)], T.Q5_0: [(1024, 640), (2048, 640)],
-          T.Q4_0: [(2048, 640)], T.Q4_K: [(640, 2048), (640, 1024)], T.Q5_K: [(640, 2048)], T.Q6_K: [(640, 2048)]}
+SHAPES = {T.Q4_0: [(2048, 640)], T.Q5_K: [(640, 2048)]}
 
 
 def run(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch, integer: bool) -> float:
@@ -41,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--types", default="Q8_0,Q5_0,Q4_0,Q4_K,Q5_K,Q6_K")
+    ap.add_argument("--types", default="Q4_0,Q5_K")
     ap.add_argument("--columns", type=int, default=1, help="activation columns (tokens) per product")
     args = ap.parse_args()
     numba.set_num_threads(args.threads)

@@ -46,7 +46,7 @@ def grads(ctx) -> dict[str, np.ndarray]:
     return {name: tr.grad(name).copy() for name in tr.trained}
 
 
-@pytest.mark.parametrize("n_ubatch", [32, 64])
+@pytest.mark.parametrize("n_ubatch", [16, 32, 64])
 def test_first_step_loss_and_gradients_do_not_depend_on_n_ubatch(stories, wiki_tokens, n_ubatch):
     ds = token_windows(wiki_tokens, N_CTX)
     whole, split = trainer_for(stories, N_CTX), trainer_for(stories, n_ubatch)

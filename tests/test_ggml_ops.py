@@ -15,7 +15,9 @@ Tolerances (float32 eps = 1.19e-7), checked as |got - ref| <= RTOL * scale eleme
   add/sub/mul/div must be correctly rounded: |err| <= eps/2 * |ref| (one IEEE float32 op).
   Everything else: RTOL = 1e-6 (about 8 ulp); `scale` is |ref| unless a test says otherwise, where
   the float32 computation has an unavoidable absolute error term:
-    gelu          max(|ref|, |x|)          (1 + tanh(u) cancels for x << 0)
+    gelu, geglu   ggml's half table (GGML_GELU_FP16): x rounded to half, GELU rounded to half;
+                  checked bit for bit against that definition in float64, one half-ulp apart
+                  allowed where float32 and float64 round GELU to different halves
     scale+bias    |x*s| + |b|              (x*s + b cancels)
     norm          |ref| + |mean| / std     (x - mean cancels)
     soft_max      |ref| * (1 + |v| + max)  (exp turns the absolute error of v into a relative one)
@@ -25,6 +27,7 @@ Tolerances (float32 eps = 1.19e-7), checked as |got - ref| <= RTOL * scale eleme
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 
@@ -35,6 +38,7 @@ from numba import njit
 import ggmlpy as gg
 from ggmlpy import half
 from ggmlpy import GGMLType as T
+from ggmlpy.backend.cpu.small_head_attention import MAX_HEAD_DIM as SMALL_HEAD_DIM
 
 RTOL = 1e-6
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -184,6 +188,19 @@ def _gelu_ref(x):
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
+def _gelu_ggml_ref(x, b=None):
+    """GELU (times b) as ggml-cpu computes it (ggml_vec_gelu_f32 / ggml_vec_geglu_f32 with
+    GGML_GELU_FP16): 0 at or below -10, x at or above 10, between them the entry of ggml's
+    half table at x rounded to half (numpy's rounding here); float32 results."""
+    from ggmlpy.backend.cpu.kernels import GELU_TABLE
+    x = np.asarray(x, dtype=np.float32)
+    looked_up = GELU_TABLE[x.astype(np.float16).view(np.uint16)]
+    act = np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, looked_up))
+    if b is None:
+        return act
+    return np.where(x <= -10.0, np.float32(0.0), act * np.asarray(b, dtype=np.float32))
+
+
 # name -> (build, input generator, reference, error scale)
 UNARY = {
     "sqr": (gg.sqr, lambda r, s: randn(r, s, 3.0), np.square, None),
@@ -191,7 +208,6 @@ UNARY = {
     "log": (gg.log, lambda r, s: r.uniform(0.01, 50.0, s).astype(np.float32), np.log, None),
     "exp": (gg.exp, lambda r, s: randn(r, s, 3.0), np.exp, None),
     "silu": (gg.silu, lambda r, s: randn(r, s, 4.0), lambda x: x / (1.0 + np.exp(-x)), None),
-    "gelu": (gg.gelu, lambda r, s: randn(r, s, 3.0), _gelu_ref, lambda x, ref: np.maximum(np.abs(ref), np.abs(x))),
     "scale": (lambda ctx, a: gg.scale(ctx, a, 0.37), lambda r, s: randn(r, s, 3.0), lambda x: x * np.float64(np.float32(0.37)), None),
     "scale_bias": (lambda ctx, a: gg.scale(ctx, a, -1.5, 0.25), lambda r, s: randn(r, s, 3.0), lambda x: x * -1.5 + 0.25,
                    lambda x, ref: np.abs(x * 1.5) + 0.25),
@@ -210,8 +226,66 @@ def test_unary(rng, name, layout):
     assert_close(got, ref, None if scale_fn is None else scale_fn(x64, ref))
 
 
-GLU = {"swiglu": (gg.swiglu_split, lambda a: a / (1.0 + np.exp(-a)), None),
-       "geglu": (gg.geglu_split, _gelu_ref, True)}
+@pytest.mark.parametrize("fn", ["silu_f32", "swiglu_f32"])
+def test_silu_over_its_input_is_the_same(rng, fn):
+    """The graph computes SiLU and SwiGLU over their input when it dies there: the same bits."""
+    from ggmlpy.backend.cpu import kernels as K
+    a, g = randn(rng, (2, 3, 5, 37), 4.0), randn(rng, (2, 3, 5, 37))
+    args = (a, g) if fn == "swiglu_f32" else (a,)
+    out = np.empty_like(a)
+    getattr(K, fn)(*args, out)
+    over = a.copy()
+    getattr(K, fn)(*((over, g) if fn == "swiglu_f32" else (over,)), over)
+    np.testing.assert_array_equal(over, out)
+
+
+# SHA-256 of ggml's GELU table (ggml_table_gelu_f16, 65,536 halves) as llama.cpp's CPU backend
+# builds it: read from the vendored build's library (llama-cpp-python 0.3.36, AVX-512 machine)
+# with ctypes after ggml_cpu_init(), `hashlib.sha256(bytes(table))`.
+GGML_GELU_TABLE_SHA256 = "5eceda6f287dec9dc0bcfa24516d6744a031a5c52d1984688b4558aeb1daf909"
+
+
+def test_gelu_table_is_ggmls():
+    """Bit for bit ggml's table; and GELU rounded to half: float32's cancellation in
+    1 + tanh(u) for x << 0 aside (|x| * 2 eps), within one half-ulp of the float64 GELU."""
+    from ggmlpy.backend.cpu.kernels import GELU_TABLE
+    assert hashlib.sha256(GELU_TABLE.astype(np.float16).view(np.uint16).tobytes()).hexdigest() == GGML_GELU_TABLE_SHA256
+    halves = np.arange(1 << 16).astype(np.uint16).view(np.float16)
+    finite = np.isfinite(halves)
+    x = halves[finite].astype(np.float64)
+    ref = _gelu_ref(x)
+    got = GELU_TABLE[finite].astype(np.float64)
+    ulp = np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)
+    assert np.all(np.abs(got - ref) <= ulp + np.abs(x) * 2 * F32_EPS)
+    assert np.mean(got == ref.astype(np.float16)) > 0.99
+
+
+def _gelu_inputs(rng, shape):
+    """Normal values, plus the edges of the table: +-10 and just inside, large, -0."""
+    x = randn(rng, shape, 3.0)
+    edges = np.array([10.0, -10.0, 9.999, -9.999, 10.001, -10.001, 250.0, -250.0, -0.0, 0.0], np.float32)
+    x.reshape(-1)[:edges.size] = edges
+    return x
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gelu(rng, layout):
+    x = _gelu_inputs(rng, (2, 3, 5, 33))
+    ctx = gg.Context()
+    np.testing.assert_array_equal(run(gg.gelu(ctx, make(ctx, x, layout))), _gelu_ggml_ref(x))
+
+
+@pytest.mark.parametrize("layouts", [("contig", "contig"), ("perm", "contig"), ("contig", "trans"), ("pad", "perm")],
+                         ids=lambda l: "-".join(l))
+def test_geglu_split(rng, layouts):
+    a, b = _gelu_inputs(rng, (2, 3, 4, 40)), randn(rng, (2, 3, 4, 40))
+    b.reshape(-1)[1] = np.inf  # a = -10 there: 0 whatever b is (ggml writes 0)
+    ctx = gg.Context()
+    got = run(gg.geglu_split(ctx, make(ctx, a, layouts[0]), make(ctx, b, layouts[1])))
+    np.testing.assert_array_equal(got, _gelu_ggml_ref(a, b))
+
+
+GLU = {"swiglu": (gg.swiglu_split, lambda a: a / (1.0 + np.exp(-a)), None)}
 
 
 @pytest.mark.parametrize("layouts", [("contig", "contig"), ("perm", "contig"), ("contig", "trans"), ("pad", "perm")],
@@ -342,18 +416,21 @@ def test_soft_max_alibi_slopes_differ_per_head(rng):
 
 
 # ---- flash_attn_ext ----------------------------------------------------------------------------
-def flash_attn_ref(q, k, v, mask, scale, max_bias, softcap):
-    """softmax(q.k * scale [then tanh(s) * softcap] + slope * mask) . v in float64 (a query that
-    sees no cell outputs 0); q: (n3, n_head, n_q, dk), k/v: (n3, n_head_kv, n_kv, d), mask: (m3, m2, >= n_q, n_kv) or None.
+def flash_attn_ref(q, k, v, mask, scale, max_bias, softcap, half_steps=0):
+    """softmax(q.k * scale [then softcap * tanh(s / softcap), ggml's logit softcap] + slope * mask) . v
+    in float64 (a query that sees no cell outputs 0); q: (n3, n_head, n_q, dk), k/v: (n3, n_head_kv,
+    n_kv, d), mask: (m3, m2, >= n_q, n_kv) or None.
     Returns (out (n3, n_q, n_head, dv), error scale): the score error of float32 dot products
-    becomes a relative error of the weights through exp, and the weighted sum adds its own."""
+    becomes a relative error of the weights through exp, and the weighted sum adds its own;
+    `half_steps` roundings of the output sum to half (ggml's one-chunk kernel over an F16 V)
+    add up to one half-ulp each."""
     n3, n_head, n_q, _ = q.shape
     group = n_head // k.shape[1]
     kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     s = np.einsum("bhqd,bhkd->bhqk", q, kk) * np.float64(np.float32(scale))
     dot_abs = np.einsum("bhqd,bhkd->bhqk", np.abs(q), np.abs(kk)) * abs(scale)
     if softcap:
-        s = np.tanh(s) * softcap
+        s = np.tanh(s / softcap) * softcap
     if mask is not None:
         m = mask[np.ix_(np.arange(n3) % mask.shape[0], np.arange(n_head) % mask.shape[1], np.arange(n_q),
                         np.arange(mask.shape[3]))]
@@ -365,7 +442,7 @@ def flash_attn_ref(q, k, v, mask, scale, max_bias, softcap):
     w = np.divide(p, total, out=np.zeros_like(p), where=total > 0)
     out = w @ vv
     spread = np.max(np.where(np.isfinite(s), dot_abs + np.abs(s), 0.0), axis=-1, keepdims=True)
-    err_scale = (w @ np.abs(vv)) * (1.0 + spread + np.sqrt(kk.shape[2]))
+    err_scale = (w @ np.abs(vv)) * (1.0 + spread + np.sqrt(kk.shape[2]) + half_steps * 2.0 ** -11 / RTOL)
     return out.transpose(0, 2, 1, 3), err_scale.transpose(0, 2, 1, 3)
 
 
@@ -403,8 +480,13 @@ def test_flash_attn_ext(rng, case, layout):
     v_t = make(ctx, v, layout, kv_type)
     out = gg.flash_attn_ext(ctx, make(ctx, q, layout), k_t, v_t, mask, scale, max_bias, softcap)
     got = run(out)
-    ref, err_scale = flash_attn_ref(q.astype(np.float64), decode(encode(k, kv_type), kv_type),
-                                    decode(encode(v, kv_type), kv_type), mask_vals, scale, max_bias, softcap)
+    # under 64 query rows ggml takes its one-chunk kernel: Q rounded to the K type, the output
+    # summed in the V type (halves: a rounding per cell and per rescale); bit for bit in
+    # test_ggml_numerics. Small heads take small_head_attention.py: float32 throughout.
+    one_chunk_half = n_q < 64 and kv_type == T.F16 and max(dk, dv) > SMALL_HEAD_DIM
+    q_ref = decode(encode(q, T.F16), T.F16) if one_chunk_half else q.astype(np.float64)
+    ref, err_scale = flash_attn_ref(q_ref, decode(encode(k, kv_type), kv_type), decode(encode(v, kv_type), kv_type),
+                                    mask_vals, scale, max_bias, softcap, half_steps=2 * n_kv if one_chunk_half else 0)
     assert_close(got, ref, err_scale)
     if mask_dims is not None and n_q > 1:
         assert np.all(got[0, 1] == 0.0)  # the query that sees no cell

@@ -219,11 +219,18 @@ CASES = {
 }
 
 
+# Params whose analytic gradient carries a rounding the float64 reference does not have:
+# geglu's gradient for b is g * gelu(a) (the form of ggml's SWIGLU backward), gelu from
+# ggml's half table as in the forward: one rounding to half (relative 2^-11) against the
+# float64 reference's exact GELU.
+TOL_BY_PARAM = {("geglu", "param1"): 2.0 ** -11}
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_grad_check(name):
     build, inputs, layouts = CASES[name]
     errors = grad_check(build, inputs, layouts)
-    bad = {k: e for k, e in errors.items() if not e <= TOL}
+    bad = {k: e for k, e in errors.items() if not e <= TOL_BY_PARAM.get((name, k), TOL)}
     assert not bad, f"{name}: normalized gradient error {bad} > {TOL}"
 
 

@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 
+from ggmlpy import GGMLType
 from ggmlpy.backend.cpu import gemm
 
 
@@ -52,7 +53,7 @@ NO_BLAS_DECODE = textwrap.dedent("""
     assert gemm.BLAS == "numpy.matmul", gemm.BLAS
     import llamapy
     model = llamapy.load_model(sys.argv[1])
-    ctx = llamapy.Context(model, n_ctx=64)
+    ctx = llamapy.Context(model, n_ctx=64, type_k=ggmlpy.GGMLType.F32, type_v=ggmlpy.GGMLType.F32)
     ctx.decode(llamapy.Batch.from_tokens(model.vocab.tokenize("Once upon a time, there was"), all_outputs=True))
     np.save(sys.argv[2], ctx.get_logits())
 """)
@@ -60,13 +61,14 @@ NO_BLAS_DECODE = textwrap.dedent("""
 
 def test_import_and_decode_without_a_usable_blas(stories_path, tmp_path):
     """`import ggmlpy` and a decode work where numpy's BLAS has no cblas_sgemm64_ (conda's
-    MKL, Accelerate), giving the logits of the BLAS path to float32 rounding."""
+    MKL, Accelerate), giving the logits of the BLAS path to float32 rounding. (An F32 KV
+    cache: an F16 one turns the two paths' 1-ulp differences into half ulps now and then.)"""
     import llamapy
     script = NO_BLAS_DECODE.format(libc=_libc())
     out = tmp_path / "logits.npy"
     run = subprocess.run([sys.executable, "-c", script, str(stories_path), str(out)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     model = llamapy.load_model(stories_path)
-    ctx = llamapy.Context(model, n_ctx=64)
+    ctx = llamapy.Context(model, n_ctx=64, type_k=GGMLType.F32, type_v=GGMLType.F32)
     ctx.decode(llamapy.Batch.from_tokens(model.vocab.tokenize("Once upon a time, there was"), all_outputs=True))
     np.testing.assert_allclose(np.load(out), ctx.get_logits(), rtol=1e-4, atol=1e-4)

@@ -14,8 +14,9 @@ from ... import convert
 from ...ops import ROPE_TYPE_NEOX
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
+from . import attention as ATT
 from . import kernels as K
-from .gemm import matmul
+from . import small_head_attention as SHA
 from .kernel_table import KernelTable, Prepared, read_only, require_f32
 from .plan import Plan
 
@@ -98,28 +99,29 @@ def _unary_numpy(node: Tensor, plan: Plan) -> Prepared:
     return lambda: ufunc(av, out=dv)
 
 
-_UNARY_NUMBA = {Op.SILU: K.silu_f32, Op.GELU: K.gelu_f32}
+# kernel, then the constant arguments it takes after the operands (GELU's half table, as ggml)
+_UNARY_NUMBA = {Op.SILU: (K.silu_f32,), Op.GELU: (K.gelu_f32, K.GELU_TABLE)}
 
 
 @KERNELS.register(Op.SILU, Op.GELU)
 def _unary_numba(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
-    kernel = _UNARY_NUMBA[node.op]
+    kernel, *consts = _UNARY_NUMBA[node.op]
     av, dv = a.array(), node.array()
-    return lambda: kernel(av, dv)
+    return lambda: kernel(av, dv, *consts)
 
 
-_GLU = {Op.SWIGLU: K.swiglu_f32, Op.GEGLU: K.geglu_f32}
+_GLU = {Op.SWIGLU: (K.swiglu_f32,), Op.GEGLU: (K.geglu_f32, K.GELU_TABLE)}
 
 
 @KERNELS.register(Op.SWIGLU, Op.GEGLU)
 def _glu(node: Tensor, plan: Plan) -> Prepared:
     a, b = node.src
     require_f32(node, a, b)
-    kernel = _GLU[node.op]
+    kernel, *consts = _GLU[node.op]
     av, bv, dv = a.array(), b.array(), node.array()
-    return lambda: kernel(av, bv, dv)
+    return lambda: kernel(av, bv, dv, *consts)
 
 
 @KERNELS.register(Op.RMS_NORM, Op.NORM)
@@ -148,36 +150,53 @@ def _soft_max(node: Tensor, plan: Plan) -> Prepared:
     return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False, np.nan)
 
 
-UNROLLED_HEAD_DIM = 64  # numba takes head sizes up to this as compile-time constants
-
-
 @KERNELS.register(Op.FLASH_ATTN_EXT)
 def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
-    """The numerics of ggml's tiled CPU kernel: float32 scores and outputs, the softmax sum
-    in double. (ggml's one-chunk kernel, which it picks for ubatches under 64 rows,
-    accumulates in f16, so there n_ubatch changes results; here it never does.)
-
-    Small heads go through K.flash_attn_f32: every score and output a sequential sum, only
-    the cells some query of a tile sees, so n_ubatch changes no bit. Wide heads (Gemma's 256)
-    are products big enough for BLAS: scores and outputs as whole GEMMs per head."""
+    """Wide heads: ggml-cpu's flash attention, rounding for rounding (attention.py): the tiled
+    kernel from 64 query rows up with F16/F32 K and V of one type, the one-chunk kernel
+    otherwise. Heads up to 32 values: small_head_attention.py, queries as vector lanes."""
     q, k, v = node.src[:3]
     require_f32(node, q)
-    if max(q.ne[0], node.ne[0]) > UNROLLED_HEAD_DIM:
-        return _flash_attn_blas(node, plan)
-    scale, max_bias, softcap = node.op_params
+    scale, max_bias, softcap = (float(p) for p in node.op_params[:3])
     qv, dv = q.array(), node.array()
     has_mask, mv, mask_type = _attn_mask(node)
-    dk_dims, dv_dims = (0,) * qv.shape[3], (0,) * dv.shape[3]
     k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
+    if max(q.ne[0], node.ne[0]) <= SHA.MAX_HEAD_DIM:
+        return _flash_attn_small_heads(qv, dv, has_mask, mv, mask_type, k_f32, v_f32, k.ne[1], (scale, max_bias, softcap))
+    float_kv = (GGMLType.F16, GGMLType.F32)
+    if q.ne[1] >= ATT.Q_TILE and k.type == v.type and k.type in float_kv:
+        n_kv = k.ne[1]  # the tiled kernel reads every cell of a tile some row sees: all converted
+
+        def run() -> None:
+            ATT.flash_attn_tiled(qv, k_f32(n_kv), v_f32(n_kv), convert.to_f32(mv, mask_type), dv, scale, max_bias,
+                                 softcap, has_mask)
+        return run
+    half_k, half_v = k.type == GGMLType.F16, v.type == GGMLType.F16
     n_kv = k.ne[1]
+
+    def run_one_chunk() -> None:
+        mask = convert.to_f32(mv, mask_type)
+        # the one-chunk kernel never reads a masked cell: a decode step converts the cache only
+        # up to the last cell some query sees, not the whole padded length
+        used = K.attn_cells_seen(mask) if has_mask else n_kv
+        ATT.flash_attn_one_chunk(qv, k_f32(used), v_f32(used), mask, dv, scale, max_bias,
+                                 softcap, has_mask, half_k, half_v)
+    return run_one_chunk
+
+
+def _flash_attn_small_heads(qv: np.ndarray, dv: np.ndarray, has_mask: bool, mv: np.ndarray, mask_type: GGMLType,
+                            k_f32: Callable[[int], np.ndarray], v_f32: Callable[[int], np.ndarray], n_kv: int,
+                            params: tuple[float, float, float]) -> Prepared:
+    scale, max_bias, softcap = params
+    dk_dims, dv_dims = (0,) * qv.shape[3], (0,) * dv.shape[3]  # head sizes as compile-time constants
 
     def run() -> None:
         mask = convert.to_f32(mv, mask_type)
         # cells past the last one any query sees are never read: a decode step converts the
         # cache only up to its position, not the whole padded length
         used = K.attn_cells_seen(mask) if has_mask else n_kv
-        K.flash_attn_f32(qv, k_f32(used), v_f32(used), mask,
-                         dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, K.Q_TILE)
+        SHA.flash_attn_f32(qv, k_f32(used), v_f32(used), mask,
+                           dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, SHA.Q_TILE)
     return run
 
 
@@ -186,35 +205,6 @@ def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
     if len(node.src) > 3:
         return True, node.src[3].array(), node.src[3].type
     return False, _EMPTY_F32, GGMLType.F32
-
-
-def _flash_attn_blas(node: Tensor, plan: Plan) -> Prepared:
-    q, k, v = node.src[:3]
-    scale, max_bias, softcap = node.op_params
-    qv, kv, vv, dv = q.array(), k.array(), v.array(), node.array()
-    k_type, v_type = k.type, v.type
-    has_mask, mv, mask_type = _attn_mask(node)
-    n3, n_head, n_q, dk = qv.shape
-    n_head_kv, n_kv = kv.shape[1], kv.shape[2]
-    group = n_head // n_head_kv
-    q5 = qv.reshape(n3, n_head_kv, group, n_q, dk)
-    scores_shape = (n3, n_head_kv, group, n_q, n_kv)
-    out5 = dv.reshape(n3, n_q, n_head_kv, group, dv.shape[3]).transpose(0, 2, 3, 1, 4)
-    sm_scale = 1.0 if softcap else scale
-    scratch = plan.scratch
-
-    def run() -> None:
-        # the scores live in the backend's scratch, shared by every attention (one op at a time)
-        scores = scratch.get("attn_scores", math.prod(scores_shape)).reshape(scores_shape)
-        scores4 = scores.reshape(n3, n_head, n_q, n_kv)
-        k32 = convert.to_f32(kv, k_type)[:, :, None]
-        v32 = convert.to_f32(vv, v_type)[:, :, None]
-        matmul(q5, k32.swapaxes(-1, -2), scores, slice_rows=None)
-        if softcap:
-            np.multiply(np.tanh(scores * np.float32(scale)), np.float32(softcap), out=scores)
-        K.soft_max_f32(scores4, convert.to_f32(mv, mask_type), scores4, sm_scale, max_bias, has_mask, 0.0)
-        matmul(scores, v32, out5, slice_rows=None)
-    return run
 
 
 def _cells_f32(t: Tensor) -> Callable[[int], np.ndarray]:

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from ...half import f16_bits_to_f32, f32_to_f16_bits
+from .simd import expf_avx512, fma_f32, reduce16
 
 F32 = np.float32
 
@@ -184,16 +185,16 @@ def exp_shifted(v, shift):
         v[i] = exp_f32(v[i] - shift)
 
 
-SPAN_MULTIPLE = 32  # 8 float lanes x 4 interleaved: one iteration of LLVM's vector loop
+SOFT_MAX_CHUNK = 16  # the vector step of ggml_vec_soft_max_f32 in ggml's AVX-512 build
 
 
 @njit(cache=True)
 def finite_spans(mask, spans):
-    """spans[i3, i2, i1] = (lo, hi) covering the entries of mask row (i3, i2, i1) above -inf:
-    outside it softmax is exactly 0, so only the span is computed (half of a causal mask).
-    The span is widened to a multiple of SPAN_MULTIPLE (the extra entries are -inf and
-    come out 0 too) so that vector loops over it have no long scalar tail. A row with no
-    such entry gets an empty span."""
+    """spans[i3, i2, i1] = (lo, hi) covering the entries of mask row (i3, i2, i1) above -inf,
+    widened to multiples of SOFT_MAX_CHUNK from the row's start (capped at its end): ggml
+    sums the row's exponentials in such chunks, and a chunk of -inf entries adds exactly 0,
+    so only the span is computed (half of a causal mask). A row with no such entry gets an
+    empty span."""
     m3, m2, m1, n0 = mask.shape
     for i3 in range(m3):
         for i2 in range(m2):
@@ -206,16 +207,18 @@ def finite_spans(mask, spans):
                 while hi > lo and row[hi - 1] == -np.inf:
                     hi -= 1
                 if hi > lo:
-                    width = min(n0, -(-(hi - lo) // SPAN_MULTIPLE) * SPAN_MULTIPLE)
-                    hi = min(n0, lo + width)
-                    lo = hi - width
+                    lo = lo - lo % SOFT_MAX_CHUNK
+                    hi = min(n0, -(-hi // SOFT_MAX_CHUNK) * SOFT_MAX_CHUNK)
                 spans[i3, i2, i1, 0] = lo
                 spans[i3, i2, i1, 1] = hi
 
 
 @njit(parallel=True, cache=True)
 def soft_max_f32(x, mask, dst, scale, max_bias, has_mask, empty_row):
-    """dst = softmax(x * scale + slope * mask) per row, the sum in double (as ggml).
+    """dst = softmax(x * scale + slope * mask) per row, as ggml_compute_forward_soft_max_f32
+    computes it (simd.py): the mask added by fma, the exponentials of each 16 entries by
+    ggml_v_expf and summed in GCC's _mm512_reduce_add_ps order, those sums added in double
+    (entries past the last 16: libm's expf, added one by one), the row scaled by 1 / sum.
 
     A row whose mask is -inf everywhere is `empty_row`: NaN for ggml's soft_max
     (exp(-inf - -inf)), 0 for attention weights (a query that sees nothing outputs 0)."""
@@ -225,6 +228,7 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask, empty_row):
     if has_mask:
         finite_spans(mask, spans)
     sc = F32(scale)
+    n_chunked = n0 - n0 % SOFT_MAX_CHUNK
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         dr = dst[i3, i2, i1]
@@ -236,50 +240,35 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask, empty_row):
             continue
         dr[:lo] = 0
         dr[hi:] = 0
-        xr = x[i3, i2, i1, lo:hi]
-        d = dr[lo:hi]
+        xr = x[i3, i2, i1]
         if has_mask:
-            mr = mask[i3 % m3, i2 % m2, i1, lo:hi]
+            mr = mask[i3 % m3, i2 % m2, i1]
             slope = alibi_slope(max_bias, i2, n2)
-            for i0 in range(hi - lo):
-                d[i0] = xr[i0] * sc + slope * mr[i0]
+            for i0 in range(lo, hi):
+                dr[i0] = fma_f32(slope, mr[i0], xr[i0] * sc)
         else:
-            for i0 in range(hi - lo):
-                d[i0] = xr[i0] * sc
-        exp_shifted(d, max_f32(d))
-        inv = F32(1.0 / sum_f64(d))
-        for i0 in range(hi - lo):
-            d[i0] *= inv
+            for i0 in range(lo, hi):
+                dr[i0] = xr[i0] * sc
+        mx = max_f32(dr[lo:hi])
+        total = 0.0
+        i0 = lo
+        while i0 < min(hi, n_chunked):
+            for k in range(SOFT_MAX_CHUNK):
+                dr[i0 + k] = expf_avx512(dr[i0 + k] - mx)
+            total += np.float64(reduce16(dr, i0))
+            i0 += SOFT_MAX_CHUNK
+        while i0 < hi:
+            e = F32(math.exp(dr[i0] - mx))
+            dr[i0] = e
+            total += np.float64(e)
+            i0 += 1
+        inv = F32(1.0 / total)
+        for k in range(lo, hi):
+            dr[k] *= inv
 
 
-Q_TILE = 32  # query rows attended together: the vector width of the attention loops
-_F32_MAX = F32(np.finfo(np.float32).max)
-
-# The attention loops are compiled with fused multiply-adds, as ggml's AVX2 build computes
-# its dot products, axpys and expf; nothing is reassociated, every sum stays in order.
+# fused multiply-adds where GCC fuses ggml's scalar code (-ffp-contract=fast on an FMA machine)
 _FMA = {"contract"}
-
-
-@njit(cache=True)
-def _attn_mask_tile(mask, q0, nt, mt):
-    """mt[j, i] = mask[q0 + i, j] for the tile's nt queries over its span [lo, hi) of cells
-    that some of them sees (beyond it every weight is exactly 0)."""
-    n_kv = mask.shape[1]
-    lo, hi = n_kv, 0
-    for i in range(nt):
-        row = mask[q0 + i]
-        j = 0
-        while j < lo and row[j] == -np.inf:
-            j += 1
-        lo = min(lo, j)
-        j = n_kv
-        while j > hi and row[j - 1] == -np.inf:
-            j -= 1
-        hi = max(hi, j)
-    for j in range(lo, hi):
-        for i in range(nt):
-            mt[j, i] = mask[q0 + i, j]
-    return lo, max(lo, hi)
 
 
 @njit(cache=True)
@@ -296,141 +285,6 @@ def attn_cells_seen(mask):
                     j -= 1
                 hi = max(hi, j)
     return hi
-
-
-KV_BLOCK = 8  # cells per pass over the output accumulator in _attn_pv
-
-
-@njit(cache=True, fastmath=_FMA)
-def _attn_pv(p, vh, acc, lo, hi, width, dv_dims):
-    """acc[d, i] = sum over cells j in [lo, hi) of p[j, i] * vh[j, d] for the tile's first
-    `width` queries, summed in order of j.
-    KV_BLOCK cells per read/write of the accumulator, so that its stores, which the compiler
-    cannot tell apart from p's loads, are few and the loop over queries vectorises."""
-    dv = len(dv_dims)
-    for d in range(dv):  # loops, not slice assignments: those cost numba seconds to compile
-        for i in range(width):
-            acc[d, i] = 0.0
-    n_blocks = (hi - lo) // KV_BLOCK
-    for b in range(n_blocks):
-        j0 = lo + b * KV_BLOCK
-        for d in range(dv):
-            a_d = acc[d]
-            for i in range(width):
-                a = a_d[i]
-                for jj in range(KV_BLOCK):
-                    a += p[j0 + jj, i] * vh[j0 + jj, d]
-                a_d[i] = a
-    for j in range(lo + n_blocks * KV_BLOCK, hi):
-        for d in range(dv):
-            a_d = acc[d]
-            vd = vh[j, d]
-            for i in range(width):
-                a_d[i] += p[j, i] * vd
-
-
-@njit(cache=True, inline="always")
-def _attn_dot(kj, qt, i, dk_dims):
-    """q_i . k_j, summed in order of the head dimension (qt holds the tile's queries by column)."""
-    a = F32(0.0)
-    for d in range(len(dk_dims)):
-        a += kj[d] * qt[d, i]
-    return a
-
-
-@njit(cache=True, fastmath=_FMA)
-def _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, tile):
-    """flash_attn_f32's score pass with a logit softcap: tanh(q.k * scale) * cap + slope * mask."""
-    for j in range(lo, hi):
-        kj = k[i3, j, hk]
-        s = st[j]
-        mj = mth[j]
-        for i in range(tile):
-            s[i] = np.tanh(_attn_dot(kj, qt, i, dk_dims) * sc) * cap + slope * mj[i]
-        for i in range(tile):
-            mx[i] = np.maximum(mx[i], s[i])
-
-
-@njit(parallel=True, cache=True, fastmath=_FMA)
-def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, tile):
-    """dst = softmax(q.k * scale [softcapped] + slope * mask) . v per query row, as ggml's
-    tiled CPU kernel: float32 products, the softmax sum in double, normalised at the end.
-
-    q: [n3, n_head, n_q, dk], k/v: [n3, n_kv, n_head_kv, dk/dv] (the KV cache's memory order),
-    mask: [m3, m2, >= n_q, n_kv],
-    dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one sequence, for every head;
-    the inner loops run over the tile's queries (vectorised, each query's sums in plain
-    sequential order), only as many as the tile has (one for a decode step). `tile` must be
-    Q_TILE: it comes at run time only so that LLVM keeps the loops over it as vector loops
-    (given the constant 32, it unrolls them into scalar code, 20% slower). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
-    which are part of the type, so numba compiles them as constants and the loops over them
-    unroll. Only the tile's span of unmasked cells is computed.
-    """
-    dk, dv = len(dk_dims), len(dv_dims)
-    n3, n_head, n_q = q.shape[0], q.shape[1], q.shape[2]
-    n_kv, n_head_kv = k.shape[1], k.shape[2]
-    group = n_head // n_head_kv
-    m3, m2 = mask.shape[0], mask.shape[1]
-    sc = F32(scale)
-    cap = F32(softcap)
-    n_tiles = (n_q + Q_TILE - 1) // Q_TILE
-    for task in prange(n3 * n_tiles):
-        i3 = task // n_tiles
-        u = task % n_tiles
-        t = u // 2 if u % 2 == 0 else n_tiles - 1 - u // 2  # big and small tiles alternate: even halves
-        q0 = t * Q_TILE
-        nt = min(Q_TILE, n_q - q0)
-        w = min(tile, nt)  # the lanes worth computing: all of a full tile, one for a decode
-        if has_mask:
-            mt = np.empty((m2, n_kv, Q_TILE), dtype=np.float32)
-        else:
-            mt = np.zeros((m2, n_kv, Q_TILE), dtype=np.float32)  # added as a mask, changes nothing
-        spans = np.empty((m2, 2), dtype=np.int64)
-        for i2 in range(m2):
-            if has_mask:
-                spans[i2, 0], spans[i2, 1] = _attn_mask_tile(mask[i3 % m3, i2], q0, nt, mt[i2])
-            else:
-                spans[i2, 0], spans[i2, 1] = 0, n_kv
-        qt = np.zeros((dk, Q_TILE), dtype=np.float32)
-        st = np.empty((n_kv, Q_TILE), dtype=np.float32)
-        acc = np.empty((dv, Q_TILE), dtype=np.float32)
-        mx = np.empty(Q_TILE, dtype=np.float32)
-        sm = np.empty(Q_TILE, dtype=np.float64)
-        for h in range(n_head):
-            hk = h // group
-            mth = mt[h % m2]
-            lo, hi = spans[h % m2, 0], spans[h % m2, 1]
-            slope = alibi_slope(max_bias, h, n_head)
-            for d in range(dk):
-                for i in range(nt):
-                    qt[d, i] = q[i3, h, q0 + i, d]
-            # a query that sees no cell keeps -max: its weights exp(-inf) are 0, its output 0 (as ggml)
-            for i in range(Q_TILE):
-                mx[i] = -_F32_MAX
-            if softcap == 0.0:
-                for j in range(lo, hi):
-                    kj = k[i3, j, hk]
-                    s = st[j]
-                    mj = mth[j]
-                    for i in range(w):  # score, mask and running max in one pass
-                        a = _attn_dot(kj, qt, i, dk_dims) * sc + slope * mj[i]
-                        s[i] = a
-                        mx[i] = np.maximum(mx[i], a)  # not max(): that compiles to masked stores, slow on AMD
-            else:
-                _attn_scores_softcap(k, i3, hk, qt, mth, st, mx, lo, hi, sc, cap, slope, dk_dims, w)
-            for i in range(Q_TILE):
-                sm[i] = 0.0
-            for j in range(lo, hi):
-                s = st[j]
-                for i in range(w):
-                    s[i] = exp_f32(s[i] - mx[i])
-                for i in range(w):
-                    sm[i] += np.float64(s[i])
-            _attn_pv(st, v[i3, :, hk], acc, lo, hi, w, dv_dims)
-            for i in range(nt):
-                inv = F32(0.0) if sm[i] == 0.0 else F32(1.0 / sm[i])
-                for d in range(dv):
-                    dst[i3, q0 + i, h, d] = acc[d, i] * inv
 
 
 @njit(cache=True)
@@ -486,11 +340,16 @@ def same_values(a, b):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=_FMA)
 def rope_f32(x, cos, sin, dst, n_dims, neox, sign):
     """Rotate pairs of each head by the token's row of cos/sin; `sign` -1 gives the inverse
     rotation (rope_back). Pairs are (k, k + n_dims/2) in NEOX mode, (2k, 2k + 1) otherwise.
-    Indexed without row views (each costs about as much as rotating a short row)."""
+    Indexed without row views (each costs about as much as rotating a short row).
+
+    Compiled with fused multiply-adds as GCC compiles ggml's rotate_pairs (-ffp-contract=fast
+    on an FMA machine): x0*cos - x1*sin rounds as ggml's does, bit for bit on Gemma 3's
+    tensors from llama.cpp. (The angles, rope_cache, are not fused: the YaRN mix, the one
+    multiply-add there, is unchecked against ggml's build.)"""
     n3, n2, n1, n0 = x.shape
     half = n_dims // 2
     sg = F32(sign)
@@ -526,48 +385,136 @@ def get_rows(src, idx, dst):
             dst[i12, i11, i10, i0] = src[i12, i11, row, i0]
 
 
+SILU_CHUNK = 16  # ggml_vec_silu_f32 / ggml_vec_swiglu_f32's vector step (AVX-512 build)
+
+
+@njit(cache=True, inline="always")
+def _silu_vec(v):
+    """ggml_v_silu: x / (1 + ggml_v_expf(0 - x)), on a row's full 16-element chunks."""
+    return v / (F32(1.0) + expf_avx512(F32(0.0) - v))
+
+
+@njit(cache=True, inline="always")
+def _silu_tail(v):
+    """ggml_silu_f32 (libm's expf), on the elements past a row's last full chunk."""
+    return v / (F32(1.0) + F32(math.exp(-v)))
+
+
+@njit(cache=True, error_model="numpy")  # numpy's: no zero-division branch in the vector loop
+def _silu_row(x, g, out, n_vec, gated):
+    """out = silu(x) [* g]: ggml_v_silu over the full 16-element chunks, ggml_silu_f32 after."""
+    if gated:
+        for i in range(n_vec):
+            out[i] = _silu_vec(x[i]) * g[i]
+        for i in range(n_vec, x.shape[0]):
+            out[i] = _silu_tail(x[i]) * g[i]
+    else:
+        for i in range(n_vec):
+            out[i] = _silu_vec(x[i])
+        for i in range(n_vec, x.shape[0]):
+            out[i] = _silu_tail(x[i])
+
+
+@njit(cache=True, error_model="numpy")
+def _silu_row_inplace(x, g, n_vec, gated):
+    """_silu_row with out = x: LLVM vectorises a loop only where it can rule out that the
+    output overlaps an input, which an output written over its input (the graph's in-place
+    ops) never passes; one array for both keeps it a vector loop."""
+    if gated:
+        for i in range(n_vec):
+            x[i] = _silu_vec(x[i]) * g[i]
+        for i in range(n_vec, x.shape[0]):
+            x[i] = _silu_tail(x[i]) * g[i]
+    else:
+        for i in range(n_vec):
+            x[i] = _silu_vec(x[i])
+        for i in range(n_vec, x.shape[0]):
+            x[i] = _silu_tail(x[i])
+
+
 @njit(parallel=True, cache=True)
 def silu_f32(x, dst):
     n3, n2, n1, n0 = x.shape
+    n_vec = n0 - n0 % SILU_CHUNK
+    inplace = x.ctypes.data == dst.ctypes.data and x.strides == dst.strides
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        for i0 in range(n0):
-            v = x[i3, i2, i1, i0]
-            dst[i3, i2, i1, i0] = v / (F32(1.0) + exp_f32(min(-v, _EXP_MAX)))
+        if inplace:
+            _silu_row_inplace(dst[i3, i2, i1], dst[i3, i2, i1], n_vec, False)
+        else:
+            _silu_row(x[i3, i2, i1], x[i3, i2, i1], dst[i3, i2, i1], n_vec, False)
 
 
 @njit(parallel=True, cache=True)
 def swiglu_f32(a, b, dst):
     n3, n2, n1, n0 = a.shape
+    n_vec = n0 - n0 % SILU_CHUNK
+    inplace = a.ctypes.data == dst.ctypes.data and a.strides == dst.strides
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        for i0 in range(n0):
-            v = a[i3, i2, i1, i0]
-            dst[i3, i2, i1, i0] = v / (F32(1.0) + exp_f32(min(-v, _EXP_MAX))) * b[i3, i2, i1, i0]
+        if inplace:
+            _silu_row_inplace(dst[i3, i2, i1], b[i3, i2, i1], n_vec, True)
+        else:
+            _silu_row(a[i3, i2, i1], b[i3, i2, i1], dst[i3, i2, i1], n_vec, True)
 
 
 GELU_COEF_A = 0.044715
 SQRT_2_OVER_PI = 0.79788456080286535587989211986876
+GELU_TABLE_MAX = F32(10.0)  # beyond +-10 ggml's GELU is x or 0, not the table
+
+
+@njit(cache=True, fastmath={"contract"})
+def _gelu_table(out):
+    """out[h] = ggml_gelu_f32 of the half with bits h, rounded to half, as float32: libm's
+    tanhf, the multiply-adds fused as GCC fuses them on an FMA machine (ggml-cpu is built
+    with -ffp-contract=fast), the roundings to half by the CPU's conversions, as ggml's."""
+    for i in range(out.shape[0]):
+        x = f16_bits_to_f32(np.uint16(i))
+        g = F32(0.5) * x * (F32(1.0) + math.tanh(F32(SQRT_2_OVER_PI) * x * (F32(1.0) + F32(GELU_COEF_A) * x * x)))
+        out[i] = f16_bits_to_f32(f32_to_f16_bits(g))
+
+
+def gelu_table_f16() -> np.ndarray:
+    """ggml's GELU table (ggml_table_gelu_f16, GGML_GELU_FP16): GELU of every half value,
+    rounded to half, indexed by the half's bits, held as float32 values. Bit for bit the
+    table of llama.cpp's CPU backend (tests/test_ggml_ops.py has its hash)."""
+    out = np.empty(1 << 16, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        _gelu_table(out)
+    nan = np.isnan(out)
+    out[nan] = np.copysign(np.float32(np.nan), out[nan])  # ggml's NaN entries carry no payload
+    return out
+
+
+GELU_TABLE = gelu_table_f16()
 
 
 @njit(cache=True, inline="always")
-def _gelu(x):
-    return F32(0.5) * x * (F32(1.0) + np.tanh(F32(SQRT_2_OVER_PI) * x * (F32(1.0) + F32(GELU_COEF_A) * x * x)))
+def gelu_tab(x, table):
+    """ggml_vec_gelu_f32 as ggml-cpu builds it (GGML_GELU_FP16): 0 at or below -10, x at or
+    above 10, else the table's value at x rounded to half."""
+    if x <= -GELU_TABLE_MAX:
+        return F32(0.0)
+    if x >= GELU_TABLE_MAX:
+        return x
+    return table[f32_to_f16_bits(x)]
 
 
 @njit(parallel=True, cache=True)
-def gelu_f32(x, dst):
+def gelu_f32(x, dst, table):
     n3, n2, n1, n0 = x.shape
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
-            dst[i3, i2, i1, i0] = _gelu(x[i3, i2, i1, i0])
+            dst[i3, i2, i1, i0] = gelu_tab(x[i3, i2, i1, i0], table)
 
 
 @njit(parallel=True, cache=True)
-def geglu_f32(a, b, dst):
+def geglu_f32(a, b, dst, table):
+    """gelu(a) * b as ggml_vec_geglu_f32 (0 where a <= -10, whatever b is)."""
     n3, n2, n1, n0 = a.shape
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
-            dst[i3, i2, i1, i0] = _gelu(a[i3, i2, i1, i0]) * b[i3, i2, i1, i0]
+            x = a[i3, i2, i1, i0]
+            dst[i3, i2, i1, i0] = F32(0.0) if x <= -GELU_TABLE_MAX else gelu_tab(x, table) * b[i3, i2, i1, i0]

@@ -1,9 +1,11 @@
 """LINEAR_CROSS_ENTROPY and its back op on the CPU: a linear layer's product, log-softmax,
 loss and gradient, a bounded chunk of the weight's rows (the classes) at a time.
 
-Forward, per chunk of classes c0..c1: z = x~ W[c0:c1]^T with the tile products of the
-unfused mul_mat(w, x) (the same tiles and activation rounding, so the same float32
-logits), from W's packed rows (quantized), a converted block (F16/BF16) or a view (F32);
+Forward, per chunk of classes c0..c1: z = x~ W[c0:c1]^T with the products of the unfused
+mul_mat(w, x), so the same float32 logits: qexact.py's kernels on W's packed rows for the
+types it serves (Q5_0, Q8_0, Q4_K, Q6_K: ggml's order, the activations quantized by the
+kernel), else the same tiles and activation rounding as qmatmul's tile path, from W's
+packed rows dequantized (other quantized types), a converted block (F16/BF16) or a view (F32);
 then each row's running max, exp-sum, first argmax and target logit (lce_fold_chunk, which
 turns the block into exp(z - max)). When the plan's graph also takes the gradient in x,
 the same block is accumulated into soft = sum_c exp(z_c - max) W[c], rescaled whenever a
@@ -19,6 +21,7 @@ of x; never rows x classes (262,144 x 256 floats for one Gemma 3 training window
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +30,7 @@ from ... import convert
 from ...ops_train import LCE_FIELDS, LCE_LSE
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
+from . import qexact
 from . import train_kernels as TK
 from .gemm import GRAIN, SLICE_COLS, Matmul
 from .kernel_table import KernelTable, Prepared, require_f32
@@ -68,9 +72,11 @@ class WeightRows:
         self.k, self.m = w.ne[0], w.ne[1]
         self.quant: QuantMatrix | None = None
         self.rows: np.ndarray | None = None
+        self.exact = False  # products by qexact's kernels on the packed rows (ggml's order)
         if traits(w.type).is_quantized:
             self.quant = QuantMatrix(w.type, w.buffer, row_offsets(w)[0, 0], self.k)
             self.tile = tile_rows(self.k, self.m)  # mul_mat_q's tiles
+            self.exact = qexact.supports(w.type)
         else:
             self.rows = w.array()[0, 0]  # (classes, K) in W's storage type
             self.tile = SLICE_COLS  # the float product's column tiles
@@ -81,7 +87,10 @@ class WeightRows:
         return max(self.tile, per // self.tile * self.tile)
 
     def round_activations(self, x: np.ndarray) -> None:
-        """x (rows, K, C-contiguous) rounded in place as ggml rounds a product's activations."""
+        """x (rows, K, C-contiguous) rounded in place as ggml rounds a product's activations
+        (left as it is for qexact's kernels, which quantize it themselves)."""
+        if self.exact:
+            return
         if self.quant is not None:
             if self.quant.round_activations is not None and x.size:
                 self.quant.round_activations(x)
@@ -105,8 +114,13 @@ class WeightRows:
             _f32_into(self.rows[idx], self.type, out)
         return out
 
-    def product(self, x: np.ndarray, wc: np.ndarray, z: np.ndarray) -> list[Matmul]:
-        """z (rows, C) = x (rows, K) @ wc^T planned in the unfused product's tiles."""
+    def product(self, x: np.ndarray, wc: np.ndarray, z: np.ndarray, c0: int, scratch: Scratch) -> list[Callable]:
+        """z (rows, C) = x (rows, K) @ W[c0:c0 + C]^T planned as the unfused product computes
+        it: qexact's kernel on the packed rows, or BLAS on wc (the rows as float32) in the
+        tile path's tiles."""
+        if self.exact:
+            q, offs = self.quant, self.quant.offs[c0:c0 + wc.shape[0]]
+            return [lambda: qexact.mul_mat(q.type, q.buf, offs, x, z, scratch)]
         if self.quant is None:
             return [Matmul(x, wc.T, z)]
         t, n = self.tile, wc.shape[0]
@@ -130,11 +144,12 @@ class Chunk:
     c1: int
     w: np.ndarray  # (c1 - c0, K)
     z: np.ndarray  # (rows, c1 - c0)
-    product: list[Matmul]
+    product: list[Callable]
 
-    def logits(self, wr: WeightRows) -> None:
-        """z = x W[c0:c1]^T (W's rows loaded first)."""
-        wr.load(self.c0, self.c1, self.w)
+    def logits(self, wr: WeightRows, rows: bool = True) -> None:
+        """z = x W[c0:c1]^T; W's rows loaded into w when the product reads them or `rows`."""
+        if rows or not wr.exact:
+            wr.load(self.c0, self.c1, self.w)
         for mm in self.product:
             mm()
 
@@ -152,7 +167,7 @@ def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray |
         c1 = min(wr.m, c0 + c)
         w = wr.rows[c0:c1] if wr.type == GGMLType.F32 else wbuf[:c1 - c0]
         z = zbuf[:n * (c1 - c0)].reshape(n, c1 - c0)
-        out.append(Chunk(c0, c1, w, z, wr.product(x, w, z)))
+        out.append(Chunk(c0, c1, w, z, wr.product(x, w, z, c0, scratch)))
     return out
 
 
@@ -230,7 +245,7 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
         if soft is not None:
             soft.fill(0.0)
         for i, c in enumerate(todo):
-            c.logits(wr)
+            c.logits(wr, rows=soft is not None)
             TK.lce_fold_chunk(c.z, c.c0, id_rows, m, s, arg, zt, rescale)
             if soft is not None:  # z now holds exp(z - max): add its rows' share of softmax(z) W
                 TK.scale_rows_f32(soft, rescale)
@@ -298,7 +313,7 @@ def _linear_cross_entropy_back(node: Tensor, plan: Plan) -> Prepared:
         inp.load(xr, rounded=True)
         inp.load(xp, rounded=False)
         for c, product in zip(todo, dw):
-            c.logits(wr)
+            c.logits(wr, rows=False)
             TK.lce_grad_chunk(c.z, c.c0, lse, id_rows, a, b)
             product()
     return run_dw

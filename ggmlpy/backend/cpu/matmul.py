@@ -7,7 +7,8 @@ matrices of b, as grouped-query attention needs. Splitting b's dims 2 and 3 into
 (a.ne, r) makes that plain numpy broadcasting, without copying anything.
 
 When `a` is F16/BF16, ggml converts `b` to that type before the dot products; rounding
-`b` the same way here keeps results identical to llama.cpp's.
+`b` the same way here keeps results identical to llama.cpp's. F16 products then follow
+ggml's summation order too (halfdot.py), bit for bit.
 
 When `a` is block-quantized, ggml quantizes `b` to the type's dot-product partner
 (vec_dot_type: Q8_0, Q8_1 or Q8_K) and uses integer dot products. Here `b`'s rows are
@@ -23,6 +24,7 @@ import numpy as np
 from ... import convert
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
+from . import halfdot
 from .gemm import GRAIN, Matmul, matmul
 from .kernel_table import KernelTable, Prepared, require_f32
 from .plan import Plan
@@ -58,6 +60,12 @@ def prepare_mul_mat(node: Tensor, plan: Plan) -> Prepared:
     av, bv, dv = a.array(), b.array(), node.array()
     ne03, ne02 = av.shape[0], av.shape[1]
     a_type = a.type
+    if a_type == GGMLType.F16:  # ggml's own order (halfdot.py)
+        tinyblas = halfdot.uses_tinyblas(a.ne[1], b.ne[1], a.ne[0])
+        if not dv.flags.c_contiguous:
+            raise NotImplementedError("MUL_MAT of F16 into a non-contiguous result")
+        return lambda: halfdot.mul_mat_f16(np.ascontiguousarray(convert.to_f32(av, a_type)),
+                                           np.ascontiguousarray(convert.round_to(bv, a_type)), dv, tinyblas)
 
     b2, d2 = _fold_rows(bv), _fold_rows(dv)
     if ne02 == 1 and ne03 == 1 and b2 is not None and d2 is not None:

@@ -1,5 +1,8 @@
-"""Products of a quantized matrix with a few activation columns (generated tokens) straight
-from the packed blocks, as ggml's vec_dot does them: the activations quantized to the
+"""Products of a Q4_0 or Q5_K matrix with a few activation columns (generated tokens) straight
+from the packed blocks. (Q5_0, Q8_0, Q4_K and Q6_K products, whatever their column count, go
+through qexact.py, which sums as llama.cpp's x86 kernels do; the two types here have no
+kernel in ggml's order yet, so they keep this one, and its result is not llama.cpp's bit for
+bit.) As ggml's vec_dot does them: the activations quantized to the
 weight type's vec_dot type (Q8_0 for the 32-blocks, Q8_K for the K-quants; exactly the
 values qmatmul rounds them to), integer dot products per (sub-)block, the sums scaled by
 the blocks' scales. Nothing of the matrix is expanded to float32, which for one token is
@@ -10,9 +13,8 @@ integers, every product and every partial sum of a (sub-)block stays below 2^24,
 float32 sums are exact in any order. That lets LLVM vectorise them (fastmath reassociation
 on those loops only), where int8 products promoted to numba's int64 stay scalar. A row's
 (sub-)block terms are scaled and added in float64 in order: the result is the float64
-product of the weights and the rounded activations (exactly so for Q4_0/Q5_0/Q8_0, whose
-block terms are exact in float64; to float64 rounding for the K-quants' scale-and-min
-terms), rounded once to float32, for any thread count (rows are independent).
+product of the weights and the rounded activations (exactly so for Q4_0, whose block terms are
+exact in float64; to float64 rounding for Q5_K's scale-and-min terms), rounded once to float32, for any thread count (rows are independent).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ...types import GGMLType
 
 QK = 32
 INT_LANES = {"reassoc", "contract", "nsz"}  # integer-valued float32 sums: exact in any order
-MAX_COLUMNS = 4  # bench/qdot_bench.py: 1.1-2.3x the tile path at 4 columns on gemma3's shapes, 3-5.7x at one
+MAX_COLUMNS = 4  # bench/qdot_bench.py (before qexact): 1.1-2.3x the tile path at 4 columns, 3-5.7x at one
 
 
 # ---- the activations: integers (as float32), scales, and sums per 32 ---------------------------
@@ -68,14 +70,6 @@ def quantize_activations_q8_k(x, xq, xd, xs):
 
 # ---- integer sums of one (sub-)block, in float32 lanes -------------------------------------------
 @njit(cache=True, fastmath=INT_LANES)
-def _isum_q8_0(w, x):
-    s = F32(0.0)
-    for j in range(w.shape[0]):  # a run-time count: LLVM vectorises it (a constant 32 it unrolls to scalars)
-        s += F32(w[j]) * x[j]
-    return s
-
-
-@njit(cache=True, fastmath=INT_LANES)
 def _isum_q4_0(w, x):
     s = F32(0.0)
     for j in range(w.shape[0]):
@@ -85,34 +79,9 @@ def _isum_q4_0(w, x):
 
 
 @njit(cache=True, fastmath=INT_LANES)
-def _isum_q5_0(w, x):
-    """w: the block's qh (4 bytes) and qs (16 bytes)."""
-    qh = (np.int32(w[0]) | (np.int32(w[1]) << 8) | (np.int32(w[2]) << 16) | (np.int32(w[3]) << 24))
-    s = F32(0.0)
-    for j in range(16):
-        q = np.int32(w[4 + j])
-        lo = (q & 0xF) | (((qh >> j) & 1) << 4)
-        hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
-        s += F32(lo - 16) * x[j] + F32(hi - 16) * x[16 + j]
-    return s
-
-
-@njit(cache=True, fastmath=INT_LANES)
-def _isums_nibbles(w, x):
-    """(low nibbles of the 32 bytes w . x[:32], high nibbles . x[32:64]): a 64-element
-    group of Q4_K."""
-    s_lo = F32(0.0)
-    s_hi = F32(0.0)
-    for l in range(QK):
-        q = np.int32(w[l])
-        s_lo += F32(q & 0xF) * x[l]
-        s_hi += F32(q >> 4) * x[QK + l]
-    return s_lo, s_hi
-
-
-@njit(cache=True, fastmath=INT_LANES)
 def _isums_nibbles_q5(w, wh, c, x):
-    """The same for Q5_K, with the fifth bits 2c and 2c+1 of the 32 bytes wh."""
+    """(low nibbles of the 32 bytes w . x[:32], high nibbles . x[32:64]) with the fifth bits
+    2c and 2c+1 of the 32 bytes wh: a 64-element group of Q5_K."""
     s_lo = F32(0.0)
     s_hi = F32(0.0)
     for l in range(QK):
@@ -123,28 +92,7 @@ def _isums_nibbles_q5(w, wh, c, x):
     return s_lo, s_hi
 
 
-@njit(cache=True, fastmath=INT_LANES)
-def _isum_q6_k(wl, wh, shift, g, x):
-    """Sum over 16 elements of Q6_K's (6-bit value - 32) . x (layout at dequantize_q6_k)."""
-    s = F32(0.0)
-    for l in range(wl.shape[0]):
-        lo = (np.int32(wl[l]) >> shift) & 0xF
-        hi = (np.int32(wh[l]) >> (2 * g)) & 3
-        s += F32((lo | (hi << 4)) - 32) * x[l]
-    return s
-
-
 # ---- one row's dot product per type ----------------------------------------------------------------
-@njit(cache=True, inline="always")
-def _row_q8_0(buf, sbuf, o, x, xd, xs):
-    acc = 0.0
-    for b in range(xd.shape[0]):
-        ob = o + b * 34
-        acc += np.float64(_isum_q8_0(sbuf[ob + 2:ob + 34], x[b * QK:(b + 1) * QK])) * (
-            np.float64(f16_to_f32(buf[ob], buf[ob + 1])) * np.float64(xd[b]))
-    return acc
-
-
 @njit(cache=True, inline="always")
 def _row_q4_0(buf, sbuf, o, x, xd, xs):
     acc = 0.0
@@ -152,38 +100,6 @@ def _row_q4_0(buf, sbuf, o, x, xd, xs):
         ob = o + b * 18
         acc += np.float64(_isum_q4_0(buf[ob + 2:ob + 18], x[b * QK:(b + 1) * QK])) * (
             np.float64(f16_to_f32(buf[ob], buf[ob + 1])) * np.float64(xd[b]))
-    return acc
-
-
-@njit(cache=True, inline="always")
-def _row_q5_0(buf, sbuf, o, x, xd, xs):
-    acc = 0.0
-    for b in range(xd.shape[0]):
-        ob = o + b * 22
-        acc += np.float64(_isum_q5_0(buf[ob + 2:ob + 22], x[b * QK:(b + 1) * QK])) * (
-            np.float64(f16_to_f32(buf[ob], buf[ob + 1])) * np.float64(xd[b]))
-    return acc
-
-
-@njit(cache=True, inline="always")
-def _row_q4_k(buf, sbuf, o, x, xd, xs):
-    """Per super-block: d * sum(scale_j * isum_j) - dmin * sum(min_j * xsum_j), times d_x."""
-    acc = 0.0
-    for i in range(xd.shape[0]):
-        ob = o + i * 144
-        s1 = np.int64(0)
-        s2 = np.int64(0)
-        for c in range(4):
-            sc1, m1 = scale_min_k4(2 * c, buf, ob + 4)
-            sc2, m2 = scale_min_k4(2 * c + 1, buf, ob + 4)
-            xo = i * QK_K + 64 * c
-            s_lo, s_hi = _isums_nibbles(buf[ob + 16 + 32 * c:ob + 48 + 32 * c], x[xo:xo + 64])
-            s1 += sc1 * np.int64(s_lo) + sc2 * np.int64(s_hi)
-            g = i * 8 + 2 * c
-            s2 += m1 * np.int64(xs[g]) + m2 * np.int64(xs[g + 1])
-        d = np.float64(f16_to_f32(buf[ob], buf[ob + 1]))
-        dmin = np.float64(f16_to_f32(buf[ob + 2], buf[ob + 3]))
-        acc += (d * np.float64(s1) - dmin * np.float64(s2)) * np.float64(xd[i])
     return acc
 
 
@@ -209,49 +125,23 @@ def _row_q5_k(buf, sbuf, o, x, xd, xs):
     return acc
 
 
-@njit(cache=True, inline="always")
-def _row_q6_k(buf, sbuf, o, x, xd, xs):
-    acc = 0.0
-    for i in range(xd.shape[0]):
-        ob = o + i * 210
-        s = np.int64(0)
-        for h in range(2):
-            for g in range(4):
-                for t in range(2):
-                    ql = ob + 64 * h + 32 * (g % 2) + 16 * t
-                    qh = ob + 128 + 32 * h + 16 * t
-                    xo = i * QK_K + 128 * h + 32 * g + 16 * t
-                    isum = _isum_q6_k(buf[ql:ql + 16], buf[qh:qh + 16], 4 * (g // 2), g, x[xo:xo + 16])
-                    s += np.int64(sbuf[ob + 192 + 8 * h + 2 * g + t]) * np.int64(isum)
-        acc += np.float64(f16_to_f32(buf[ob + 208], buf[ob + 209])) * np.float64(xd[i]) * np.float64(s)
-    return acc
-
-
 # ---- the products: rows in parallel, each column in turn ---------------------------------------------
-_ROWS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
-_Q8_0, _Q4_0, _Q5_0, _Q4_K, _Q5_K, _Q6_K = (int(t) for t in _ROWS)
+TYPES = (GGMLType.Q4_0, GGMLType.Q5_K)
+_Q4_0 = int(GGMLType.Q4_0)
 
 
 @njit(cache=True, inline="always")
 def _row(type, buf, sbuf, o, x, xd, xs):
     """Row at buf[o] of a `type` matrix . one column, in float64."""
-    if type == _Q8_0:
-        return _row_q8_0(buf, sbuf, o, x, xd, xs)
     if type == _Q4_0:
         return _row_q4_0(buf, sbuf, o, x, xd, xs)
-    if type == _Q5_0:
-        return _row_q5_0(buf, sbuf, o, x, xd, xs)
-    if type == _Q4_K:
-        return _row_q4_k(buf, sbuf, o, x, xd, xs)
-    if type == _Q5_K:
-        return _row_q5_k(buf, sbuf, o, x, xd, xs)
-    return _row_q6_k(buf, sbuf, o, x, xd, xs)
+    return _row_q5_k(buf, sbuf, o, x, xd, xs)
 
 
 @njit(parallel=True, cache=True)
 def dot_rows(type, buf, offs, xq, xd, xs, out):
     """out[n, m] = row m of a `type` matrix (bytes at buf[offs[m]]) . activation column n.
-    One kernel for every type: one compilation, one cache entry (the branch is per row)."""
+    One kernel for both types: one compilation, one cache entry (the branch is per row)."""
     sbuf = buf.view(np.int8)
     for m in prange(offs.shape[0]):
         for n in range(xq.shape[0]):
@@ -263,7 +153,7 @@ _ACTIVATIONS = {GGMLType.Q8_0: (quantize_activations_q8_0, QK), GGMLType.Q8_K: (
 
 def supports(type: GGMLType, n_columns: int) -> bool:
     """Whether a product with `n_columns` activation columns takes the integer path."""
-    return type in _ROWS and 0 < n_columns <= MAX_COLUMNS
+    return type in TYPES and 0 < n_columns <= MAX_COLUMNS
 
 
 def mul_mat_dot(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:

@@ -1,5 +1,10 @@
 """Products with a block-quantized matrix, computed from the packed blocks.
 
+Q5_0, Q8_0, Q4_K and Q6_K matrices (Gemma 3's and most Q4_K_M models') go through
+qexact.py, which sums as llama.cpp's x86 kernels do, bit for bit. Q4_0 and Q5_K with a few
+activation columns (generation) take qdot.py's integer dot products on the blocks. Every
+other product:
+
 A quantized matrix W (M rows of K elements, as ggml stores weights) is never expanded
 whole: a tile of rows is dequantized into a small float32 scratch (about TILE_BYTES)
 by the type's numba kernel, in parallel over the tile's rows, and multiplied with BLAS
@@ -23,7 +28,7 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
-from . import qdot
+from . import qdot, qexact
 from .gemm import matmul
 from .plan import Scratch
 
@@ -86,15 +91,20 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
-    into `scratch` (the backend's; tiles go there too); x is left unchanged. For one
-    column of a Q8_0 matrix the product is integer dot products on the packed blocks
-    instead (qdot.py): no float copy of any row.
+    into `scratch` (the backend's; tiles go there too); x is left unchanged. The types
+    llama.cpp's x86 build sums in a fixed order (Q5_0, Q8_0, Q4_K, Q6_K) take qexact.py's
+    kernels instead, which reproduce that order bit for bit, for any number of columns; Q4_0
+    and Q5_K with up to qdot.MAX_COLUMNS columns take qdot.py's integer dot products on the
+    blocks; the rest below.
 
     Tiles are dequantized one group at a time, a tile per thread, and each tile's product
     is one whole BLAS call: the result is the same for any thread count and the float
     rounding of every product is that of an unsliced (N, K) x (K, tile) GEMM."""
     scratch = scratch or Scratch()
-    if qdot.supports(w.type, x.shape[0]):  # one column: integer dot products on the blocks
+    if qexact.supports(w.type):  # ggml's own summation order (qexact.py), any column count
+        qexact.mul_mat(w.type, w.buf, w.offs, x, out, scratch)
+        return out
+    if qdot.supports(w.type, x.shape[0]):  # Q4_0, Q5_K with a few columns: integer dots on the blocks
         qdot.mul_mat_dot(w.type, w.buf, w.offs, x, out, scratch)
         return out
     group = max(1, numba.get_num_threads())

@@ -1,0 +1,628 @@
+"""Products with block-quantized matrices in ggml-cpu's own summation order.
+
+ggml quantizes the activations to the matrix type's vec_dot_type (Q8_0, Q8_K) and sums
+integer products per group of elements; those sums are exact. What it rounds is the float
+arithmetic around them, in an order each of its kernels fixes, and that order is
+reproduced here (simd.py says why it matters), for the kernels llama.cpp's x86 build runs:
+
+  Q5_0, Q8_0 (x Q8_0)   ggml_vec_dot_q*_0_q8_0 and llamafile's tinyBLAS_Q0_AVX (any number
+                        of columns): per 32-block b, 8 lanes of 4 products each,
+                        lane_j = fma(d_w[b] * d_x[b], isum[b, j], lane_j), then hsum8.
+  Q4_K (x Q8_K)         the 8x8-repacked kernels every Q4_K matrix with rows % 8 == 0 gets:
+                        columns in groups of 4 through ggml_gemm_q4_K_8x8_q8_K (per 64-element
+                        chunk: acc = fma(isum, d_w * d_x, acc), the mins in a second sum,
+                        acc - acc_min), the last columns % 4 through its gemv (the same per
+                        256-element super-block).
+  Q6_K (x Q8_K)         8 columns or more: the tiled kernel (ggml-cpu/tiled: per super-block
+                        acc = fma(f(isum) * d_w, d_x, acc)); fewer: ggml_vec_dot_q6_K_q8_K
+                        (8 lanes over ggml's mix of elements and scales, then hsum8).
+
+So, as in ggml, the number of columns (tokens in a ubatch) picks the formula for Q4_K and
+Q6_K products, never the thread count. The sums of integer products are float32 where every
+partial sum stays below 2^24 (exact in any order, so they vectorise), float64 otherwise.
+The float work runs in vecir.py's vector micro-kernels, 16 columns (or, for fewer columns,
+16 matrix rows) at a time; the matrix rows are unpacked from their blocks per task into
+integers (float32) in the kernels' layout, so nothing of the matrix is kept expanded.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
+from ...quants.kquants import scale_min_k4
+from ...quants.simple import activation_block_scale
+from ...types import GGMLType
+from .simd import fma_f32, hsum8
+from .vecir import (Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile, q4_k_row_vnni, q4_k_tile,
+                    q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
+
+QK = 32
+ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with every column tile)
+Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
+Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
+Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
+GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their scratch shared)
+
+
+# ---- activations ---------------------------------------------------------------------------------
+@njit(parallel=True, cache=True)
+def quantize_q8_0_tiles(x, xq, xd):
+    """x (N, K) -> Q8_0 as ggml-cpu's quantize_row_q8_0 rounds it (half to even of
+    x * 127 / amax), in column tiles: xq[n // 16, 32 b + 8 t + j, n % 16] = integer of element
+    32 b + 4 j + t (lane order), xd[n // 16, b, n % 16] = d; columns past N are zero."""
+    n_cols, nb = x.shape[0], x.shape[1] // QK
+    for tile in prange(xq.shape[0]):
+        for c in range(W):
+            n = tile * W + c
+            if n >= n_cols:
+                for e in range(nb * QK):
+                    xq[tile, e, c] = F32(0.0)
+                for b in range(nb):
+                    xd[tile, b, c] = F32(0.0)
+                continue
+            xr = x[n]
+            for b in range(nb):
+                d, idd = activation_block_scale(xr, b * QK)
+                xd[tile, b, c] = d
+                for j in range(8):
+                    for t in range(4):
+                        xq[tile, b * QK + 8 * t + j, c] = np.rint(F32(xr[b * QK + 4 * j + t] * idd))
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_rows(x, xq, xd):
+    """As quantize_q8_0_tiles, row by row and in natural order: xq[n, k], xd[n, b]."""
+    nb = x.shape[1] // QK
+    for n in prange(x.shape[0]):
+        xr = x[n]
+        for b in range(nb):
+            d, idd = activation_block_scale(xr, b * QK)
+            xd[n, b] = d
+            for e in range(QK):
+                xq[n, b * QK + e] = np.rint(F32(xr[b * QK + e] * idd))
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias):
+    """quantize_q8_0_tiles for the VNNI kernel (vecir.q0_tile2_vnni): xq[tile, 8 b + j, c, t]
+    = integer of element 32 b + 4 j + t (int8), xc[tile, 8 b + j, c] = bias * the sum of those
+    4 integers, xd[tile, b, c] = d; columns past N are zero."""
+    n_cols, nb = x.shape[0], x.shape[1] // QK
+    for tile in prange(xq.shape[0]):
+        for c in range(W):
+            n = tile * W + c
+            for b in range(nb):
+                d, idd = F32(0.0), F32(0.0)
+                if n < n_cols:
+                    d, idd = activation_block_scale(x[n], b * QK)
+                xd[tile, b, c] = d
+                for j in range(8):
+                    tot = 0
+                    for t in range(4):
+                        q = np.int32(np.rint(F32(x[n, b * QK + 4 * j + t] * idd))) if n < n_cols else 0
+                        xq[tile, 8 * b + j, c, t] = np.int8(q)
+                        tot += q
+                    xc[tile, 8 * b + j, c] = bias * tot
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_biased(x, xu, xd):
+    """Q8_0 of each row for vecir.q8_0_row_vnni: xu[n, k] = integer + 128 (uint8), xd[n, b]."""
+    nb = x.shape[1] // QK
+    for n in prange(x.shape[0]):
+        xr = x[n]
+        for b in range(nb):
+            d, idd = activation_block_scale(xr, b * QK)
+            xd[n, b] = d
+            for e in range(QK):
+                xu[n, b * QK + e] = np.uint8(np.int32(np.rint(F32(xr[b * QK + e] * idd))) + 128)
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_0_signed(x, xs, xsum, xd):
+    """Q8_0 of each row for vecir.q5_0_row_vnni: xs[n, k] the integers (int8), xsum[n, 8 b + j]
+    the sum of the 4 integers of lane j of block b, xd[n, b]."""
+    nb = x.shape[1] // QK
+    for n in prange(x.shape[0]):
+        xr = x[n]
+        for b in range(nb):
+            d, idd = activation_block_scale(xr, b * QK)
+            xd[n, b] = d
+            for j in range(8):
+                tot = 0
+                for t in range(4):
+                    q = np.int32(np.rint(F32(xr[b * QK + 4 * j + t] * idd)))
+                    xs[n, b * QK + 4 * j + t] = np.int8(q)
+                    tot += q
+                xsum[n, 8 * b + j] = tot
+
+
+@njit(parallel=True, cache=True)
+def q8_k_bytes(xq, bs16, xs, bse, bso, bs32):
+    """Q8_K rows (quantize_q8_k_rows) for the VNNI row kernels: xs the integers as int8,
+    bse / bso the 16-element sums of even / odd sub-blocks, bs32 the 32-element sums (int32)."""
+    for n in prange(xq.shape[0]):
+        for k in range(xq.shape[1]):
+            xs[n, k] = np.int8(xq[n, k])
+        for s in range(bse.shape[1]):
+            bse[n, s] = np.int32(bs16[n, 2 * s])
+            bso[n, s] = np.int32(bs16[n, 2 * s + 1])
+            bs32[n, s] = np.int32(bs16[n, 2 * s] + bs16[n, 2 * s + 1])
+
+
+@njit(cache=True, inline="always")
+def _signed_absmax(x, o, n):
+    amax = F32(0.0)
+    mx = F32(0.0)
+    for j in range(n):
+        v = x[o + j]
+        if amax < abs(v):
+            amax = abs(v)
+            mx = v
+    return amax, mx
+
+
+@njit(cache=True, inline="always")
+def _q8_k_row(xr, q, d, bs16):
+    """quantize_row_q8_K (= its _ref on x86) of one row: q[k] the integers (float32),
+    d[i] the float32 scale of super-block i, bs16[s] the integer sum of sub-block s."""
+    for i in range(xr.shape[0] // QK_K):
+        xo = i * QK_K
+        amax, mx = _signed_absmax(xr, xo, QK_K)
+        if amax == 0:
+            d[i] = F32(0.0)
+            for j in range(QK_K):
+                q[xo + j] = F32(0.0)
+            for s in range(16):
+                bs16[i * 16 + s] = F32(0.0)
+            continue
+        iscale = F32(-127.0) / mx
+        for s in range(16):
+            tot = 0
+            for j in range(16):
+                v = min(127, nearest_int(iscale * xr[xo + 16 * s + j]))
+                q[xo + 16 * s + j] = F32(v)
+                tot += v
+            bs16[i * 16 + s] = F32(tot)
+        d[i] = F32(F32(1.0) / iscale)
+
+
+@njit(parallel=True, cache=True)
+def quantize_q8_k_rows(x, xq, xd, bs16, bs32):
+    """x (N, K) -> Q8_K row by row: xq (N, K), xd (N, nb), bs16 (N, 16 nb) the 16-element
+    sums, bs32 (N, 8 nb) the 32-element sums (as float32; exact integers)."""
+    for n in prange(x.shape[0]):
+        _q8_k_row(x[n], xq[n], xd[n], bs16[n])
+        for s in range(bs32.shape[1]):
+            bs32[n, s] = bs16[n, 2 * s] + bs16[n, 2 * s + 1]
+
+
+@njit(parallel=True, cache=True)
+def q8_k_tiles(xq, xd, bs32, tq, td, tbs, n_cols):
+    """Q8_K rows (quantize_q8_k_rows) -> column tiles: tq (tiles, K, 16), td (tiles, nb, 16),
+    tbs (tiles, 8 nb, 16); columns past n_cols zero."""
+    for tile in prange(tq.shape[0]):
+        for c in range(W):
+            n = tile * W + c
+            ok = n < n_cols
+            for k in range(tq.shape[1]):
+                tq[tile, k, c] = xq[n, k] if ok else F32(0.0)
+            for i in range(td.shape[1]):
+                td[tile, i, c] = xd[n, i] if ok else F32(0.0)
+            for s in range(tbs.shape[1]):
+                tbs[tile, s, c] = bs32[n, s] if ok else F32(0.0)
+
+
+# ---- matrix rows -----------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _u32(buf, o):
+    return (np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)
+            | (np.int64(buf[o + 2]) << 16) | (np.int64(buf[o + 3]) << 24))
+
+
+@njit(cache=True, inline="always")
+def _decode_q0_block(buf, o, is_q8, w):
+    """w[e] = integer of element e of the Q5_0 / Q8_0 block at buf[o] (natural order)."""
+    if is_q8:
+        for e in range(QK):
+            w[e] = F32(np.int8(buf[o + 2 + e]))
+    else:
+        qh = _u32(buf, o + 2)
+        for e in range(16):
+            q = np.int32(buf[o + 6 + e])
+            w[e] = F32(((q & 0xF) | (np.int32((qh >> e) & 1) << 4)) - 16)
+            w[e + 16] = F32(((q >> 4) | (np.int32((qh >> (e + 16)) & 1) << 4)) - 16)
+
+
+@njit(cache=True)
+def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd):
+    """Rows m0.. (as many as wq has; past the last matrix row, the last again) -> wq[r, 32 b +
+    8 t + j] = integer of element 32 b + 4 j + t, wd[r, b] = d."""
+    nb = wd.shape[1]
+    w = np.empty(QK, dtype=np.float32)
+    for r in range(wq.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for b in range(nb):
+            o = o0 + b * block_bytes
+            wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
+            _decode_q0_block(buf, o, is_q8, w)
+            for j in range(8):
+                for t in range(4):
+                    wq[r, b * QK + 8 * t + j] = w[4 * j + t]
+
+
+@njit(cache=True)
+def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd, bias):
+    """Rows m0.. -> wu[r, k] = integer of element k + bias (as a byte), wd[r, b] = d."""
+    nb = wd.shape[1]
+    w = np.empty(QK, dtype=np.float32)
+    for r in range(wu.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for b in range(nb):
+            o = o0 + b * block_bytes
+            wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
+            _decode_q0_block(buf, o, is_q8, w)
+            for e in range(QK):
+                wu[r, b * QK + e] = np.uint8(np.int32(w[e]) + bias)
+
+
+@njit(cache=True)
+def _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin):
+    """Rows m0.. -> wq[r, k] = q * scale, wd/wdm[r, i] = d/dmin, wmin[r, s] = min."""
+    nb = wd.shape[1]
+    for r in range(wq.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 144
+            d, dmin = f16_to_f32(buf[o], buf[o + 1]), f16_to_f32(buf[o + 2], buf[o + 3])
+            wd[r, i] = d
+            wdm[r, i] = dmin
+            for c in range(4):
+                sc1, m1 = scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = scale_min_k4(2 * c + 1, buf, o + 4)
+                wmin[r, 8 * i + 2 * c] = F32(m1)
+                wmin[r, 8 * i + 2 * c + 1] = F32(m2)
+                qo = o + 16 + 32 * c
+                for l in range(32):
+                    q = np.int32(buf[qo + l])
+                    wq[r, QK_K * i + 64 * c + l] = F32((q & 0xF) * sc1)
+                    wq[r, QK_K * i + 64 * c + 32 + l] = F32((q >> 4) * sc2)
+
+
+@njit(cache=True)
+def _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin):
+    """Rows m0..m0 + 15 in column layout: wq[k, r], wd/wdm[i, r], wmin[s, r]."""
+    nb = wd.shape[0]
+    for r in range(W):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 144
+            wd[i, r] = f16_to_f32(buf[o], buf[o + 1])
+            wdm[i, r] = f16_to_f32(buf[o + 2], buf[o + 3])
+            for c in range(4):
+                sc1, m1 = scale_min_k4(2 * c, buf, o + 4)
+                sc2, m2 = scale_min_k4(2 * c + 1, buf, o + 4)
+                wmin[8 * i + 2 * c, r] = F32(m1)
+                wmin[8 * i + 2 * c + 1, r] = F32(m2)
+                qo = o + 16 + 32 * c
+                for l in range(32):
+                    q = np.int32(buf[qo + l])
+                    wq[QK_K * i + 64 * c + l, r] = F32((q & 0xF) * sc1)
+                    wq[QK_K * i + 64 * c + 32 + l, r] = F32((q >> 4) * sc2)
+
+
+@njit(cache=True, inline="always")
+def _q6_k_value(buf, o, e):
+    """Integer (-32..31) of element e of the Q6_K super-block at buf[o]."""
+    h, rest = e // 128, e % 128
+    g, l = rest // 32, rest % 32
+    lo = (np.int32(buf[o + 64 * h + 32 * (g % 2) + l]) >> (4 * (g // 2))) & 0xF
+    hi = (np.int32(buf[o + 128 + 32 * h + l]) >> (2 * g)) & 3
+    return (lo | (hi << 4)) - 32
+
+
+@njit(cache=True)
+def _unpack_q6_k_rows(buf, offs, m0, wq, wd):
+    """Rows m0.. -> wq[r, k] = q * scale of the element's sub-block, wd[r, i] = d."""
+    nb = wd.shape[1]
+    for r in range(wq.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 210
+            wd[r, i] = f16_to_f32(buf[o + 208], buf[o + 209])
+            for e in range(QK_K):
+                wq[r, QK_K * i + e] = F32(_q6_k_value(buf, o, e) * np.int32(np.int8(buf[o + 192 + e // 16])))
+
+
+@njit(cache=True)
+def _unpack_q6_k_tile(buf, offs, m0, wu, wsc, wd):
+    """Rows m0..m0 + 15 in column layout: wu[k, r] = unsigned 6-bit integer, wsc[s, r] =
+    scale, wd[i, r] = d."""
+    nb = wd.shape[0]
+    for r in range(W):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 210
+            wd[i, r] = f16_to_f32(buf[o + 208], buf[o + 209])
+            for s in range(16):
+                wsc[16 * i + s, r] = F32(np.int8(buf[o + 192 + s]))
+            for e in range(QK_K):
+                wu[QK_K * i + e, r] = F32(_q6_k_value(buf, o, e) + 32)
+
+
+# ---- products --------------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
+    """out[n0 + c, m0 + r] = res[16 r + c] inside out."""
+    for r in range(rows):
+        if m0 + r < m_rows:
+            for c in range(W):
+                if n0 + c < n_cols:
+                    out[n0 + c, m0 + r] = res[W * r + c]
+
+
+@njit(parallel=True, cache=True)
+def _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wq = np.empty((ROW_GROUP, nb * QK), dtype=np.float32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(2 * W, dtype=np.float32)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd)
+        for tile in range(xq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
+                q0_tile2(wq, wd, xq, xd, res, r, tile, nb)
+                _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(2 * W, dtype=np.float32)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd, bias)
+        for tile in range(xq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
+                q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
+                _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out):
+    nb = xd.shape[1]
+    for m in prange(offs.shape[0]):
+        for n in range(out.shape[0]):
+            out[n, m] = q5_0_row_vnni(buf, offs[m], xs[n], xsum[n], xd[n], nb)
+
+
+@njit(parallel=True, cache=True)
+def _q4_k_gemv_vnni(buf, offs, xs, xd, bs32, out, n0):
+    nb = xd.shape[1]
+    for task in prange((offs.shape[0] + GEMV_ROWS - 1) // GEMV_ROWS):
+        sc = np.empty(8 * nb, dtype=np.int32)
+        mn = np.empty(8 * nb, dtype=np.int32)
+        for m in range(task * GEMV_ROWS, min(offs.shape[0], task * GEMV_ROWS + GEMV_ROWS)):
+            for i in range(nb):
+                for s in range(8):
+                    sc[8 * i + s], mn[8 * i + s] = scale_min_k4(s, buf, offs[m] + i * 144 + 4)
+            for n in range(n0, out.shape[0]):
+                out[n, m] = q4_k_row_vnni(buf, offs[m], sc, mn, xs[n], xd[n], bs32[n], nb)
+
+
+@njit(parallel=True, cache=True)
+def _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out):
+    nb = xd.shape[1]
+    for m in prange(offs.shape[0]):
+        for n in range(out.shape[0]):
+            out[n, m] = q6_k_row_vnni(buf, offs[m], xs[n], xd[n], bse[n], bso[n], nb)
+
+
+@njit(parallel=True, cache=True)
+def _q8_0_gemv_vnni(buf, offs, xu, xd, out):
+    nb = xd.shape[1]
+    for m in prange(offs.shape[0]):
+        for n in range(out.shape[0]):
+            out[n, m] = q8_0_row_vnni(buf, offs[m], xu[n], xd[n], nb)
+
+
+@njit(parallel=True, cache=True, fastmath={"contract"})
+def _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out):
+    """Few columns (generation): a row at a time, each block decoded once for every column.
+    xq (N, K): the activations' integers in natural order, xd (N, nb). Lane j of block b is
+    the exact sum of the 4 products 4 j .. 4 j + 3, fma'd into lane j's chain; hsum8."""
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
+        w = np.empty(QK, dtype=np.float32)
+        acc = np.empty((n_cols, 8), dtype=np.float32)
+        for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS)):
+            acc[:] = 0.0
+            for b in range(nb):
+                o = offs[m] + b * block_bytes
+                _decode_q0_block(buf, o, is_q8, w)
+                dw = f16_to_f32(buf[o], buf[o + 1])
+                for n in range(n_cols):
+                    x = xq[n, b * QK:(b + 1) * QK]
+                    s = dw * xd[n, b]
+                    a = acc[n]
+                    for j in range(8):
+                        p = w[4 * j] * x[4 * j] + w[4 * j + 1] * x[4 * j + 1] + w[4 * j + 2] * x[4 * j + 2] + w[4 * j + 3] * x[4 * j + 3]
+                        a[j] = fma_f32(s, p, a[j])
+            for n in range(n_cols):
+                a = acc[n]
+                out[n, m] = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
+
+
+@njit(parallel=True, cache=True)
+def _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm):
+    m_rows = offs.shape[0]
+    nb = td.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wq = np.empty((ROW_GROUP, nb * QK_K), dtype=np.float32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        wdm = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        wmin = np.empty((ROW_GROUP, nb * 8), dtype=np.float32)
+        res = np.empty(Q4K_ROWS * W, dtype=np.float32)
+        _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin)
+        for tile in range((n_gemm + W - 1) // W):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), Q4K_ROWS):
+                q4_k_tile(wq, wd, wdm, wmin, tq, td, tbs, res, r, tile, nb)
+                _store_tile(out, res, Q4K_ROWS, m0 + r, tile * W, m_rows, n_gemm)
+
+
+@njit(parallel=True, cache=True)
+def _q4_k_gemv(buf, offs, xq, xd, bs32, out, n0):
+    m_rows = offs.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + W - 1) // W):
+        m0 = task * W
+        wq = np.empty((nb * QK_K, W), dtype=np.float32)
+        wd = np.empty((nb, W), dtype=np.float32)
+        wdm = np.empty((nb, W), dtype=np.float32)
+        wmin = np.empty((nb * 8, W), dtype=np.float32)
+        res = np.empty(W, dtype=np.float32)
+        _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin)
+        for n in range(n0, out.shape[0]):
+            q4_k_gemv_tile(wq, wd, wdm, wmin, xq, xd, bs32, res, n, nb)
+            for r in range(W):
+                if m0 + r < m_rows:
+                    out[n, m0 + r] = res[r]
+
+
+@njit(parallel=True, cache=True)
+def _q6_k_tiled(buf, offs, tq, td, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = td.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wq = np.empty((ROW_GROUP, nb * QK_K), dtype=np.float32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(Q6K_ROWS * W, dtype=np.float32)
+        _unpack_q6_k_rows(buf, offs, m0, wq, wd)
+        for tile in range(tq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), Q6K_ROWS):
+                q6_k_tile(wq, wd, tq, td, res, r, tile, nb)
+                _store_tile(out, res, Q6K_ROWS, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q6_k_vec_dot(buf, offs, xq, xd, bs16, out):
+    m_rows = offs.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + W - 1) // W):
+        m0 = task * W
+        wu = np.empty((nb * QK_K, W), dtype=np.float32)
+        wsc = np.empty((nb * 16, W), dtype=np.float32)
+        wd = np.empty((nb, W), dtype=np.float32)
+        res = np.empty(W, dtype=np.float32)
+        _unpack_q6_k_tile(buf, offs, m0, wu, wsc, wd)
+        for n in range(out.shape[0]):
+            q6_k_gemv_tile(wu, wsc, wd, xq, xd, bs16, res, n, nb)
+            for r in range(W):
+                if m0 + r < m_rows:
+                    out[n, m0 + r] = res[r]
+
+
+def _bytes(scratch, name: str, n: int) -> np.ndarray:
+    """n bytes of the backend's scratch (its buffers are float32)."""
+    return scratch.get(name, (n + 3) // 4).view(np.uint8)[:n]
+
+
+def _q8_k_vnni(scratch, xq, bs16, n: int, k: int, nb: int):
+    xs = _bytes(scratch, "q8_k_i8", n * k).view(np.int8).reshape(n, k)
+    bse = scratch.get("q8_k_bse", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+    bso = scratch.get("q8_k_bso", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+    b32 = scratch.get("q8_k_b32", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+    q8_k_bytes(xq, bs16, xs, bse, bso, b32)
+    return xs, bse, bso, b32
+
+
+# ---- dispatch --------------------------------------------------------------------------------------
+Q0_BLOCK_BYTES = {GGMLType.Q5_0: 22, GGMLType.Q8_0: 34}
+
+
+def supports(type: GGMLType) -> bool:
+    """Whether products with a `type` matrix follow ggml's order here. (For Q4_K, ggml repacks
+    only matrices whose rows are a multiple of 8 and sums the others with
+    ggml_vec_dot_q4_K_q8_K: those get the repacked kernels' order here too, equal to llama.cpp's
+    to float32 rounding rather than bit for bit.)"""
+    return type in Q0_BLOCK_BYTES or type in (GGMLType.Q4_K, GGMLType.Q6_K)
+
+
+def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:
+    """out (N, M) = x (N, K) times the M quantized rows at buf[offs] (ggml's sums, module doc)."""
+    n, k = x.shape
+    if n == 0:
+        return
+    tiles = (n + W - 1) // W
+    if type in Q0_BLOCK_BYTES:
+        nb = k // QK
+        block_bytes, is_q8 = Q0_BLOCK_BYTES[type], type == GGMLType.Q8_0
+        if VNNI and n <= Q0_GEMV_MAX_COLS and is_q8:
+            xu = _bytes(scratch, "q8_0_u8", n * nb * QK).reshape(n, nb * QK)
+            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+            quantize_q8_0_biased(x, xu, xd)
+            _q8_0_gemv_vnni(buf, offs, xu, xd, out)
+        elif VNNI and n <= Q0_GEMV_MAX_COLS:
+            xs = _bytes(scratch, "q8_0_i8", n * nb * QK).view(np.int8).reshape(n, nb * QK)
+            xsum = scratch.get("q8_0_c", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+            quantize_q8_0_signed(x, xs, xsum, xd)
+            _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out)
+        elif VNNI and n > Q0_GEMV_MAX_COLS:
+            bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
+            xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
+            xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb * 8, W)
+            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+            quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias)
+            _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out)
+        elif n <= Q0_GEMV_MAX_COLS:
+            xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
+            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+            quantize_q8_0_rows(x, xq, xd)
+            _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out)
+        else:
+            xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
+            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+            quantize_q8_0_tiles(x, xq, xd)
+            _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out)
+        return
+    nb = k // QK_K
+    xq = scratch.get("q8_k", n * k).reshape(n, k)
+    xd = scratch.get("q8_k_d", n * nb).reshape(n, nb)
+    bs16 = scratch.get("q8_k_bs16", n * nb * 16).reshape(n, nb * 16)
+    bs32 = scratch.get("q8_k_bs32", n * nb * 8).reshape(n, nb * 8)
+    quantize_q8_k_rows(x, xq, xd, bs16, bs32)
+    if type == GGMLType.Q4_K:
+        n_gemm = n - n % Q4_K_GEMM_GROUP
+        if n_gemm:
+            t = (n_gemm + W - 1) // W
+            tq = scratch.get("q8_k_tiles", t * k * W).reshape(t, k, W)
+            td = scratch.get("q8_k_tiles_d", t * nb * W).reshape(t, nb, W)
+            tbs = scratch.get("q8_k_tiles_bs", t * nb * 8 * W).reshape(t, nb * 8, W)
+            q8_k_tiles(xq, xd, bs32, tq, td, tbs, n_gemm)
+            _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm)
+        if n_gemm < n and VNNI:
+            xs, bse, bso, b32 = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
+            _q4_k_gemv_vnni(buf, offs, xs, xd, b32, out, n_gemm)
+        elif n_gemm < n:
+            _q4_k_gemv(buf, offs, xq, xd, bs32, out, n_gemm)
+    elif n >= Q6_K_TILED_MIN_COLS:
+        tq = scratch.get("q8_k_tiles", tiles * k * W).reshape(tiles, k, W)
+        td = scratch.get("q8_k_tiles_d", tiles * nb * W).reshape(tiles, nb, W)
+        tbs = scratch.get("q8_k_tiles_bs", tiles * nb * 8 * W).reshape(tiles, nb * 8, W)
+        q8_k_tiles(xq, xd, bs32, tq, td, tbs, n)
+        _q6_k_tiled(buf, offs, tq, td, out)
+    elif VNNI:
+        xs, bse, bso, _ = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
+        _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out)
+    else:
+        _q6_k_vec_dot(buf, offs, xq, xd, bs16, out)
