@@ -330,8 +330,10 @@ class Context:
     # ---- warmup ------------------------------------------------------------------------------
     def set_warmup(self, enabled: bool) -> None:
         """With `enabled`, run a warmup decode now (BOS and EOS through every layer, so kernels
-        compile and graphs are planned) and forget it: nothing stays in the KV cache. Refused
-        while tensors are marked trainable, since a warmup must not touch training state."""
+        compile and graphs are planned), then one token after them (the shape of a generation
+        step, so the first generated token does not pay for its graph and kernels), and forget
+        both: nothing stays in the KV cache. Refused while tensors are marked trainable, since
+        a warmup must not touch training state."""
         if not enabled:
             return
         if self.trainer is not None and self.trainer.trained:
@@ -343,7 +345,12 @@ class Context:
         saved = self.kv.snapshot()
         samplers, self._samplers = self._samplers, {}  # a warmup must not draw from a sampler's RNG
         try:
-            self.decode(Batch.from_tokens(tokens[: self.n_batch]))
+            tokens = tokens[: self.n_batch]
+            self.decode(Batch.from_tokens(tokens))
+            if 1 < len(tokens) < min(c.kv_size for c in self.kv.caches):
+                # and the shape of a generation step, one token after them: its graph is
+                # planned and its kernels loaded now, not on the first generated token
+                self.decode(Batch.from_tokens(tokens[:1], pos0=len(tokens)))
         finally:
             self._samplers = samplers
             self.kv.restore(saved)

@@ -596,3 +596,22 @@ def test_layered_memory_splits_global_and_window_layers():
     assert mem.seq_pos_max(0) == -1
     mem.restore(saved)
     assert mem.seq_pos_max(0) == 9
+
+
+def test_warmup_plans_the_generation_step(model):
+    """After a warmup the first one-token decode finds its graph built (the warmup ran that
+    shape too), the cache holds nothing of the warmup, and the logits are those of a context
+    without warmup."""
+    tokens = prompts(1, seed=8, lo=6, hi=7)[0]
+    logits = []
+    for warmup in (False, True):
+        ctx = llamapy.Context(model, n_ctx=64)
+        if warmup:
+            ctx.set_warmup(True)
+            assert ctx.memory_seq_pos_max(0) == -1 and (ctx.kv.caches[0].pos < 0).all()
+        ctx.decode(Batch.from_tokens(tokens[:5]))
+        reused = ctx.n_graphs_reused
+        ctx.decode(Batch.from_tokens(tokens[5:6], pos0=5))
+        assert ctx.n_graphs_reused == reused + (1 if warmup else 0)
+        logits.append(ctx.get_logits()[0].copy())
+    np.testing.assert_array_equal(logits[1], logits[0])
