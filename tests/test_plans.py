@@ -95,3 +95,21 @@ def test_decode_after_training_the_weights(model, tokens):
     after = logits(ctx, tokens)
     assert not np.allclose(after, before)
     np.testing.assert_array_equal(after, fresh(model, tokens))
+
+
+def test_a_decode_step_on_a_long_cache_never_wakes_a_second_thread(model):
+    """A one-token step of stories260K is far below a thread's worth of work in every op;
+    SET_ROWS into a 4096-cell cache used to be judged by the whole cache it returns and
+    switched numba to two threads (and back) twice a layer."""
+    from ggmlpy.backend.cpu import dispatch
+    ctx = llamapy.Context(model, n_ctx=4096, n_threads=2)
+    ctx.decode(llamapy.Batch.from_tokens([1, 2, 3]))
+    ctx.decode(llamapy.Batch.from_tokens([4], pos0=3))
+    (builder, _), = [g for key, g in ctx._graphs.items() if key[0].n_tokens == 1]
+    steps = ctx.backend.plan(builder.graph).steps
+    assert sum(name == "SET_ROWS" for name, _, _ in steps) == 2 * model.hparams.n_layer
+    assert [name for name, _, parallel in steps if parallel] == []
+    c = gg.Context()
+    cache = c.new_tensor_2d(gg.GGMLType.F16, 64, 1 << 16)
+    rows = gg.set_rows(c, cache, c.new_tensor_2d(gg.GGMLType.F32, 64, 1), c.new_tensor_1d(gg.GGMLType.I64, 1))
+    assert not dispatch.parallel(rows)
