@@ -96,6 +96,15 @@ class CpuBackend:
     def _run_steps(self, plan: Plan, at_step: Callable[[int], None] | None) -> None:
         threads = 0
         profile = self.profile
+        if at_step is None and profile is None:  # the plain loop: calls, and a switch per run
+            for parallel, calls in plan.runs:
+                want = self.n_threads if parallel else 1
+                if want != threads:
+                    _set_threads(want)
+                    threads = want
+                for run in calls:
+                    run()
+            return
         for i, (name, run, parallel) in enumerate(plan.steps):
             if at_step is not None:
                 at_step(i)

@@ -78,6 +78,14 @@ class Plan:
         self.n_nodes = len(graph.nodes)
         computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
         self.steps: list[Step] = [(n.op.name, prepare(n, self), parallel(n)) for n in computed]
+        # the steps as runs of consecutive calls that want the same threads (one or all), for
+        # the executor's plain loop: one thread switch per run, nothing else between calls
+        self.runs: list[tuple[bool, tuple[Callable[[], None], ...]]] = []
+        for _, run, par in self.steps:
+            if self.runs and self.runs[-1][0] == par:
+                self.runs[-1] = (par, self.runs[-1][1] + (run,))
+            else:
+                self.runs.append((par, (run,)))
         self._nodes, self._users = [], None  # only preparing asks who uses a node
         bases = {id(b): b for n in computed for t in (n, *n.src) for b in (t.view_src or t,)}
         self._bindings = [(t, t.binding) for t in bases.values()]
