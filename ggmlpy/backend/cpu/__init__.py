@@ -83,6 +83,7 @@ class CpuBackend:
             self._run(plan)
 
     def _run(self, plan: Plan) -> None:
+        plan.n_runs += 1
         if self._compile_ahead and plan not in self._plans_run:
             self._plans_run.add(plan)
             ahead = compile_ahead.CompileAhead([run for _, run, _ in plan.steps])
