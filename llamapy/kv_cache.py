@@ -352,11 +352,24 @@ def place_tokens(pos, seqs, shift, rows, tok_pos, tok_seq):
 
 @njit(cache=True)
 def cells_in_use(pos, stream0, n_seqs):
-    """One past the last used cell of streams stream0 .. stream0 + n_seqs - 1 (0: none used)."""
+    """One past the last used cell of streams stream0 .. stream0 + n_seqs - 1 (0: none used).
+    Blocks from the end, each a max LLVM vectorises (indexed from 0 through a slice: numba's
+    negative-index check on a variable start keeps a loop scalar), until one holds a used cell."""
     n = 0
     for j in range(n_seqs):
-        for c in range(pos.shape[1] - 1, n - 1, -1):
-            if pos[stream0 + j, c] >= 0:
-                n = c + 1
+        row = pos[stream0 + j]
+        hi = row.shape[0]
+        while hi > n:
+            lo = max(n, hi - 256)
+            blk = row[lo:hi]
+            top = np.int32(-1)
+            for c in range(blk.shape[0]):
+                top = max(top, blk[c])
+            if top >= 0:
+                for c in range(blk.shape[0] - 1, -1, -1):
+                    if blk[c] >= 0:
+                        n = lo + c + 1
+                        break
                 break
+            hi = lo
     return n
