@@ -52,7 +52,8 @@ class Batch:
         batch = cls.__new__(cls)
         batch.tokens = tokens
         batch.pos = np.arange(pos0, pos0 + n, dtype=np.int32)
-        batch.seq_id = np.full(n, seq_id, dtype=np.int32)
+        batch.seq_id = np.empty(n, dtype=np.int32)
+        batch.seq_id.fill(seq_id)
         if all_outputs:
             batch.output = np.ones(n, dtype=bool)
         else:
