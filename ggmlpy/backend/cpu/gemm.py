@@ -180,17 +180,18 @@ class Matmul:
         self.args = (np.int32(ta), np.int32(tb), m, n, k, ptrs[0], lda, ptrs[1], ldb, ptrs[2], ldc,
                      np.float32(1.0 if accumulate else 0.0), slice_rows or max(m, 1), slice_cols)
         if not parallel:
-            dims = np.array([ta, tb, m, n, k, lda, ldb, ldc, slice_rows or max(m, 1), slice_cols, int(accumulate)],
-                            dtype=np.int64)
-            packed = np.ascontiguousarray(np.stack(ptrs), dtype=np.int64)
+            self._dims = np.array([ta, tb, m, n, k, lda, ldb, ldc, slice_rows or max(m, 1), slice_cols,
+                                   int(accumulate)], dtype=np.int64)
+            self._ptrs = np.ascontiguousarray(np.stack(ptrs), dtype=np.int64)
+            # the calls hold self, so the arrays whose addresses they pass stay alive with them
             if self._copies:
                 def serial() -> None:
                     for copy, src in self._copies:
                         np.copyto(copy, src)
-                    _sgemm_tasks_serial(dims, packed)
+                    _sgemm_tasks_serial(self._dims, self._ptrs)
                 self._serial = serial
             else:
-                self._serial = lambda: _sgemm_tasks_serial(dims, packed)
+                self._serial = lambda: _sgemm_tasks_serial(self._dims, self._ptrs)
             self.run = self._serial
 
     def _plan_numpy(self, lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, slice_rows: int | None) -> None:
