@@ -38,6 +38,8 @@ def run(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> dict
     got = {"wall s": wall}
     for kind, ms, n in _PERF.findall(out.stdout + out.stderr):
         got[f"{kind} t/s"] = int(n) / (float(ms) / 1e3) if float(ms) else float("nan")
+    if len(got) == 1:
+        print(f"  (no perf lines from {cmd[0]}; stderr ends: {out.stderr[-300:]!r})", flush=True)
     return got
 
 
@@ -77,8 +79,8 @@ def main() -> None:
     print("| measure | llama.cpp | " + " | ".join(others) + " | " + " | ".join(f"{k} / llama.cpp" for k in others) + " |")
     print("|---" * (1 + 2 * len(others) + 1) + "|")
     for k in keys:
-        a = statistics.median(d[k] for d in results["llama.cpp"])
-        bs = [statistics.median(d[k] for d in results[o]) for o in others]
+        a = statistics.median(d[k] for d in results["llama.cpp"] if k in d)  # runs that printed it
+        bs = [statistics.median(d[k] for d in results[o] if k in d) for o in others]
         ratios = [a / b if k == "wall s" else b / a for b in bs]
         note = " (time: llama.cpp / llamapy)" if k == "wall s" else ""
         print(f"| {k} | {a:,.2f} | " + " | ".join(f"{b:,.2f}" for b in bs) + " | "
