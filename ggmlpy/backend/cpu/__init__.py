@@ -74,7 +74,7 @@ class CpuBackend:
         """The graph's plan: the one prepared before while it is valid, else a new one."""
         plan = self._plans.get(graph)
         if plan is None or not plan.valid_for(graph):
-            plan = self._plans[graph] = Plan(graph, self.scratch, dispatch.prepare, dispatch.parallel)
+            plan = self._plans[graph] = Plan(graph, self.scratch, dispatch.prepare, dispatch.parallel, dispatch.fuse)
         return plan
 
     def compute(self, graph: Graph) -> None:

@@ -77,7 +77,8 @@ class Plan:
     """The prepared calls of one graph, in node order, and what they were prepared on."""
 
     def __init__(self, graph: Graph, scratch: Scratch,
-                 prepare: Callable[[Tensor, "Plan"], Callable[[], None]], parallel: Callable[[Tensor], bool]) -> None:
+                 prepare: Callable[[Tensor, "Plan"], Callable[[], None]], parallel: Callable[[Tensor], bool],
+                 fuse: Callable[[Tensor, Tensor, "Plan"], Callable[[], None] | None] | None = None) -> None:
         self.scratch = scratch
         self.n_runs = 0  # counted by the backend before each run of the steps
         self._rope_tables: dict[tuple, RopeTable] = {}
@@ -86,7 +87,18 @@ class Plan:
         self._users: dict[int, list[Tensor]] | None = None
         self.n_nodes = len(graph.nodes)
         computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
-        self.steps: list[Step] = [(n.op.name, prepare(n, self), parallel(n)) for n in computed]
+        # a node and the next one may be prepared as one call (fused.py): it computes both
+        self.steps: list[Step] = []
+        i = 0
+        while i < len(computed):
+            n = computed[i]
+            both = fuse(n, computed[i + 1], self) if fuse is not None and i + 1 < len(computed) else None
+            if both is not None:
+                self.steps.append((f"{n.op.name}+{computed[i + 1].op.name}", both, parallel(computed[i + 1])))
+                i += 2
+                continue
+            self.steps.append((n.op.name, prepare(n, self), parallel(n)))
+            i += 1
         # the steps as runs of consecutive calls that want the same threads (one or all), for
         # the executor's plain loop: one thread switch per run, nothing else between calls
         self.runs: list[tuple[bool, tuple[Callable[[], None], ...]]] = []
