@@ -65,4 +65,57 @@ def test_not_fused_when_the_next_step_does_not_read_the_norm_or_the_layout_diffe
     gg.compute(g2, backend)
     assert [name for name, _, _ in backend.plan(g2).steps] == ["RMS_NORM", "MUL"]
     np.testing.assert_allclose(out.numpy(), 2.0, rtol=1e-5)
-    assert fused.fuse(g2.nodes[-1], g2.nodes[-1], backend.plan(g2)) is None  # MUL then MUL: no fusion
+    assert fused.fuse([g2.nodes[-1], g2.nodes[-1]], 0, backend.plan(g2)) is None  # MUL then MUL: no fusion
+
+
+@pytest.mark.parametrize("rows,b_rows", [(1, 1), (5, 5), (6, 1)])
+def test_residual_add_norm_and_mul_in_one_call(rows, b_rows):
+    """ADD, RMS_NORM of the sum, MUL by the weight: one call, every result written (the sum
+    is the residual stream the next layer adds to) with the three kernels' bits."""
+    rng = np.random.default_rng(rows)
+    width = 64
+    c = gg.Context()
+    a = c.from_numpy(rng.standard_normal((rows, width)).astype(np.float32), T.F32)
+    b = c.from_numpy(rng.standard_normal((b_rows, width)).astype(np.float32), T.F32)
+    w = c.from_numpy(rng.standard_normal((1, width)).astype(np.float32), T.F32)
+    summed = gg.add(c, a, b).set_output()
+    nrm = gg.rms_norm(c, summed, 1e-6).set_output()
+    out = gg.mul(c, nrm, w).set_output()
+    graph = gg.new_graph(out)
+    backend = gg.CpuBackend(1)
+    gg.compute(graph, backend)
+    assert [name for name, _, _ in backend.plan(graph).steps] == ["ADD+RMS_NORM+MUL"]
+    av, bv, wv = (t.numpy().reshape(-1, width) for t in (a, b, w))
+    want_sum = np.empty((rows, width), np.float32)
+    K.binary_rows_f32(av, bv, want_sum, K.OP_ADD)
+    want_norm = np.empty((1, 1, rows, width), np.float32)
+    K.rms_norm_f32(want_sum.reshape(1, 1, rows, width), want_norm, np.float32(1e-6))
+    want = np.empty((rows, width), np.float32)
+    K.binary_rows_f32(want_norm.reshape(rows, width), wv, want, K.OP_MUL)
+    for got, expect in ((summed, want_sum), (nrm, want_norm), (out, want)):
+        assert np.array_equal(got.numpy().reshape(rows, width), expect.reshape(rows, width))
+
+
+def test_a_decode_step_fuses_every_norm(monkeypatch, stories_path):
+    """stories260K's one-token step: the first norm is RMS_NORM+MUL, every later one (after a
+    residual ADD) ADD+RMS_NORM+MUL, and the logits are those of plans without fusions."""
+    import llamapy
+    from ggmlpy.backend.cpu import dispatch
+    model = llamapy.load_model(stories_path)
+    n_layer = model.hparams.n_layer
+    got = []
+    for fusing in (True, False):
+        if not fusing:
+            monkeypatch.setattr(dispatch, "fuse", lambda nodes, i, plan: None)
+        ctx = llamapy.Context(model, n_ctx=64, n_threads=1)
+        ctx.decode(llamapy.Batch.from_tokens([1, 2, 3]))
+        ctx.decode(llamapy.Batch.from_tokens([4], pos0=3))
+        got.append(ctx.get_logits()[0].copy())
+        (builder, _), = [g for key, g in ctx._graphs.items() if key[0].n_tokens == 1]
+        names = [name for name, _, _ in ctx.backend.plan(builder.graph).steps]
+        if fusing:
+            assert names.count("RMS_NORM+MUL") == 1 and names.count("ADD+RMS_NORM+MUL") == 2 * n_layer
+            assert "RMS_NORM" not in names
+        else:
+            assert names.count("RMS_NORM") == 2 * n_layer + 1
+    assert np.array_equal(got[0], got[1])

@@ -34,9 +34,10 @@ def prepare(node: Tensor, plan: Plan) -> Prepared:
     return _kernel(node).prepare(node, plan)
 
 
-def fuse(node: Tensor, following: Tensor, plan: Plan) -> Prepared | None:
-    """One call computing `node` and the step after it, when fused.py has a fusion for them."""
-    return fused.fuse(node, following, plan)
+def fuse(nodes: list[Tensor], i: int, plan: Plan) -> tuple[Prepared, int] | None:
+    """One call computing nodes[i] and the k - 1 after it, and k, when fused.py has a fusion
+    for them."""
+    return fused.fuse(nodes, i, plan)
 
 
 def parallel(node: Tensor) -> bool:

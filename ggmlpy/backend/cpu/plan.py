@@ -78,7 +78,8 @@ class Plan:
 
     def __init__(self, graph: Graph, scratch: Scratch,
                  prepare: Callable[[Tensor, "Plan"], Callable[[], None]], parallel: Callable[[Tensor], bool],
-                 fuse: Callable[[Tensor, Tensor, "Plan"], Callable[[], None] | None] | None = None) -> None:
+                 fuse: Callable[[list[Tensor], int, "Plan"], tuple[Callable[[], None], int] | None] | None = None
+                 ) -> None:
         self.scratch = scratch
         self.n_runs = 0  # counted by the backend before each run of the steps
         self._rope_tables: dict[tuple, RopeTable] = {}
@@ -87,15 +88,17 @@ class Plan:
         self._users: dict[int, list[Tensor]] | None = None
         self.n_nodes = len(graph.nodes)
         computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
-        # a node and the next one may be prepared as one call (fused.py): it computes both
+        # a run of nodes may be prepared as one call (fused.py): it computes every one of them
         self.steps: list[Step] = []
         i = 0
         while i < len(computed):
             n = computed[i]
-            both = fuse(n, computed[i + 1], self) if fuse is not None and i + 1 < len(computed) else None
-            if both is not None:
-                self.steps.append((f"{n.op.name}+{computed[i + 1].op.name}", both, parallel(computed[i + 1])))
-                i += 2
+            fused = fuse(computed, i, self) if fuse is not None else None
+            if fused is not None:
+                call, k = fused
+                run = computed[i:i + k]
+                self.steps.append(("+".join(m.op.name for m in run), call, any(parallel(m) for m in run)))
+                i += k
                 continue
             self.steps.append((n.op.name, prepare(n, self), parallel(n)))
             i += 1
