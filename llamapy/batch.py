@@ -7,8 +7,10 @@ most n_ubatch tokens; that split never changes results beyond float rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+from numba import njit
 
 from .errors import InputError
 
@@ -43,10 +45,22 @@ class Batch:
     @classmethod
     def from_tokens(cls, tokens, pos0: int = 0, seq_id: int = 0, all_outputs: bool = False) -> "Batch":
         """One sequence's tokens at positions pos0, pos0+1, ..."""
-        tokens = np.asarray(tokens, dtype=np.int32)
+        tokens = np.array(tokens, dtype=np.int32).reshape(-1)
         n = len(tokens)
-        out = np.ones(n, dtype=bool) if all_outputs else None
-        return cls(tokens, np.arange(pos0, pos0 + n, dtype=np.int32), np.full(n, seq_id, dtype=np.int32), out)
+        # every array made here already has its type and length: skip __post_init__'s checks
+        # (a generation step makes one of these per token)
+        batch = cls.__new__(cls)
+        batch.tokens = tokens
+        batch.pos = np.arange(pos0, pos0 + n, dtype=np.int32)
+        batch.seq_id = np.empty(n, dtype=np.int32)
+        batch.seq_id.fill(seq_id)
+        if all_outputs:
+            batch.output = np.ones(n, dtype=bool)
+        else:
+            batch.output = np.zeros(n, dtype=bool)
+            if n:
+                batch.output[-1] = True
+        return batch
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -70,7 +84,7 @@ class UBatch:
     def n_tokens(self) -> int:
         return len(self.tokens)
 
-    @property
+    @cached_property
     def n_outputs(self) -> int:
         return int(self.output.sum())
 
@@ -84,8 +98,10 @@ def split_simple(batch: Batch, n_ubatch: int) -> list[UBatch]:
     """Consecutive runs of at most n_ubatch tokens (one stream: the unified KV cache)."""
     out = []
     for start in range(0, len(batch), n_ubatch):
-        idx = np.arange(start, min(start + n_ubatch, len(batch)))
-        out.append(_take(batch, idx, len(idx), 1, 0))
+        stop = min(start + n_ubatch, len(batch))
+        run = slice(start, stop)  # views, not copies: a run is contiguous
+        out.append(UBatch(batch.tokens[run], batch.pos[run], batch.seq_id[run], batch.output[run],
+                          np.arange(start, stop), stop - start, 1, 0))
     return out
 
 
@@ -114,3 +130,12 @@ def split_equal(batch: Batch, n_ubatch: int) -> list[UBatch]:
         for s in run:
             cursor[s] += n_seq_tokens
         out.append(_take(batch, idx, n_seq_tokens, len(run), run[0]))
+
+
+@njit(cache=True)
+def all_within(values, n):
+    """Whether every value is in [0, n) (a decode's check of its token and sequence ids)."""
+    for v in values:
+        if v < 0 or v >= n:
+            return False
+    return True

@@ -15,7 +15,7 @@ import ggmlpy as gg
 from ggmlpy import CpuBackend, GGMLType, GraphAllocator
 from ggmlpy.opt import EpochResult, Result, evaluate_batches, opt_epoch
 
-from .batch import Batch, split_equal, split_simple
+from .batch import Batch, all_within, split_equal, split_simple
 from .errors import InputError
 from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVMemory
@@ -83,9 +83,10 @@ class Context:
             self._apply_k_shift()
         ubatches = split_simple(batch, self.n_ubatch) if self.kv.unified else split_equal(batch, self.n_ubatch)
         slots = self._find_slots(ubatches)
-        # one ubatch in batch order without samplers: its logits are read in place
+        # one ubatch in batch order without samplers: its logits are read in place (a unified
+        # cache's split keeps the batch order)
         in_place = (len(ubatches) == 1 and not self._samplers
-                    and bool(np.all(ubatches[0].idx == np.arange(len(batch)))))
+                    and (self.kv.unified or bool(np.all(ubatches[0].idx == np.arange(len(batch))))))
         self.outputs.start(batch.output, in_place)
         for ub, rows in zip(ubatches, slots):
             for cache, r in zip(self.kv.caches, rows):
@@ -107,13 +108,13 @@ class Context:
     def _collect_outputs(self, ub, builder: GraphBuilder, chains: list | None) -> None:
         """Logits of the ubatch's output rows, and what the graph sampled for rows with a
         backend sampler chain, into the outputs."""
-        logits = builder.logits.array().reshape(ub.n_outputs, self.n_vocab)
-        batch_idx = ub.idx[ub.output]
+        logits = builder.output_array().reshape(ub.n_outputs, self.n_vocab)
         if chains is None:
-            self.outputs.place(batch_idx, logits)
+            self.outputs.place(ub.idx, ub.output, logits)
             return
+        batch_idx = ub.idx[ub.output]
         plain = np.array([r is None for r in builder.sampler_rows], dtype=bool)
-        self.outputs.place(batch_idx[plain], logits[plain])
+        self.outputs.place(batch_idx[plain], None, logits[plain])
         for j, (row, chain) in enumerate(zip(builder.sampler_rows, chains)):
             if row is not None:
                 self.outputs.record_sampled(int(batch_idx[j]), row.read(chain))
@@ -214,9 +215,9 @@ class Context:
             raise InputError("decode: empty batch")
         if n > self.n_batch:
             raise InputError(f"decode: batch of {n} tokens exceeds n_batch {self.n_batch}")
-        if batch.tokens.min() < 0 or batch.tokens.max() >= self.n_vocab:
+        if not all_within(batch.tokens, self.n_vocab):
             raise InputError(f"decode: token ids must be in [0, {self.n_vocab})")
-        if batch.seq_id.min() < 0 or batch.seq_id.max() >= self.n_seq_max:
+        if not all_within(batch.seq_id, self.n_seq_max):
             raise InputError(f"decode: sequence ids must be in [0, {self.n_seq_max})")
         if batch.pos is None:
             batch = Batch(batch.tokens, np.empty(n, dtype=np.int32), batch.seq_id, batch.output)
@@ -228,12 +229,13 @@ class Context:
     def _graph(self, shape: GraphShape, chains: list | None = None) -> GraphBuilder:
         """The graph for a ubatch of this shape, built on the model's current tensors and the
         adapters attached now: graphs built on others are dropped, never reused."""
-        deps = (self.model.revision, tuple((id(a), s) for a, s in self.adapters))
+        deps = (self.model.revision, tuple((id(a), s) for a, s in self.adapters) if self.adapters else ())
         key = (shape, deps)
-        if key in self._graphs:
+        found = self._graphs.get(key)
+        if found is not None:
             self._graphs.move_to_end(key)
             self.n_graphs_reused += 1
-            return self._graphs[key][0]
+            return found[0]
         for stale in [k for k in self._graphs if k[1] != deps]:
             del self._graphs[stale]
         builder = GraphBuilder.for_cache(self.model, self.kv, shape, self.flash_attn, self.adapters)
@@ -330,8 +332,10 @@ class Context:
     # ---- warmup ------------------------------------------------------------------------------
     def set_warmup(self, enabled: bool) -> None:
         """With `enabled`, run a warmup decode now (BOS and EOS through every layer, so kernels
-        compile and graphs are planned) and forget it: nothing stays in the KV cache. Refused
-        while tensors are marked trainable, since a warmup must not touch training state."""
+        compile and graphs are planned), then one token after them (the shape of a generation
+        step, so the first generated token does not pay for its graph and kernels), and forget
+        both: nothing stays in the KV cache. Refused while tensors are marked trainable, since
+        a warmup must not touch training state."""
         if not enabled:
             return
         if self.trainer is not None and self.trainer.trained:
@@ -343,7 +347,12 @@ class Context:
         saved = self.kv.snapshot()
         samplers, self._samplers = self._samplers, {}  # a warmup must not draw from a sampler's RNG
         try:
-            self.decode(Batch.from_tokens(tokens[: self.n_batch]))
+            tokens = tokens[: self.n_batch]
+            self.decode(Batch.from_tokens(tokens))
+            if 1 < len(tokens) < min(c.kv_size for c in self.kv.caches):
+                # and the shape of a generation step, one token after them: its graph is
+                # planned and its kernels loaded now, not on the first generated token
+                self.decode(Batch.from_tokens(tokens[:1], pos0=len(tokens)))
         finally:
             self._samplers = samplers
             self.kv.restore(saved)

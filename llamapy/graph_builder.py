@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,9 +25,9 @@ from .hparams import HParams
 from .kv_cache import KVMemory
 
 
-@dataclass(frozen=True)
-class GraphShape:
-    """Everything a ubatch graph's structure depends on; equal shapes reuse one graph."""
+class GraphShape(NamedTuple):
+    """Everything a ubatch graph's structure depends on; equal shapes reuse one graph (a
+    tuple: made, hashed and compared once per decode, cheaply)."""
 
     n_tokens: int
     n_seq_tokens: int
@@ -43,6 +44,7 @@ class _AttentionInput:
     def __init__(self, ctx: gg.Context, hp: HParams, shape: GraphShape) -> None:
         self.ctx, self.hp, self.shape = ctx, hp, shape
         self.masks: dict[tuple[int, int], Tensor] = {}
+        self.views = TensorViews()
 
     def cache_of(self, il: int) -> int:
         return 0
@@ -89,9 +91,29 @@ class KVCacheInput(_AttentionInput):
 
     def set_inputs(self, ub: UBatch, k_rows: list[np.ndarray]) -> None:
         for inp, rows in zip(self.k_rows, k_rows):
-            inp.array().reshape(-1)[:] = rows
+            self.views(inp)[:] = rows
         for (cache, n_swa), mask in self.masks.items():
-            self.kv.caches[cache].fill_mask(ub, self.shape.n_kv[cache], mask.array(), n_swa)
+            self.kv.caches[cache].fill_mask(ub, self.shape.n_kv[cache], self.views(mask, flat=False), n_swa)
+
+
+class TensorViews:
+    """Numpy views of a graph's inputs and outputs, each made once per binding of its tensor:
+    they are read and written every decode, and a new view costs more than a token's row of
+    work."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, bool], tuple[Tensor, int, np.ndarray]] = {}
+
+    def __call__(self, t: Tensor, flat: bool = True) -> np.ndarray:
+        """t's data (flat: as 1-D)."""
+        binding = (t.view_src or t).binding  # a view's bytes are its source's
+        got = self._views.get((id(t), flat))
+        if got is not None and got[0] is t and got[1] == binding:
+            return got[2]
+        a = t.array()
+        a = a.reshape(-1) if flat else a
+        self._views[(id(t), flat)] = (t, binding, a)
+        return a
 
 
 @dataclass(frozen=True)
@@ -160,6 +182,7 @@ class GraphBuilder:
         self.inp_tokens = c.new_tensor_1d(GGMLType.I32, shape.n_tokens, "inp_tokens").set_input()
         self.inp_pos = c.new_tensor_1d(GGMLType.I32, shape.n_tokens, "inp_pos").set_input()
         self.attn = attention_input(c)
+        self.views = self.attn.views
         self.inp_out_ids = None
         self.sampler_rows: list = [None] * shape.n_outputs  # backend samplers per output row
         if shape.n_outputs < shape.n_tokens:
@@ -189,11 +212,15 @@ class GraphBuilder:
     def set_inputs(self, ub: UBatch, attn_inputs: list[np.ndarray] | WindowCells) -> None:
         """The ubatch's inputs; `attn_inputs` is what the attention input needs beside the
         ubatch: each KV cache's row indices (inference) or the window's cells (training)."""
-        self.inp_tokens.array().reshape(-1)[:] = ub.tokens
-        self.inp_pos.array().reshape(-1)[:] = ub.pos
+        self.views(self.inp_tokens)[:] = ub.tokens
+        self.views(self.inp_pos)[:] = ub.pos
         self.attn.set_inputs(ub, attn_inputs)
         if self.inp_out_ids is not None:
-            self.inp_out_ids.array().reshape(-1)[:] = np.flatnonzero(ub.output)
+            self.views(self.inp_out_ids)[:] = np.flatnonzero(ub.output)
+
+    def output_array(self) -> np.ndarray:
+        """The logits as the last compute left them (a view of the compute buffer)."""
+        return self.views(self.logits, flat=False)
 
     # ---- common blocks ------------------------------------------------------------------
     def layer_boundary(self, x: Tensor) -> Tensor:

@@ -62,6 +62,9 @@ class KVCache:
     def find_slot(self, ub: UBatch) -> np.ndarray:
         """Free cells for the ubatch's tokens, as global row indices (stream * kv_size + cell)."""
         rows = np.empty(ub.n_tokens, dtype=np.int64)
+        if self.n_swa <= 0:  # free cells are the empty ones: found in one pass, in numba
+            if first_empty_cells(self.pos, ub.stream0, ub.n_seqs, ub.n_seq_tokens, rows):
+                return rows
         for j in range(ub.n_seqs):
             stream = ub.stream0 + j
             free = np.flatnonzero(self.free_cells(stream))
@@ -103,7 +106,7 @@ class KVCache:
 
     def apply(self, ub: UBatch, rows: np.ndarray) -> None:
         """The ubatch's tokens take cells `rows` (the K written there is roped at its position already)."""
-        self.place(rows, ub.pos, np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64)))
+        place_tokens(self.pos, self.seqs, self.shift, rows, ub.pos, ub.seq_id)
 
     def place(self, rows: np.ndarray, pos: np.ndarray, seqs, shift: np.ndarray | None = None) -> None:
         """Cells `rows` (global row indices) now hold positions `pos`, seen by the sequences
@@ -125,10 +128,7 @@ class KVCache:
 
     def n_kv(self, ub: UBatch) -> int:
         """How many leading cells attention must span for this ubatch's streams."""
-        used = self.pos[ub.stream0:ub.stream0 + ub.n_seqs] >= 0
-        last = used.shape[1] - np.argmax(used[:, ::-1], axis=1)
-        last[~used.any(axis=1)] = 0
-        n = int(last.max())
+        n = cells_in_use(self.pos, ub.stream0, ub.n_seqs)
         return min(self.kv_size, max(N_KV_PAD, -(-n // N_KV_PAD) * N_KV_PAD))
 
     def fill_mask(self, ub: UBatch, n_kv: int, mask: np.ndarray, n_swa: int = 0) -> None:
@@ -137,9 +137,7 @@ class KVCache:
         A cell is visible to a token when it belongs to the token's sequence and holds an
         earlier or equal position (and, with a sliding window, one less than n_swa back).
         """
-        streams = slice(ub.stream0, ub.stream0 + ub.n_seqs)
-        tok_bits = np.left_shift(np.uint64(1), ub.seq_id.astype(np.uint64))
-        fill_kq_mask(self.pos[streams, :n_kv], self.seqs[streams, :n_kv], ub.pos, tok_bits, n_swa, mask)
+        fill_kq_mask(self.pos, self.seqs, ub.stream0, n_kv, ub.pos, ub.seq_id, n_swa, mask)
 
     # ---- sequence operations (llama_memory_seq_*) -----------------------------------------
     def _range(self, p0: int, p1: int) -> np.ndarray:
@@ -304,17 +302,74 @@ class KVMemory:
 
 
 @njit(cache=True)
-def fill_kq_mask(cell_pos, cell_seqs, tok_pos, tok_bits, n_swa, mask):
-    """mask[j, 0, i, c] = 0 where token i of stream j (position tok_pos, sequence bit
-    tok_bits) may attend to cell c of that stream (position cell_pos, sequence bits
-    cell_seqs), -inf elsewhere: the cell holds one of the token's sequences at an earlier
-    or equal position, less than n_swa back when n_swa > 0."""
-    n_seqs, n_tok, n_kv = mask.shape[0], mask.shape[2], cell_pos.shape[1]
+def fill_kq_mask(cell_pos, cell_seqs, stream0, n_kv, tok_pos, tok_seq, n_swa, mask):
+    """mask[j, 0, i, c] = 0 where token i of stream stream0 + j (position tok_pos, sequence
+    tok_seq) may attend to cell c < n_kv of that stream (position cell_pos, sequence bits
+    cell_seqs), -inf elsewhere: the cell holds the token's sequence at an earlier or equal
+    position, less than n_swa back when n_swa > 0."""
+    n_seqs, n_tok = mask.shape[0], mask.shape[2]
     for t in range(n_seqs * n_tok):
         j, i = t // n_tok, t % n_tok
-        p, bit = tok_pos[t], tok_bits[t]
+        p, bit = tok_pos[t], np.uint64(1) << np.uint64(tok_seq[t])
         row = mask[j, 0, i]
         for c in range(n_kv):
-            cp = cell_pos[j, c]
-            visible = (cell_seqs[j, c] & bit) != 0 and cp >= 0 and cp <= p and (n_swa <= 0 or p - cp < n_swa)
+            cp = cell_pos[stream0 + j, c]
+            visible = (cell_seqs[stream0 + j, c] & bit) != 0 and cp >= 0 and cp <= p and (n_swa <= 0 or p - cp < n_swa)
             row[c] = np.float32(0.0) if visible else np.float32(-np.inf)
+
+
+# Per-decode cell bookkeeping in numba: on a generation step these run once per token, where
+# numpy's passes over every cell of a long context (and their temporaries) cost more than the step.
+@njit(cache=True)
+def first_empty_cells(pos, stream0, n_seqs, n_seq_tokens, rows):
+    """rows[j * n_seq_tokens + i] = the global row (stream * kv_size + cell) of the i-th
+    empty cell of stream stream0 + j; False (rows unfinished) when a stream has too few."""
+    kv_size = pos.shape[1]
+    for j in range(n_seqs):
+        stream, found = stream0 + j, 0
+        for c in range(kv_size):
+            if found == n_seq_tokens:
+                break
+            if pos[stream, c] < 0:
+                rows[j * n_seq_tokens + found] = stream * kv_size + c
+                found += 1
+        if found < n_seq_tokens:
+            return False
+    return True
+
+
+@njit(cache=True)
+def place_tokens(pos, seqs, shift, rows, tok_pos, tok_seq):
+    """Cells `rows` (global row indices) hold the tokens' positions, each seen by its own
+    sequence, with no shift pending."""
+    kv_size = pos.shape[1]
+    for t in range(rows.shape[0]):
+        s, c = rows[t] // kv_size, rows[t] % kv_size
+        pos[s, c] = tok_pos[t]
+        seqs[s, c] = np.uint64(1) << np.uint64(tok_seq[t])
+        shift[s, c] = 0
+
+
+@njit(cache=True)
+def cells_in_use(pos, stream0, n_seqs):
+    """One past the last used cell of streams stream0 .. stream0 + n_seqs - 1 (0: none used).
+    Blocks from the end, each a max LLVM vectorises (indexed from 0 through a slice: numba's
+    negative-index check on a variable start keeps a loop scalar), until one holds a used cell."""
+    n = 0
+    for j in range(n_seqs):
+        row = pos[stream0 + j]
+        hi = row.shape[0]
+        while hi > n:
+            lo = max(n, hi - 256)
+            blk = row[lo:hi]
+            top = np.int32(-1)
+            for c in range(blk.shape[0]):
+                top = max(top, blk[c])
+            if top >= 0:
+                for c in range(blk.shape[0] - 1, -1, -1):
+                    if blk[c] >= 0:
+                        n = lo + c + 1
+                        break
+                break
+            hi = lo
+    return n

@@ -8,6 +8,7 @@ decode, as llama.cpp's).
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from .errors import InputError
 
@@ -28,20 +29,21 @@ class Outputs:
     def start(self, output: np.ndarray, in_place: bool) -> None:
         """A new batch whose tokens with `output` set give a row; with `in_place`, its
         single ubatch's rows will be read where the graph left them."""
-        self._row = np.where(output, np.cumsum(output) - 1, -1)
-        self._n = int(output.sum())
+        self._row = np.empty(len(output), dtype=np.int64)
+        self._n = output_rows(output, self._row)
         self._in_place = in_place
         if not in_place and self._buffer.shape[0] < self._n:
             self._buffer = np.empty((self._n, self.n_vocab), dtype=np.float32)
         self._logits = self._buffer
         self._sampled = {}
 
-    def place(self, batch_idx: np.ndarray, logits: np.ndarray) -> None:
-        """The logits of batch tokens batch_idx (one row each, from a ubatch's graph)."""
+    def place(self, batch_idx: np.ndarray, output: np.ndarray | None, logits: np.ndarray) -> None:
+        """The logits of batch tokens batch_idx[output] (output None: all of batch_idx), one
+        row each, from a ubatch's graph."""
         if self._in_place:
             self._logits = logits
         else:
-            self._buffer[self._row[batch_idx]] = logits
+            self._buffer[self._row[batch_idx if output is None else batch_idx[output]]] = logits
 
     def record_sampled(self, i: int, sampled) -> None:
         """What the graph sampled for batch token i (its logits never leave the graph)."""
@@ -88,3 +90,17 @@ class Outputs:
         self._in_place = False
         self._logits = self._buffer
         self._sampled = {}
+
+
+@njit(cache=True)
+def output_rows(output, row):
+    """row[i] = the logits row of batch token i (outputs counted in batch order), -1 for a
+    token without output; returns the number of outputs."""
+    n = 0
+    for i in range(output.shape[0]):
+        if output[i]:
+            row[i] = n
+            n += 1
+        else:
+            row[i] = -1
+    return n

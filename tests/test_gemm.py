@@ -130,3 +130,25 @@ def test_rows_do_not_depend_on_their_company():
         parts = np.concatenate([matmul(x[i:i + n], w.T, np.empty((n, 172), np.float32)) for i in range(0, 512, n)])
         assert np.array_equal(parts, whole)
 
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_serial_plan_gives_the_parallel_bits(layout, accumulate):
+    """Products planned for one thread (parallel=False: a decode step's) make the same BLAS
+    calls from a serial loop: every bit equals the parallel plan's, copied operands, new
+    values between calls and accumulation included, and the plan keeps its arrays alive."""
+    rng = np.random.default_rng(8)
+    lhs, rhs = LAYOUTS[layout](rng)
+    start = _f(rng, lhs.shape[0], rhs.shape[1])
+    outs = []
+    for parallel in (True, False):
+        out = start.copy()
+        run = Matmul(lhs, rhs, out, accumulate=accumulate, parallel=parallel).run  # the plan object is dropped
+        for _ in range(2):
+            run()
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    product = lhs.astype(np.float64) @ rhs
+    ref = start + 2 * product if accumulate else product  # two runs
+    np.testing.assert_allclose(outs[1], ref, rtol=1e-4, atol=1e-4)

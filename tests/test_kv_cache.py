@@ -21,7 +21,7 @@ from ggmlpy import GGMLType
 from llamapy.batch import Batch, UBatch
 from llamapy.errors import LlamapyError
 from llamapy.hparams import HParams
-from llamapy.kv_cache import N_KV_PAD, KVCache, KVCacheFullError, KVMemory
+from llamapy.kv_cache import N_KV_PAD, KVCache, KVCacheFullError, KVMemory, cells_in_use
 
 ATOL = 1e-4
 F32_KV = dict(type_k=GGMLType.F32, type_v=GGMLType.F32)  # exact comparisons need an F32 cache
@@ -125,6 +125,24 @@ def test_n_kv():
     assert kv.n_kv(ubatch([0], [0], stream0=0)) == N_KV_PAD
     assert kv.n_kv(ubatch([0], [1], stream0=1)) == 3 * N_KV_PAD
     assert kv.n_kv(ubatch([0, 0], [0, 1], stream0=0, n_seqs=2)) == 3 * N_KV_PAD
+
+
+def test_cells_in_use_against_numpy():
+    """The span kernel (blocks from the end) against a plain numpy reading, on used cells at
+    and around its block edges, in one stream of several and across streams."""
+    rng = np.random.default_rng(0)
+    for kv_size in (1, 100, 256, 257, 1024, 4096):
+        for trial in range(40):
+            pos = np.full((3, kv_size), -1, dtype=np.int32)
+            for s in range(3):
+                k = int(rng.integers(0, 4))
+                cells = rng.choice([0, kv_size - 1, kv_size // 2, max(0, kv_size - 256), max(0, kv_size - 257)] +
+                                   list(rng.integers(0, kv_size, 3)), size=k)
+                pos[s, cells] = rng.integers(0, 50, size=k)
+            for s0, n in ((0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (0, 3)):
+                used = pos[s0:s0 + n] >= 0
+                want = max((int(np.flatnonzero(u)[-1]) + 1 if u.any() else 0) for u in used)
+                assert cells_in_use(pos, s0, n) == want, (kv_size, trial, s0, n)
 
 
 def expected_mask(kv: KVCache, ub: UBatch, n_kv: int, n_swa: int) -> np.ndarray:
@@ -596,3 +614,22 @@ def test_layered_memory_splits_global_and_window_layers():
     assert mem.seq_pos_max(0) == -1
     mem.restore(saved)
     assert mem.seq_pos_max(0) == 9
+
+
+def test_warmup_plans_the_generation_step(model):
+    """After a warmup the first one-token decode finds its graph built (the warmup ran that
+    shape too), the cache holds nothing of the warmup, and the logits are those of a context
+    without warmup."""
+    tokens = prompts(1, seed=8, lo=6, hi=7)[0]
+    logits = []
+    for warmup in (False, True):
+        ctx = llamapy.Context(model, n_ctx=64)
+        if warmup:
+            ctx.set_warmup(True)
+            assert ctx.memory_seq_pos_max(0) == -1 and (ctx.kv.caches[0].pos < 0).all()
+        ctx.decode(Batch.from_tokens(tokens[:5]))
+        reused = ctx.n_graphs_reused
+        ctx.decode(Batch.from_tokens(tokens[5:6], pos0=5))
+        assert ctx.n_graphs_reused == reused + (1 if warmup else 0)
+        logits.append(ctx.get_logits()[0].copy())
+    np.testing.assert_array_equal(logits[1], logits[0])

@@ -53,6 +53,36 @@ def test_rebinding_a_graph_input_after_compute():
     assert backend.plan(graph) is backend.plan(graph)  # and is reused from then on
 
 
+def test_ropes_sharing_input_positions_follow_them_from_run_to_run():
+    """Two ropes read one positions input, whose table the plan compares once per run: new
+    positions written between runs give the rotation of a fresh graph, in both ropes."""
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((3, 2, 8)).astype(np.float32)  # [n_tokens, n_head, head_dim]
+
+    def build():
+        ctx = gg.Context()
+        pos = ctx.new_tensor_1d(gg.GGMLType.I32, 3, "pos").set_input()
+        a, b = ctx.from_numpy(values), ctx.from_numpy(values * 2)
+        outs = [gg.rope_ext(ctx, t, pos, None, 8, 0, 128, 10000.0, 1.0).set_output() for t in (a, b)]
+        graph = gg.Graph()
+        for o in outs:
+            graph.visit(o)
+        return graph, pos, outs
+
+    graph, pos, outs = build()
+    backend = gg.CpuBackend(1)
+    gg.GraphAllocator().alloc_graph(graph)
+    for positions in ([0, 1, 2], [7, 9, 30], [7, 9, 31]):
+        pos.array().reshape(-1)[:] = positions
+        backend.compute(graph)
+        fresh_graph, fresh_pos, fresh_outs = build()
+        gg.GraphAllocator().alloc_graph(fresh_graph)
+        fresh_pos.array().reshape(-1)[:] = positions
+        gg.CpuBackend(1).compute(fresh_graph)
+        for got, want in zip(outs, fresh_outs):
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 def test_rebound_and_replaced_weights_after_a_decode(model, tokens):
     ctx = llamapy.Context(model, n_ctx=N_CTX, n_threads=1)
     before = logits(ctx, tokens)
@@ -95,3 +125,21 @@ def test_decode_after_training_the_weights(model, tokens):
     after = logits(ctx, tokens)
     assert not np.allclose(after, before)
     np.testing.assert_array_equal(after, fresh(model, tokens))
+
+
+def test_a_decode_step_on_a_long_cache_never_wakes_a_second_thread(model):
+    """A one-token step of stories260K is far below a thread's worth of work in every op;
+    SET_ROWS into a 4096-cell cache used to be judged by the whole cache it returns and
+    switched numba to two threads (and back) twice a layer."""
+    from ggmlpy.backend.cpu import dispatch
+    ctx = llamapy.Context(model, n_ctx=4096, n_threads=2)
+    ctx.decode(llamapy.Batch.from_tokens([1, 2, 3]))
+    ctx.decode(llamapy.Batch.from_tokens([4], pos0=3))
+    (builder, _), = [g for key, g in ctx._graphs.items() if key[0].n_tokens == 1]
+    steps = ctx.backend.plan(builder.graph).steps
+    assert sum(name == "SET_ROWS" for name, _, _ in steps) == 2 * model.hparams.n_layer
+    assert [name for name, _, parallel in steps if parallel] == []
+    c = gg.Context()
+    cache = c.new_tensor_2d(gg.GGMLType.F16, 64, 1 << 16)
+    rows = gg.set_rows(c, cache, c.new_tensor_2d(gg.GGMLType.F32, 64, 1), c.new_tensor_1d(gg.GGMLType.I64, 1))
+    assert not dispatch.parallel(rows)

@@ -74,7 +74,7 @@ class CpuBackend:
         """The graph's plan: the one prepared before while it is valid, else a new one."""
         plan = self._plans.get(graph)
         if plan is None or not plan.valid_for(graph):
-            plan = self._plans[graph] = Plan(graph, self.scratch, dispatch.prepare, dispatch.parallel)
+            plan = self._plans[graph] = Plan(graph, self.scratch, dispatch.prepare, dispatch.parallel, dispatch.fuse)
         return plan
 
     def compute(self, graph: Graph) -> None:
@@ -83,6 +83,7 @@ class CpuBackend:
             self._run(plan)
 
     def _run(self, plan: Plan) -> None:
+        plan.n_runs += 1
         if self._compile_ahead and plan not in self._plans_run:
             self._plans_run.add(plan)
             ahead = compile_ahead.CompileAhead([run for _, run, _ in plan.steps])
@@ -96,6 +97,15 @@ class CpuBackend:
     def _run_steps(self, plan: Plan, at_step: Callable[[int], None] | None) -> None:
         threads = 0
         profile = self.profile
+        if at_step is None and profile is None:  # the plain loop: calls, and a switch per run
+            for parallel, calls in plan.runs:
+                want = self.n_threads if parallel else 1
+                if want != threads:
+                    _set_threads(want)
+                    threads = want
+                for run in calls:
+                    run()
+            return
         for i, (name, run, parallel) in enumerate(plan.steps):
             if at_step is not None:
                 at_step(i)

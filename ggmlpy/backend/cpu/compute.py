@@ -294,7 +294,14 @@ def _get_rows_quantized(a: Tensor, idx: np.ndarray, dv: np.ndarray) -> Prepared:
     return run
 
 
-@KERNELS.register(Op.SET_ROWS)
+def _never_parallel(node: Tensor) -> bool:
+    return False
+
+
+# SET_ROWS's result is the whole destination (a KV cache: every cell), but it writes only the
+# source's rows, on one thread: judged by its result it woke every thread twice per layer
+# of a decode step for nothing.
+@KERNELS.register(Op.SET_ROWS, parallel=_never_parallel)
 def _set_rows(node: Tensor, plan: Plan) -> Prepared:
     dst_t, src_t, idx_t = node.src
     require_f32(node, src_t)

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ...tensor import Op, Tensor
-from . import compute, compute_sampling, compute_train, linear_ce, matmul
+from . import compute, compute_sampling, compute_train, fused, linear_ce, matmul
 from .kernel_table import Kernel, Prepared
 from .plan import Plan
 
@@ -32,6 +32,12 @@ def _kernel(node: Tensor) -> Kernel:
 def prepare(node: Tensor, plan: Plan) -> Prepared:
     """A zero-argument call that computes `node` into its bound memory, as a step of `plan`."""
     return _kernel(node).prepare(node, plan)
+
+
+def fuse(nodes: list[Tensor], i: int, plan: Plan) -> tuple[Prepared, int] | None:
+    """One call computing nodes[i] and the k - 1 after it, and k, when fused.py has a fusion
+    for them."""
+    return fused.fuse(nodes, i, plan)
 
 
 def parallel(node: Tensor) -> bool:

@@ -24,6 +24,11 @@ many small products. `BLAS` says which is in use.
 
 `Matmul(lhs, rhs, out)` plans `out = lhs @ rhs` (numpy.matmul's broadcasting over leading
 dims) once for fixed arrays; calling it computes. `matmul(lhs, rhs, out)` plans and runs.
+A product too small to be worth a second thread (`parallel=False`: a decode step's
+products on a small model) makes the same BLAS calls, tile for tile, from a plain loop:
+calling a parallel=True kernel costs about a microsecond more than its work on such
+shapes, even on one thread, and a numba call pays for every argument it is passed, so
+the serial kernel takes its arguments packed in two arrays (bench/RESULTS.md, "decode").
 """
 from __future__ import annotations
 
@@ -87,6 +92,28 @@ def _sgemm_tasks(trans_a, trans_b, m, n, k, a_ptrs, lda, b_ptrs, ldb, c_ptrs, ld
         _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, c1 - c0, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
 
 
+@njit(cache=True)
+def _sgemm_tasks_serial(dims, ptrs):
+    """_sgemm_tasks on the calling thread, the same calls: dims = (trans_a, trans_b, m, n, k,
+    lda, ldb, ldc, slice_rows, slice_cols, accumulate), ptrs = (a, b, c) addresses [3, matrices]."""
+    trans_a, trans_b, m, n, k = np.int32(dims[0]), np.int32(dims[1]), dims[2], dims[3], dims[4]
+    lda, ldb, ldc, slice_rows, slice_cols = dims[5], dims[6], dims[7], dims[8], dims[9]
+    beta = np.float32(dims[10])
+    row_tiles = (m + slice_rows - 1) // slice_rows
+    col_tiles = (n + slice_cols - 1) // slice_cols
+    tiles = row_tiles * col_tiles
+    for t in range(ptrs.shape[1] * tiles):
+        i, s = t // tiles, t % tiles
+        lo = (s // col_tiles) * slice_rows
+        hi = min(m, lo + slice_rows)
+        c0 = (s % col_tiles) * slice_cols
+        c1 = min(n, c0 + slice_cols)
+        a = ptrs[0, i] + 4 * lo * (1 if trans_a == _TRANS else lda)
+        b = ptrs[1, i] + 4 * c0 * (ldb if trans_b == _TRANS else 1)
+        c = ptrs[2, i] + 4 * (lo * ldc + c0)
+        _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, c1 - c0, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
+
+
 def _operand(x: np.ndarray) -> tuple[int, int] | None:
     """(trans, ld) of a 2-D float32 layout BLAS reads as is, else None."""
     rows, cols = x.shape[-2:]
@@ -115,10 +142,12 @@ def _batch_addresses(x: np.ndarray, batch: tuple[int, ...]) -> np.ndarray:
 class Matmul:
     """out = lhs @ rhs (+ out when accumulate), float32, planned once for these arrays.
 
-    slice_rows=None computes each matrix in one BLAS call."""
+    slice_rows=None computes each matrix in one BLAS call. parallel=False runs the same
+    BLAS calls on the calling thread (for products not worth a second one); `run` is the
+    cheapest zero-argument call that computes."""
 
     def __init__(self, lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, accumulate: bool = False,
-                 slice_rows: int | None = SLICE_ROWS) -> None:
+                 slice_rows: int | None = SLICE_ROWS, parallel: bool = True) -> None:
         for x in (lhs, rhs, out):
             if x.dtype != np.float32 or x.ndim < 2:
                 raise TypeError("Matmul takes float32 arrays of at least 2 dims")
@@ -130,6 +159,8 @@ class Matmul:
             raise ValueError(f"Matmul shapes {lhs.shape} @ {rhs.shape} -> {out.shape}")
         self.out, self.accumulate = out, accumulate
         self.args = None
+        self.run = self.__call__
+        self._serial = None  # the serial call, when the product is planned for one thread
         self._numpy_tasks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         if out.size == 0 or lhs.shape[-1] == 0:
             return  # nothing to multiply: __call__ zeroes (or keeps) out
@@ -148,6 +179,20 @@ class Matmul:
         slice_cols = SLICE_COLS if narrow else max(n, 1)
         self.args = (np.int32(ta), np.int32(tb), m, n, k, ptrs[0], lda, ptrs[1], ldb, ptrs[2], ldc,
                      np.float32(1.0 if accumulate else 0.0), slice_rows or max(m, 1), slice_cols)
+        if not parallel:
+            self._dims = np.array([ta, tb, m, n, k, lda, ldb, ldc, slice_rows or max(m, 1), slice_cols,
+                                   int(accumulate)], dtype=np.int64)
+            self._ptrs = np.ascontiguousarray(np.stack(ptrs), dtype=np.int64)
+            # the calls hold self, so the arrays whose addresses they pass stay alive with them
+            if self._copies:
+                def serial() -> None:
+                    for copy, src in self._copies:
+                        np.copyto(copy, src)
+                    _sgemm_tasks_serial(self._dims, self._ptrs)
+                self._serial = serial
+            else:
+                self._serial = lambda: _sgemm_tasks_serial(self._dims, self._ptrs)
+            self.run = self._serial
 
     def _plan_numpy(self, lhs: np.ndarray, rhs: np.ndarray, out: np.ndarray, slice_rows: int | None) -> None:
         """The same (matrix, slice) tasks as views, for numpy.matmul."""
@@ -172,6 +217,8 @@ class Matmul:
                     out += lhs @ rhs
                 else:
                     np.matmul(lhs, rhs, out=out)
+        elif self._serial is not None:
+            self._serial()
         elif self.args is None:
             if not self.accumulate:
                 self.out[...] = 0

@@ -72,14 +72,14 @@ def prepare_mul_mat(node: Tensor, plan: Plan) -> Prepared:
         # one matrix for all of b: a single GEMM over every row of b
         a2 = av[0, 0]
         if a_type == GGMLType.F32:
-            return Matmul(b2, a2.T, d2)
+            return Matmul(b2, a2.T, d2, parallel=_mul_mat_parallel(node)).run
         return lambda: matmul(convert.round_to(b2, a_type), convert.to_f32(a2, a_type).T, d2)
 
     a6 = av.reshape(ne03, 1, ne02, 1, av.shape[2], av.shape[3])
     b6 = _split_batch(bv, ne02, ne03)
     d6 = _split_batch(dv, ne02, ne03)
     if a_type == GGMLType.F32:
-        return Matmul(b6, a6.swapaxes(-1, -2), d6)
+        return Matmul(b6, a6.swapaxes(-1, -2), d6, parallel=_mul_mat_parallel(node)).run
     return lambda: matmul(convert.round_to(b6, a_type), convert.to_f32(a6, a_type).swapaxes(-1, -2), d6)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from ... import tensor as tensor_module
 from ...graph import Graph
 from ...registry import OPS, OpKind
-from ...tensor import Tensor
+from ...tensor import Op, Tensor
 from . import kernels as K
 
 
@@ -43,10 +43,14 @@ class Scratch:
 class RopeTable:
     """cos/sin of the positions in one positions tensor, for one set of rope parameters.
     Computed again only when the positions or frequency factors differ from those it was
-    made from (compared on every use, which is cheap next to the rotation)."""
+    made from. They are compared on every use, except when both are leaves of the graph
+    (inputs and weights, which no step writes): then once per run of the plan, by the
+    run's first rope (a decode step's layers all rope with one table)."""
 
-    def __init__(self, n_pos: int, args: tuple) -> None:
+    def __init__(self, n_pos: int, args: tuple, plan: "Plan | None" = None) -> None:
         self.args = args
+        self.plan = plan  # set when the positions and factors are leaves
+        self.checked = -1  # the plan's run in which they were last compared
         self.pos = np.empty(n_pos, dtype=np.int64)
         self.ff = np.empty(0, dtype=np.float32)
         self.valid = False
@@ -54,6 +58,10 @@ class RopeTable:
         self.sin = np.empty((n_pos, args[0] // 2), dtype=np.float32)
 
     def refresh(self, pos: np.ndarray, ff: np.ndarray, has_ff: bool) -> None:
+        if self.plan is not None:
+            if self.checked == self.plan.n_runs:
+                return
+            self.checked = self.plan.n_runs
         if self.valid and K.same_values(self.pos, pos) and K.same_values(self.ff, ff):
             return
         K.rope_table(pos, ff, *self.args, has_ff, self.cos, self.sin)
@@ -69,15 +77,39 @@ class Plan:
     """The prepared calls of one graph, in node order, and what they were prepared on."""
 
     def __init__(self, graph: Graph, scratch: Scratch,
-                 prepare: Callable[[Tensor, "Plan"], Callable[[], None]], parallel: Callable[[Tensor], bool]) -> None:
+                 prepare: Callable[[Tensor, "Plan"], Callable[[], None]], parallel: Callable[[Tensor], bool],
+                 fuse: Callable[[list[Tensor], int, "Plan"], tuple[Callable[[], None], int] | None] | None = None
+                 ) -> None:
         self.scratch = scratch
+        self.n_runs = 0  # counted by the backend before each run of the steps
         self._rope_tables: dict[tuple, RopeTable] = {}
         self._shared: dict[tuple, np.ndarray] = {}
         self._nodes = graph.nodes
         self._users: dict[int, list[Tensor]] | None = None
         self.n_nodes = len(graph.nodes)
         computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
-        self.steps: list[Step] = [(n.op.name, prepare(n, self), parallel(n)) for n in computed]
+        # a run of nodes may be prepared as one call (fused.py): it computes every one of them
+        self.steps: list[Step] = []
+        i = 0
+        while i < len(computed):
+            n = computed[i]
+            fused = fuse(computed, i, self) if fuse is not None else None
+            if fused is not None:
+                call, k = fused
+                run = computed[i:i + k]
+                self.steps.append(("+".join(m.op.name for m in run), call, any(parallel(m) for m in run)))
+                i += k
+                continue
+            self.steps.append((n.op.name, prepare(n, self), parallel(n)))
+            i += 1
+        # the steps as runs of consecutive calls that want the same threads (one or all), for
+        # the executor's plain loop: one thread switch per run, nothing else between calls
+        self.runs: list[tuple[bool, tuple[Callable[[], None], ...]]] = []
+        for _, run, par in self.steps:
+            if self.runs and self.runs[-1][0] == par:
+                self.runs[-1] = (par, self.runs[-1][1] + (run,))
+            else:
+                self.runs.append((par, (run,)))
         self._nodes, self._users = [], None  # only preparing asks who uses a node
         bases = {id(b): b for n in computed for t in (n, *n.src) for b in (t.view_src or t,)}
         self._bindings = [(t, t.binding) for t in bases.values()]
@@ -118,5 +150,6 @@ class Plan:
         """The table every rope of this plan with these positions, factors and parameters reads."""
         key = (id(pos), id(freq_factors), args)
         if key not in self._rope_tables:
-            self._rope_tables[key] = RopeTable(pos.nelements(), args)
+            leaves = all(t is None or (t.op == Op.NONE and t.view_src is None) for t in (pos, freq_factors))
+            self._rope_tables[key] = RopeTable(pos.nelements(), args, self if leaves else None)
         return self._rope_tables[key]
