@@ -213,6 +213,13 @@ def finite_spans(mask, spans):
                 spans[i3, i2, i1, 1] = hi
 
 
+@njit(cache=True)
+def _exp_minus(d, mx):
+    """d = ggml_v_expf(d - mx): a vector loop (in place: nothing for LLVM to rule out)."""
+    for i in range(d.shape[0]):
+        d[i] = expf_avx512(d[i] - mx)
+
+
 @njit(parallel=True, cache=True)
 def soft_max_f32(x, mask, dst, scale, max_bias, has_mask, empty_row):
     """dst = softmax(x * scale + slope * mask) per row, as ggml_compute_forward_soft_max_f32
@@ -240,31 +247,31 @@ def soft_max_f32(x, mask, dst, scale, max_bias, has_mask, empty_row):
             continue
         dr[:lo] = 0
         dr[hi:] = 0
-        xr = x[i3, i2, i1]
+        # views of the span, indexed from 0: a loop over range(lo, hi) would index with a
+        # possibly negative number, which numba wraps around, and LLVM then keeps it scalar
+        d, xr = dr[lo:hi], x[i3, i2, i1, lo:hi]
         if has_mask:
-            mr = mask[i3 % m3, i2 % m2, i1]
+            mr = mask[i3 % m3, i2 % m2, i1, lo:hi]
             slope = alibi_slope(max_bias, i2, n2)
-            for i0 in range(lo, hi):
-                dr[i0] = fma_f32(slope, mr[i0], xr[i0] * sc)
+            for i0 in range(hi - lo):
+                d[i0] = fma_f32(slope, mr[i0], xr[i0] * sc)
         else:
-            for i0 in range(lo, hi):
-                dr[i0] = xr[i0] * sc
-        mx = max_f32(dr[lo:hi])
+            for i0 in range(hi - lo):
+                d[i0] = xr[i0] * sc
+        mx = max_f32(d)
+        n_vec = min(hi, n_chunked) - lo
+        n_vec += (-n_vec) % SOFT_MAX_CHUNK  # the chunks' end (lo and n_chunked are multiples of 16)
+        _exp_minus(d[:n_vec], mx)  # one vector loop, then the chunks' sums in their order
         total = 0.0
-        i0 = lo
-        while i0 < min(hi, n_chunked):
-            for k in range(SOFT_MAX_CHUNK):
-                dr[i0 + k] = expf_avx512(dr[i0 + k] - mx)
-            total += np.float64(reduce16(dr, i0))
-            i0 += SOFT_MAX_CHUNK
-        while i0 < hi:
-            e = F32(math.exp(dr[i0] - mx))
-            dr[i0] = e
+        for i0 in range(0, n_vec, SOFT_MAX_CHUNK):
+            total += np.float64(reduce16(d, i0))
+        for i0 in range(n_vec, hi - lo):
+            e = F32(math.exp(d[i0] - mx))
+            d[i0] = e
             total += np.float64(e)
-            i0 += 1
         inv = F32(1.0 / total)
-        for k in range(lo, hi):
-            dr[k] *= inv
+        for i0 in range(hi - lo):
+            d[i0] *= inv
 
 
 # fused multiply-adds where GCC fuses ggml's scalar code (-ffp-contract=fast on an FMA machine)
