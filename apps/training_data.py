@@ -6,16 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ggmlpy.opt import Dataset
-from llamapy.chat import ChatTemplate
 from llamapy.dataset import IGNORE, PackedWindows, read_samples, samples_to_windows, text_windows
 from llamapy.errors import InputError
 from llamapy.samples import unescape
 
 from .common import chat_template_for, log, read_text
+
+if TYPE_CHECKING:  # jinja2 is loaded only when a template is used
+    from llamapy.chat import ChatTemplate
 
 
 @dataclass

@@ -21,8 +21,6 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-import sentencepiece
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from llamapy.errors import InputError, VocabError
 from llamapy.gguf_file import GGUFMetadata, MetaValue, ValueType, metadata_from_reader
@@ -240,6 +238,7 @@ def _spm_model_proto(texts: list[str], scores: list[float], attrs: list[int], un
 def _spm_encoder(texts: list[str], scores: list[float], attrs: list[int], unk_id: int
                  ) -> Callable[[str], list[int]]:
     """A function encoding one raw-text fragment (spaces not yet escaped) to ids."""
+    import sentencepiece  # here: a process whose model has a BPE vocabulary never loads it
     processor = sentencepiece.SentencePieceProcessor()
     try:
         processor.LoadFromSerializedProto(_spm_model_proto(texts, scores, attrs, unk_id))
@@ -299,6 +298,7 @@ def _bpe_encoder(texts: list[str], merges: list[str], pre: PreTokenizer) -> Call
     tokens) stops merges across it in llama.cpp and is then dropped; `tokenizers` would drop
     it before merging, so it is encoded as an extra "unknown" id, removed afterwards.
     """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # here: only BPE vocabularies need it (3 MB)
     vocab = {text: i for i, text in enumerate(texts) if _is_str_valid(text)}
     unknown = len(texts)  # "" is never a token text: _token_list renames empty ones
     try:
