@@ -194,9 +194,13 @@ def llamapy_profile(args) -> None:
         original_init(self, graph, *a, **kw)
         plans["n"] += 1
         plans["seconds"] += time.perf_counter() - t0
-        computed = [n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE]
-        self.steps = [(f"{n.op.name}({','.join(t.type.name for t in n.src[:2] if t is not None)})", run, par)
-                      for n, (_, run, par) in zip(computed, self.steps)]
+        computed = iter([n for n in graph.nodes if OPS[n.op].kind is OpKind.COMPUTE])
+        labelled = []
+        for name, run, par in self.steps:  # a fused step ("ADD+RMS_NORM+MUL") stands for several nodes
+            nodes = [next(computed) for _ in name.split("+")]
+            types = ",".join(t.type.name for t in nodes[0].src[:2] if t is not None)
+            labelled.append((f"{name}({types})" if len(nodes) == 1 else name, run, par))
+        self.steps = labelled
     plan_module.Plan.__init__ = labelled_init
     m = load_model(args.model)
     n_win = min(cfg["windows"], args.profile_windows)
