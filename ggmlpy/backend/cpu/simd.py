@@ -107,21 +107,28 @@ def expf(x):
 
 
 @njit(cache=True, inline="always")
-def vec_dot_f16(kc, qh, dk, acc):
-    """ggml_vec_dot_f16 of the first dk values of kc and qh (halves held as float32; AVX-512
-    without FP16 arithmetic): 4 accumulators of 16 lanes over steps of 64, reduced (0 + 2,
-    1 + 3, then the two, then _mm512_reduce_add_ps) into a double, the elements past the
-    last 64 added to it in double; `acc` is 64 floats of scratch."""
-    np_ = dk - dk % 64
+def _lanes64(kc, q, n, acc):
+    """The vector part of ggml_vec_dot_f16/_f32 (AVX-512) over the first n values (a multiple
+    of 64): 4 accumulators of 16 lanes by fma, then reduced 0 + 2, 1 + 3, then the two, into
+    acc[:16]."""
     acc[:] = 0.0
-    for i in range(0, np_, 64):
+    for i in range(0, n, 64):
         for lane in range(64):
-            acc[lane] = fma_f32(kc[i + lane], qh[i + lane], acc[lane])
+            acc[lane] = fma_f32(kc[i + lane], q[i + lane], acc[lane])
     for lane in range(16):
         acc[lane] = acc[lane] + acc[32 + lane]
         acc[16 + lane] = acc[16 + lane] + acc[48 + lane]
     for lane in range(16):
         acc[lane] = acc[lane] + acc[16 + lane]
+
+
+@njit(cache=True, inline="always")
+def vec_dot_f16(kc, qh, dk, acc):
+    """ggml_vec_dot_f16 of the first dk values of kc and qh (halves held as float32; AVX-512
+    without FP16 arithmetic): the 64-lane sums (_lanes64) reduced by _mm512_reduce_add_ps into
+    a double, the elements past the last 64 added to it in double; `acc` is 64 floats of scratch."""
+    np_ = dk - dk % 64
+    _lanes64(kc, qh, np_, acc)
     total = np.float64(reduce16(acc, 0)) if np_ > 0 else 0.0
     for i in range(np_, dk):
         total += np.float64(kc[i] * qh[i])
@@ -133,15 +140,7 @@ def vec_dot_f32(kc, qr, dk, acc):
     """ggml_vec_dot_f32 (AVX-512): as vec_dot_f16 but the sum kept in float32 and the
     leftover products added by fma."""
     np_ = dk - dk % 64
-    acc[:] = 0.0
-    for i in range(0, np_, 64):
-        for lane in range(64):
-            acc[lane] = fma_f32(kc[i + lane], qr[i + lane], acc[lane])
-    for lane in range(16):
-        acc[lane] = acc[lane] + acc[32 + lane]
-        acc[16 + lane] = acc[16 + lane] + acc[48 + lane]
-    for lane in range(16):
-        acc[lane] = acc[lane] + acc[16 + lane]
+    _lanes64(kc, qr, np_, acc)
     total = reduce16(acc, 0) if np_ > 0 else F32(0.0)
     for i in range(np_, dk):
         total = fma_f32(kc[i], qr[i], total)
