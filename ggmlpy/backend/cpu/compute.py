@@ -196,7 +196,7 @@ def _flash_attn_small_heads(qv: np.ndarray, dv: np.ndarray, has_mask: bool, mv: 
         # cache only up to its position, not the whole padded length
         used = K.attn_cells_seen(mask) if has_mask else n_kv
         SHA.flash_attn_f32(qv, k_f32(used), v_f32(used), mask,
-                           dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, SHA.Q_TILE)
+                           dv, scale, max_bias, softcap, has_mask, dk_dims, dv_dims)
     return run
 
 

@@ -73,23 +73,35 @@ _sgemm = types.ExternalFunction("ggmlpy_cblas_sgemm", types.void(
     types.int32, types.int32, types.int32, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64))
 
 
+@njit(cache=True, inline="always")
+def _tile_counts(m, n, slice_rows, slice_cols):
+    """(tiles per matrix, tiles per row of tiles) of an m x n result cut into slices."""
+    col_tiles = (n + slice_cols - 1) // slice_cols
+    return ((m + slice_rows - 1) // slice_rows) * col_tiles, col_tiles
+
+
+@njit(cache=True, inline="always")
+def _sgemm_tile(s, col_tiles, trans_a, trans_b, m, n, k, a0, lda, b0, ldb, c0_ptr, ldc, beta, slice_rows, slice_cols):
+    """Tile s of one matrix product (addresses a0, b0, c0_ptr): one BLAS call."""
+    lo = (s // col_tiles) * slice_rows
+    hi = min(m, lo + slice_rows)
+    c0 = (s % col_tiles) * slice_cols
+    c1 = min(n, c0 + slice_cols)
+    a = a0 + 4 * lo * (1 if trans_a == _TRANS else lda)
+    b = b0 + 4 * c0 * (ldb if trans_b == _TRANS else 1)
+    c = c0_ptr + 4 * (lo * ldc + c0)
+    _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, c1 - c0, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
+
+
 @njit(parallel=True, cache=True)
 def _sgemm_tasks(trans_a, trans_b, m, n, k, a_ptrs, lda, b_ptrs, ldb, c_ptrs, ldc, beta, slice_rows, slice_cols):
     """C_i = op(A_i) op(B_i) + beta C_i for each matrix i (row-major C, m x n), one task per
     tile of slice_rows x slice_cols."""
-    row_tiles = (m + slice_rows - 1) // slice_rows
-    col_tiles = (n + slice_cols - 1) // slice_cols
-    tiles = row_tiles * col_tiles
+    tiles, col_tiles = _tile_counts(m, n, slice_rows, slice_cols)
     for t in prange(a_ptrs.shape[0] * tiles):
-        i, s = t // tiles, t % tiles
-        lo = (s // col_tiles) * slice_rows
-        hi = min(m, lo + slice_rows)
-        c0 = (s % col_tiles) * slice_cols
-        c1 = min(n, c0 + slice_cols)
-        a = a_ptrs[i] + 4 * lo * (1 if trans_a == _TRANS else lda)
-        b = b_ptrs[i] + 4 * c0 * (ldb if trans_b == _TRANS else 1)
-        c = c_ptrs[i] + 4 * (lo * ldc + c0)
-        _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, c1 - c0, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
+        i = t // tiles
+        _sgemm_tile(t % tiles, col_tiles, trans_a, trans_b, m, n, k, a_ptrs[i], lda, b_ptrs[i], ldb, c_ptrs[i], ldc,
+                    beta, slice_rows, slice_cols)
 
 
 @njit(cache=True)
@@ -99,19 +111,11 @@ def _sgemm_tasks_serial(dims, ptrs):
     trans_a, trans_b, m, n, k = np.int32(dims[0]), np.int32(dims[1]), dims[2], dims[3], dims[4]
     lda, ldb, ldc, slice_rows, slice_cols = dims[5], dims[6], dims[7], dims[8], dims[9]
     beta = np.float32(dims[10])
-    row_tiles = (m + slice_rows - 1) // slice_rows
-    col_tiles = (n + slice_cols - 1) // slice_cols
-    tiles = row_tiles * col_tiles
+    tiles, col_tiles = _tile_counts(m, n, slice_rows, slice_cols)
     for t in range(ptrs.shape[1] * tiles):
-        i, s = t // tiles, t % tiles
-        lo = (s // col_tiles) * slice_rows
-        hi = min(m, lo + slice_rows)
-        c0 = (s % col_tiles) * slice_cols
-        c1 = min(n, c0 + slice_cols)
-        a = ptrs[0, i] + 4 * lo * (1 if trans_a == _TRANS else lda)
-        b = ptrs[1, i] + 4 * c0 * (ldb if trans_b == _TRANS else 1)
-        c = ptrs[2, i] + 4 * (lo * ldc + c0)
-        _sgemm(_ROW_MAJOR, trans_a, trans_b, hi - lo, c1 - c0, k, np.float32(1.0), a, lda, b, ldb, beta, c, ldc)
+        i = t // tiles
+        _sgemm_tile(t % tiles, col_tiles, trans_a, trans_b, m, n, k, ptrs[0, i], lda, ptrs[1, i], ldb, ptrs[2, i], ldc,
+                    beta, slice_rows, slice_cols)
 
 
 def _operand(x: np.ndarray) -> tuple[int, int] | None:

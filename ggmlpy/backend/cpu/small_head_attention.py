@@ -137,15 +137,13 @@ def _attn_head(q, k, v, mt, dst, i3, h, hk, q0, w, lo, hi, sc, cap, slope, has_m
 
 
 @njit(parallel=True, cache=True)
-def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_dims, dv_dims, tile):
+def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_dims, dv_dims):
     """dst = softmax(q.k * scale [softcapped] + slope * mask) . v per query row, in ggml's
     tiled kernel's arithmetic (module docstring).
 
     q: [n3, n_head, n_q, dk], k/v: [n3, n_kv, n_head_kv, dk/dv] (the KV cache's memory order),
     mask: [m3, m2, >= n_q, n_kv], dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one
-    sequence, for every head. `tile` must be Q_TILE: it comes at run time only so that LLVM
-    keeps the loops over the queries as vector loops (given the constant, it unrolls them
-    into scalar code). The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
+    sequence, for every head; its inner loops are vecir's lane kernels. The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
     which are part of the type, so numba compiles them as constants. Only the cells some
     query of a tile sees are read.
     """
@@ -162,7 +160,7 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
         u = task % n_tiles
         t = u // 2 if u % 2 == 0 else n_tiles - 1 - u // 2  # big and small tiles alternate: even halves
         q0 = t * Q_TILE
-        w = min(tile, n_q - q0)  # the tile's queries: Q_TILE, or fewer in the last (one for a decode)
+        w = min(Q_TILE, n_q - q0)  # the tile's queries: Q_TILE, or fewer in the last (one for a decode)
         mt = np.zeros((m2, n_kv if has_mask else 1, Q_TILE), dtype=np.float32)  # lanes past the tile's queries: 0
         spans = np.empty((m2, 2), dtype=np.int64)
         for i2 in range(m2):
