@@ -21,7 +21,7 @@ from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
-from llamapy.train_params import SGD, AdamW, LRSchedule, TrainParams
+from llamapy.train_params import DEFAULT_LORA_MODULES, SGD, AdamW, LRSchedule, TrainParams, has_quantized_matrices
 
 from .common import ChatTemplateOption, default_threads, fail, job, log
 from .training_data import DataOptions, TrainingData, load_training_data
@@ -41,6 +41,7 @@ Warmup = Annotated[int, typer.Option("--warmup", help="optimizer steps of linear
 CosRestart = Annotated[Optional[int], typer.Option("--cos-restart", help="restart the cosine every N epochs")]
 GradClip = Annotated[Optional[float], typer.Option("--grad-clip", help="clip the global gradient L2 norm to this (off by default)")]
 GradCheckpoint = Annotated[bool, typer.Option("--grad-checkpoint", help="keep the activations only at layer boundaries and recompute the rest during the backward pass: less memory, same gradients, more time")]
+BackwardBf16 = Annotated[bool, typer.Option("--backward-bf16/--backward-f32", help="the backward pass's products through frozen quantized weights on bf16-rounded operands (about twice as fast, each product within 2^-8) or in float32")]
 WeightDecay = Annotated[float, typer.Option("-wd", "--weight-decay", help="decoupled weight decay")]
 OptimizerName = Annotated[str, typer.Option("-opt", "--optimizer", help="adamw or sgd")]
 ValSplit = Annotated[float, typer.Option("-val-split", "--val-split", help="fraction of windows held out")]
@@ -86,6 +87,7 @@ class TrainingArgs:
     cos_restart: int | None = flag(CosRestart, None)
     grad_clip: float | None = flag(GradClip, None)
     grad_checkpoint: bool = flag(GradCheckpoint, False)
+    backward_bf16: bool = flag(BackwardBf16, True)
     wd: float = flag(WeightDecay, 0.0)
     optimizer: str = flag(OptimizerName, "adamw")
     val_split: float = flag(ValSplit, 0.05)
@@ -142,7 +144,8 @@ class TrainingArgs:
                                   cos_restart=self.cos_restart)
             opt = AdamW(wd=self.wd) if self.optimizer.lower() == "adamw" else SGD(wd=self.wd)
             return TrainParams.for_model(model, seed=self.seed, schedule=schedule, optimizer=opt,
-                                         grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint, **policy)
+                                         grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint,
+                                         backward_bf16=self.backward_bf16, **policy)
         except ValueError as e:
             raise InputError(first_error(e)) from None
 
@@ -203,11 +206,13 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         n_val = validation_windows(dataset.ndata, args.val_split)
         log(f"dataset: {dataset.ndata - n_val} windows for training, {n_val} for validation (-val-split {args.val_split:g})")
     sched = params.schedule
+    quantized = has_quantized_matrices(model, params.lora.modules if params.lora else DEFAULT_LORA_MODULES)
     log(f"training: {args.optimizer.lower()}, lr {sched.lr0:g} ({sched.kind}"
         f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "
         f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epoch{'s' if args.epochs != 1 else ''}"
         f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}"
-        f"{', gradient checkpointing' if params.grad_checkpoint else ''}")
+        f"{', gradient checkpointing' if params.grad_checkpoint else ''}"
+        f"{', bf16 backward products through quantized weights' if params.backward_bf16 and quantized else ''}")
     n_threads = args.threads or default_threads()
     if n_batch > args.ctx_size:  # several windows per step: the context holds the step, windows stay -c long
         params = params.model_copy(update={"n_ctx_train": args.ctx_size})

@@ -6,6 +6,7 @@ Nothing is computed here: each function checks its operands and records a node
 from __future__ import annotations
 
 import math
+from enum import IntEnum
 
 from .context import Context
 from .tensor import MAX_DIMS, Op, Tensor
@@ -153,6 +154,39 @@ def out_prod(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     _check(a.ne[1] == b.ne[1], f"OUT_PROD: column counts differ ({a.ne[1]} vs {b.ne[1]})")
     _check(b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0, f"OUT_PROD: {a.ne} cannot broadcast over {b.ne}")
     return _node(ctx, Op.OUT_PROD, GGMLType.F32, (a.ne[0], b.ne[0], b.ne[2], b.ne[3]), (a, b))
+
+
+class Prec(IntEnum):
+    """The arithmetic of a product node (ggml_prec, ggml_mul_mat_set_prec): DEFAULT is float32;
+    BF16 rounds both operands of a product through a quantized matrix to bfloat16 and sums
+    float32 (AVX512-BF16: twice float32's speed; each product within 2^-8 of its value)."""
+
+    DEFAULT = 0
+    BF16 = 1
+
+
+PREC_OPS = (Op.OUT_PROD, Op.LINEAR_CROSS_ENTROPY)  # LINEAR_CROSS_ENTROPY: its softmax(z) W for dx
+
+
+def set_prec(node: Tensor, prec: Prec) -> Tensor:
+    """Choose the arithmetic of an OUT_PROD node, or of a LINEAR_CROSS_ENTROPY node's backward
+    product, where its first operand is a quantized matrix (other products stay float32)."""
+    _check(node.op in PREC_OPS, f"set_prec: {node.op.name} has no precision to set")
+    node.op_params = (Prec(prec),)
+    return node
+
+
+def prec_of(node: Tensor) -> Prec:
+    """The precision set_prec chose for a node (DEFAULT when none)."""
+    return Prec(node.op_params[0]) if node.op in PREC_OPS and node.op_params else Prec.DEFAULT
+
+
+def set_backward_prec(nodes, prec: Prec) -> None:
+    """set_prec on every node among `nodes` (a graph's) whose product runs through a quantized
+    first operand: the backward passes through frozen quantized weights of a training graph."""
+    for n in nodes:
+        if n.op in PREC_OPS and traits(n.src[0].type).is_quantized:
+            set_prec(n, prec)
 
 
 def concat(ctx: Context, a: Tensor, b: Tensor, dim: int) -> Tensor:

@@ -57,7 +57,7 @@ class UbatchGraph:
 
     def __init__(self, opt: OptContext, model, n_prev: int, n_tokens: int, inject: bool, loss_scale: float,
                  adapters=(), grad_checkpoint: bool = False, checkpoint_every: int | None = None,
-                 allocator: gg.GraphAllocator | None = None) -> None:
+                 allocator: gg.GraphAllocator | None = None, backward_bf16: bool = False) -> None:
         b = self.builder = GraphBuilder.for_window(model, n_prev, n_tokens, adapters)
         c, attn = b.ctx, b.attn
         logits = model.arch.build(b, model)
@@ -93,6 +93,8 @@ class UbatchGraph:
         self.train = opt.train_graph(c, objective, loss, inputs=b.inp_tokens, pred=pred, ncorrect=ncorrect,
                                      outputs=attn.k_cur + attn.v_cur, loss_scale=loss_scale, checkpoints=checkpoints,
                                      allocator=allocator)
+        if backward_bf16 and self.train.backward is not None:  # TrainParams.backward_bf16
+            gg.set_backward_prec(self.train.backward.nodes, gg.Prec.BF16)
 
     def kv_prev_grads(self, il: int) -> tuple[np.ndarray, np.ndarray]:
         """The gradients this ubatch's backward sent to the earlier K and V of layer il."""
@@ -232,7 +234,8 @@ class Trainer:
         if key not in self._graphs:
             self._graphs[key] = UbatchGraph(self.opt, self.model, n_prev, self.n_ubatch, inject,
                                             self.opt.loss_scale, self.lctx.adapters, self.params.grad_checkpoint,
-                                            self.params.grad_checkpoint_every, self._allocator)
+                                            self.params.grad_checkpoint_every, self._allocator,
+                                            self.params.backward_bf16)
         return self._graphs[key]
 
     def _eval(self, g: UbatchGraph, backward: bool, window: tuple[np.ndarray, ...], u: int, label_weight: float,

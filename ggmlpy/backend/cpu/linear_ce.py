@@ -11,7 +11,9 @@ turns the block into exp(z - max)). When the plan's graph also takes the gradien
 the same block is accumulated into soft = sum_c exp(z_c - max) W[c], rescaled whenever a
 row's max grows (as flash attention accumulates its values): dx_r = a_r soft_r / s_r -
 b_r W[ids[r]] then needs no second pass over W, so a training step multiplies by W twice,
-as the unfused graph does (forward and backward products), and dequantizes it once.
+as the unfused graph does (forward and backward products), and dequantizes it once: the
+second product runs on W's float32 rows, or, for a quantized W and a node set to Prec.BF16
+(as OUT_PROD through it can be), by bf16 dot products from tiles of its packed rows.
 The gradient in W needs every row's final log-sum-exp for every class, so it takes a
 second pass that recomputes each chunk's logits: dW[c] = dz_c^T x; unless every class fits
 in one chunk (a small output layer), whose softmax the forward step then keeps for it.
@@ -27,10 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import convert
+from ...ops import Prec, prec_of
 from ...ops_train import LCE_FIELDS, LCE_LSE
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
-from . import qexact
+from . import bf16dot, qexact
 from . import train_kernels as TK
 from .gemm import GRAIN, SLICE_COLS, Matmul
 from .kernel_table import KernelTable, Prepared, require_f32
@@ -97,6 +100,11 @@ class WeightRows:
         elif self.type in (GGMLType.F16, GGMLType.BF16):
             np.copyto(x, convert.round_to(x, self.type))
 
+    @property
+    def float_rows(self) -> bool:
+        """Whether the forward product reads the chunk's rows as float32 (not qexact's packed rows)."""
+        return not self.exact
+
     def load(self, c0: int, c1: int, out: np.ndarray) -> None:
         """out = rows c0..c1 as float32 (c1 - c0, K); nothing to do when out is W's own rows (F32)."""
         if self.quant is not None:
@@ -119,7 +127,7 @@ class WeightRows:
         it: qexact's kernel on the packed rows, or BLAS on wc (the rows as float32) in the
         tile path's tiles."""
         if self.exact:
-            q, offs = self.quant, self.quant.offs[c0:c0 + wc.shape[0]]
+            q, offs = self.quant, self.quant.offs[c0:c0 + z.shape[1]]
             return [lambda: qexact.mul_mat(q.type, q.buf, offs, x, z, scratch)]
         if self.quant is None:
             return [Matmul(x, wc.T, z)]
@@ -137,35 +145,47 @@ class WeightRows:
 
 @dataclass
 class Chunk:
-    """Classes c0..c1: W's rows as float32 (a view of W, or of a block `load` fills), the
-    logits block and their product with x, planned once."""
+    """Classes c0..c1: W's rows as float32 (a view of W, or of a block `load` fills; None
+    when nothing reads them), the logits block and their product with x, planned once."""
 
     c0: int
     c1: int
-    w: np.ndarray  # (c1 - c0, K)
+    w: np.ndarray | None  # (c1 - c0, K)
     z: np.ndarray  # (rows, c1 - c0)
     product: list[Callable]
 
-    def logits(self, wr: WeightRows, rows: bool = True) -> None:
-        """z = x W[c0:c1]^T; W's rows loaded into w when the product reads them or `rows`."""
-        if rows or not wr.exact:
+    def logits(self, wr: WeightRows) -> None:
+        """z = x W[c0:c1]^T, W's float rows loaded into w first when anything reads them."""
+        if self.w is not None:
             wr.load(self.c0, self.c1, self.w)
         for mm in self.product:
             mm()
 
+    def add_softmax_rows(self, wr: WeightRows, soft: np.ndarray, scratch: Scratch) -> Callable:
+        """soft += z W[c0:c1], planned: BLAS on the float rows, or (no float rows: a quantized
+        W whose node asks for Prec.BF16) bf16 dot products from tiles of its packed rows."""
+        if self.w is not None:
+            return Matmul(self.z, self.w, soft, accumulate=True, slice_rows=SOFT_SLICE_ROWS)
+        c0 = self.c0
+        return lambda: bf16dot.product(lambda r0, r1, dst: wr.load(c0 + r0, c0 + r1, dst), self.c1 - c0,
+                                       self.z, soft, scratch, accumulate=True)
 
-def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray | None = None) -> list[Chunk]:
+
+def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray | None = None,
+           float_rows: bool = False) -> list[Chunk]:
     """W's classes in chunks of whole tiles, their products with x (rows, K) planned on the
-    backend's scratch (one logits block and one block of W's rows serve every chunk), or
-    into `logits` when given (all classes in one chunk)."""
+    backend's scratch (one logits block and, where the product or the caller (`float_rows`)
+    reads W's rows as float32, one block of them serve every chunk), or into `logits` when
+    given (all classes in one chunk)."""
     n, k = x.shape
     c = wr.chunk(n)
     zbuf = scratch.get("lce logits", n * c) if logits is None else logits.reshape(-1)
-    wbuf = scratch.get("lce weight rows", c * k).reshape(c, k)
+    float_rows = float_rows or wr.float_rows
+    wbuf = scratch.get("lce weight rows", c * k).reshape(c, k) if float_rows and wr.type != GGMLType.F32 else None
     out = []
     for c0 in range(0, wr.m, c):
         c1 = min(wr.m, c0 + c)
-        w = wr.rows[c0:c1] if wr.type == GGMLType.F32 else wbuf[:c1 - c0]
+        w = None if not float_rows else wr.rows[c0:c1] if wr.type == GGMLType.F32 else wbuf[:c1 - c0]
         z = zbuf[:n * (c1 - c0)].reshape(n, c1 - c0)
         out.append(Chunk(c0, c1, w, z, wr.product(x, w, z, c0, scratch)))
     return out
@@ -228,10 +248,9 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
     soft = plan.shared(_stash_key(node), (n, k)) if wants_dx else None
     probs = plan.shared(_probs_key(node), (n, wr.m)) if 0 in wants and _keeps_probs(wr, n) else None
     xr = inp.buffer(plan.scratch, rounded=True)
-    todo = chunks(wr, xr, plan.scratch, probs)
-    # softmax(z) W adds up over the chunks in calls of SOFT_SLICE_ROWS rows
-    accumulate = [Matmul(c.z, c.w, soft, accumulate=True, slice_rows=SOFT_SLICE_ROWS) for c in todo] if wants_dx \
-        else []
+    bf16 = wr.quant is not None and prec_of(node) == Prec.BF16
+    todo = chunks(wr, xr, plan.scratch, probs, float_rows=wants_dx and not bf16)
+    accumulate = [c.add_softmax_rows(wr, soft, plan.scratch) for c in todo] if wants_dx else []
     m, zt, arg = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.int64)
     s, rescale = np.empty(n, np.float64), np.empty(n, np.float64)
 
@@ -245,7 +264,7 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
         if soft is not None:
             soft.fill(0.0)
         for i, c in enumerate(todo):
-            c.logits(wr, rows=soft is not None)
+            c.logits(wr)
             TK.lce_fold_chunk(c.z, c.c0, id_rows, m, s, arg, zt, rescale)
             if soft is not None:  # z now holds exp(z - max): add its rows' share of softmax(z) W
                 TK.scale_rows_f32(soft, rescale)
@@ -313,7 +332,7 @@ def _linear_cross_entropy_back(node: Tensor, plan: Plan) -> Prepared:
         inp.load(xr, rounded=True)
         inp.load(xp, rounded=False)
         for c, product in zip(todo, dw):
-            c.logits(wr, rows=False)
+            c.logits(wr)
             TK.lce_grad_chunk(c.z, c.c0, lse, id_rows, a, b)
             product()
     return run_dw

@@ -15,13 +15,15 @@ When `a` is block-quantized, ggml quantizes `b` to the type's dot-product partne
 rounded to exactly those values (d * q), and `a`'s rows are dequantized a tile at a time
 and multiplied with them through BLAS (qmatmul.py): the products differ from llama.cpp's
 only by float32 summation order. OUT_PROD (the products of the backward pass) reads
-a quantized `a` the same way, from its packed rows.
+a quantized `a` the same way, from its packed rows, in float32 or (set_prec BF16) by
+bf16 dot products.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ... import convert
+from ...ops import Prec, prec_of
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
 from . import halfdot
@@ -134,10 +136,11 @@ def _out_prod_quantized(node: Tensor, a: Tensor, b: Tensor, plan: Plan) -> Prepa
     bv, dv = b.array(), node.array()
     scratch = plan.scratch
     pairs = [(bv[i3, i2].T, dv[i3, i2]) for i3 in range(bv.shape[0]) for i2 in range(bv.shape[1])]
+    bf16 = prec_of(node) == Prec.BF16
 
     def run() -> None:
         for g, out in pairs:
-            mul_mat_qt(w, g, out, scratch)
+            mul_mat_qt(w, g, out, scratch, bf16)
     return run
 
 

@@ -15,7 +15,8 @@ whole batch and memory stays bounded.
                                                rounds activations (quantized to the type's
                                                vec_dot_type: Q8_0, Q8_1 or Q8_K)
   mul_mat_qt: out (N, K) = G (N, M) @ W        the transposed product (ggml_out_prod(W, g)),
-                                               e.g. the gradient of mul_mat w.r.t. x
+                                               e.g. the gradient of mul_mat w.r.t. x (float32,
+                                               or bf16 dot products: bf16dot.py)
 
 Rows are addressed by byte offsets into one flat uint8 buffer, so strided and
 broadcast layouts, memory-mapped files and arenas are all handled the same way.
@@ -28,7 +29,7 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
-from . import qdot, qexact
+from . import bf16dot, qdot, qexact
 from .gemm import matmul
 from .plan import Scratch
 
@@ -128,9 +129,15 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
     return out
 
 
-def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
-    """out[n, k] = sum_m g[n, m] * W[m, k]  (g: (N, M) float32, out: (N, K) float32)."""
-    t, tile_buf = _tiles(w, scratch or Scratch())
+def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: Scratch | None = None,
+               bf16: bool = False) -> np.ndarray:
+    """out[n, k] = sum_m g[n, m] * W[m, k]  (g: (N, M) float32, out: (N, K) float32), from
+    tiles of W's rows dequantized from their blocks: through BLAS in float32, or with `bf16`
+    by bf16 dot products (bf16dot.py)."""
+    scratch = scratch or Scratch()
+    if bf16:
+        return bf16dot.product(lambda r0, r1, dst: w.dequantize_rows(r0, r1, dst), w.m, g, out, scratch)
+    t, tile_buf = _tiles(w, scratch)
     for r0 in range(0, w.m, t):
         r1 = min(w.m, r0 + t)
         tile = w.dequantize_rows(r0, r1, tile_buf)
