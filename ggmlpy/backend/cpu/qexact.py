@@ -86,7 +86,7 @@ def quantize_q8_0_rows(x, xq, xd):
 @njit(parallel=True, cache=True)
 def quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias):
     """quantize_q8_0_tiles for the VNNI kernel (vecir.q0_tile2_vnni): xq[tile, 8 b + j, c, t]
-    = integer of element 32 b + 4 j + t (int8), xc[tile, 8 b + j, c] = bias * the sum of those
+    = integer of element 32 b + 4 j + t (int8), xc[tile, 8 b + j, c] = -bias * the sum of those
     4 integers, xd[tile, b, c] = d; columns past N are zero."""
     n_cols, nb = x.shape[0], x.shape[1] // QK
     for tile in prange(xq.shape[0]):
@@ -103,7 +103,7 @@ def quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias):
                         q = np.int32(np.rint(F32(x[n, b * QK + 4 * j + t] * idd))) if n < n_cols else 0
                         xq[tile, 8 * b + j, c, t] = np.int8(q)
                         tot += q
-                    xc[tile, 8 * b + j, c] = bias * tot
+                    xc[tile, 8 * b + j, c] = -bias * tot
 
 
 @njit(parallel=True, cache=True)
@@ -253,18 +253,25 @@ def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd):
 
 
 @njit(cache=True)
-def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd, bias):
-    """Rows m0.. -> wu[r, k] = integer of element k + bias (as a byte), wd[r, b] = d."""
+def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd):
+    """Rows m0.. -> wu[r, k] = integer of element k + the type's bias (Q8_0: 128, Q5_0: 16),
+    the byte as stored made unsigned (Q8_0's flipped sign bit, Q5_0's five bits), wd[r, b] = d."""
     nb = wd.shape[1]
-    w = np.empty(QK, dtype=np.float32)
     for r in range(wu.shape[0]):
         o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        dst = wu[r]
         for b in range(nb):
             o = o0 + b * block_bytes
             wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
-            _decode_q0_block(buf, o, is_q8, w)
-            for e in range(QK):
-                wu[r, b * QK + e] = np.uint8(np.int32(w[e]) + bias)
+            if is_q8:
+                for e in range(QK):
+                    dst[b * QK + e] = buf[o + 2 + e] ^ np.uint8(0x80)
+            else:
+                qh = _u32(buf, o + 2)
+                for e in range(16):
+                    q = buf[o + 6 + e]
+                    dst[b * QK + e] = (q & np.uint8(0xF)) | np.uint8(((qh >> e) & 1) << 4)
+                    dst[b * QK + e + 16] = (q >> np.uint8(4)) | np.uint8(((qh >> (e + 16)) & 1) << 4)
 
 
 @njit(cache=True)
@@ -379,7 +386,7 @@ def _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
 
 
 @njit(parallel=True, cache=True)
-def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out):
+def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
     for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
@@ -387,7 +394,7 @@ def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out):
         wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
         wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
         res = np.empty(2 * W, dtype=np.float32)
-        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd, bias)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd)
         for tile in range(xq.shape[0]):
             for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
                 q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
@@ -583,7 +590,7 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
             xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb * 8, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
             quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias)
-            _q0_gemm_vnni(buf, offs, block_bytes, is_q8, bias, xq, xc, xd, out)
+            _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out)
         elif n <= Q0_GEMV_MAX_COLS:
             xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
             xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)

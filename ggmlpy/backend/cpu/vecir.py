@@ -443,8 +443,9 @@ def q0_tile2_vnni(typingctx, wu, wd, xq, xc, xd, res, r0, tile, nb):
     """q0_tile2 with the integer sums by AVX512-VNNI: the same numbers. wu (rows, 32 nb) int8
     bytes of the matrix integers plus a bias making them unsigned (natural order), wd (rows,
     nb); xq (tiles, 8 nb, 16, 4) int8: lane j of block b for 16 columns, 4 bytes each;
-    xc (tiles, 8 nb, 16) int32: bias times each lane's sum of x (vpdpbusd(w + bias, x) - xc
-    is the lane's exact integer sum); xd (tiles, nb, 16); res (32,)."""
+    xc (tiles, 8 nb, 16) int32: -bias times each lane's sum of x (vpdpbusd adding the
+    products of w + bias and x to it gives the lane's exact integer sum, without a
+    subtraction per row); xd (tiles, nb, 16); res (32,)."""
     sig = types.void(wu, wd, xq, xc, xd, res, r0, tile, nb)
 
     def codegen(context, builder, signature, args):
@@ -461,7 +462,6 @@ def q0_tile2_vnni(typingctx, wu, wd, xq, xc, xd, res, r0, tile, nb):
                   for r in range(2)]
         d_rows = _row_ptrs(e, wd_p, r0_, nb_, 2)
         accs = [[e.acc() for _ in range(8)] for _ in range(2)]
-        zero = ir.Constant(_VI, [0] * W)
         with cgutils.for_range(b, nb_) as loop:
             blk = loop.index
             dx = e.load(xd_t, b.mul(blk, e.const(W)))
@@ -474,7 +474,7 @@ def q0_tile2_vnni(typingctx, wu, wd, xq, xc, xd, res, r0, tile, nb):
                     w4 = b.load(e.gep(w_rows[r], lane))  # the lane's 4 unsigned bytes
                     wv = b.shuffle_vector(b.insert_element(ir.Constant(_VI, ir.Undefined), w4, ir.Constant(_I32, 0)),
                                           ir.Constant(_VI, ir.Undefined), ir.Constant(_VI, [0] * W))
-                    p = b.sitofp(b.sub(b.call(dp, [zero, wv, xv]), corr), _VF)
+                    p = b.sitofp(b.call(dp, [corr, wv, xv]), _VF)  # starts from -bias * sum(x)
                     slot = accs[r][j]
                     b.store(e.fma(s[r], p, b.load(slot)), slot)
         for r in range(2):
