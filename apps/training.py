@@ -41,7 +41,7 @@ Warmup = Annotated[int, typer.Option("--warmup", help="optimizer steps of linear
 CosRestart = Annotated[Optional[int], typer.Option("--cos-restart", help="restart the cosine every N epochs")]
 GradClip = Annotated[Optional[float], typer.Option("--grad-clip", help="clip the global gradient L2 norm to this (off by default)")]
 GradCheckpoint = Annotated[bool, typer.Option("--grad-checkpoint", help="keep the activations only at layer boundaries and recompute the rest during the backward pass: less memory, same gradients, more time")]
-BackwardBf16 = Annotated[bool, typer.Option("--backward-bf16/--backward-f32", help="the backward pass's products through frozen quantized weights on bf16-rounded operands (about twice as fast, each product within 2^-8) or in float32")]
+BackwardBf16 = Annotated[Optional[bool], typer.Option("--backward-bf16/--backward-f32", help="the backward pass's products through frozen quantized weights on bf16-rounded operands (about twice as fast, each product within 2^-8) or in float32 (default: bf16 where the CPU has AVX512-BF16)")]
 WeightDecay = Annotated[float, typer.Option("-wd", "--weight-decay", help="decoupled weight decay")]
 OptimizerName = Annotated[str, typer.Option("-opt", "--optimizer", help="adamw or sgd")]
 ValSplit = Annotated[float, typer.Option("-val-split", "--val-split", help="fraction of windows held out")]
@@ -87,7 +87,7 @@ class TrainingArgs:
     cos_restart: int | None = flag(CosRestart, None)
     grad_clip: float | None = flag(GradClip, None)
     grad_checkpoint: bool = flag(GradCheckpoint, False)
-    backward_bf16: bool = flag(BackwardBf16, True)
+    backward_bf16: bool | None = flag(BackwardBf16, None)
     wd: float = flag(WeightDecay, 0.0)
     optimizer: str = flag(OptimizerName, "adamw")
     val_split: float = flag(ValSplit, 0.05)
@@ -206,13 +206,11 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         n_val = validation_windows(dataset.ndata, args.val_split)
         log(f"dataset: {dataset.ndata - n_val} windows for training, {n_val} for validation (-val-split {args.val_split:g})")
     sched = params.schedule
-    quantized = has_quantized_matrices(model, params.lora.modules if params.lora else DEFAULT_LORA_MODULES)
     log(f"training: {args.optimizer.lower()}, lr {sched.lr0:g} ({sched.kind}"
         f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "
         f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epoch{'s' if args.epochs != 1 else ''}"
         f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}"
-        f"{', gradient checkpointing' if params.grad_checkpoint else ''}"
-        f"{', bf16 backward products through quantized weights' if params.backward_bf16 and quantized else ''}")
+        f"{', gradient checkpointing' if params.grad_checkpoint else ''}")
     n_threads = args.threads or default_threads()
     if n_batch > args.ctx_size:  # several windows per step: the context holds the step, windows stay -c long
         params = params.model_copy(update={"n_ctx_train": args.ctx_size})
@@ -228,6 +226,10 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     plan = ctx.trainer.memory_plan()
     log("memory: " + ", ".join(f"{name} {_mb(n)}" for name, n in plan.items() if n) +
         f"; {_mb(sum(plan.values()))} in all, planned before the first step")
+    if ctx.trainer.backward_bf16 and has_quantized_matrices(model, params.lora.modules if params.lora else
+                                                            DEFAULT_LORA_MODULES):
+        log("backward: the products through quantized weights on bf16 operands, float32 sums (--backward-f32: "
+            "float32 throughout)")
     if params.grad_checkpoint:
         every = " or ".join("every layer" if k == 1 else f"every {k} layers" for k in ctx.trainer.checkpoint_strides())
         log(f"gradient checkpointing: the residual stream kept at {every} (the least planned memory), "

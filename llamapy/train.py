@@ -122,6 +122,8 @@ class Trainer:
         self.windows_per_step = self.n_batch // self.n_ctx
         self.evals_per_batch = self.n_ctx // self.n_ubatch
         self.trained = self._select_params(params.param_filter)
+        bf16 = params.backward_bf16
+        self.backward_bf16 = lctx.backend.bf16_dot_products if bf16 is None else bf16
         self.epoch = 0
         self.steps_per_epoch = 1  # set from the dataset's split by Context.opt_epoch / opt_fit (schedules)
         self.opt = OptContext(OptParams(
@@ -235,7 +237,7 @@ class Trainer:
             self._graphs[key] = UbatchGraph(self.opt, self.model, n_prev, self.n_ubatch, inject,
                                             self.opt.loss_scale, self.lctx.adapters, self.params.grad_checkpoint,
                                             self.params.grad_checkpoint_every, self._allocator,
-                                            self.params.backward_bf16)
+                                            self.backward_bf16)
         return self._graphs[key]
 
     def _eval(self, g: UbatchGraph, backward: bool, window: tuple[np.ndarray, ...], u: int, label_weight: float,

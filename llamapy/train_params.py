@@ -151,8 +151,9 @@ class TrainParams(BaseModel):
     # the backward pass's products through frozen quantized weights (and the fused output
     # layer's, when quantized) on bf16-rounded operands with float32 sums (gg.Prec.BF16): about
     # twice float32's speed on AVX512-BF16, each product within 2^-8 of its value, about as
-    # close as the forward's activations quantized to 8 bits; False: float32 throughout
-    backward_bf16: bool = True
+    # close as the forward's activations quantized to 8 bits; False: float32 throughout;
+    # None: bf16 where the CPU has AVX512-BF16 (elsewhere it would be no faster)
+    backward_bf16: bool | None = None
 
     @field_validator("optimizer")
     @classmethod
