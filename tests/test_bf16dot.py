@@ -128,3 +128,42 @@ def test_mul_mat_qt_takes_either_arithmetic():
     bf = qmatmul.mul_mat_qt(w, g, np.empty((3, 64), np.float32), bf16=True)
     assert (np.abs(f32 - g.astype(np.float64) @ wv) <= 4e-6 * (np.abs(g) @ np.abs(wv))).all()
     check(bf, g, wv.astype(np.float32))
+
+
+@pytest.mark.parametrize("type", [T.Q8_0, T.Q4_0, T.Q6_K], ids=lambda t: t.name)
+def test_fused_output_layer_with_prec_bf16(path, monkeypatch, type):
+    """LINEAR_CROSS_ENTROPY set to Prec.BF16 sums softmax(z) W for dx by bf16 dot products
+    (from the packed rows, or for types without qexact's kernels from the float rows the
+    forward product loaded): dx within 2^-8 of each product of the float64 reference, chunk
+    after chunk; the loss rows are unchanged."""
+    from test_linear_cross_entropy import graph_with_gradients, k_for, labels, rounded, weight
+
+    from ggmlpy.backend.cpu import linear_ce
+    monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1)  # several chunks
+    rng = np.random.default_rng(int(type) + 5)
+    k, n_classes, n = k_for(type), 70, 9
+    ctx = gg.Context()
+    w, wv = weight(ctx, rng, type, n_classes, k)
+    x = (rng.standard_normal((n, k)) * 2.0).astype(np.float32)
+    xt = ctx.from_numpy(x).set_param()
+    ids, wts, idv, wtv = labels(ctx, rng, (n,), n_classes)
+    fw = rng.standard_normal((n, 3)).astype(np.float32)
+    _, _, graph = graph_with_gradients(ctx, w, xt, ids, wts, True, fw)
+    lce = [node for node in graph.nodes if node.op == gg.Op.LINEAR_CROSS_ENTROPY]
+    assert len(lce) == 1
+    gg.set_prec(lce[0], gg.Prec.BF16)
+    gg.compute(graph)
+    z = rounded(x, type) @ wv.T
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    g = fw.astype(np.float64) * -0.75
+    counted = (idv >= 0) & (wtv != 0)
+    b = np.where(idv >= 0, wtv * g[:, 0], 0.0)
+    soft = (g[:, 1] + b)[:, None] * p
+    dz = soft.copy()
+    dz[np.flatnonzero(counted), idv[counted]] -= b[counted]
+    got = graph.get_grad(xt).numpy().reshape(n, k)
+    tol = 4e-6 * (np.abs(dz) @ np.abs(wv)).max() + 2.0 ** -8 * (np.abs(soft) @ np.abs(wv))
+    err = np.abs(got - dz @ wv)
+    assert (err <= tol).all()
+    assert err.max() > 1e-6 * np.abs(dz @ wv).max()  # bf16 products, not float32 ones

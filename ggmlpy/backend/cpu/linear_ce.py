@@ -161,14 +161,16 @@ class Chunk:
         for mm in self.product:
             mm()
 
-    def add_softmax_rows(self, wr: WeightRows, soft: np.ndarray, scratch: Scratch) -> Callable:
-        """soft += z W[c0:c1], planned: BLAS on the float rows, or (no float rows: a quantized
-        W whose node asks for Prec.BF16) bf16 dot products from tiles of its packed rows."""
-        if self.w is not None:
+    def add_softmax_rows(self, wr: WeightRows, soft: np.ndarray, scratch: Scratch, bf16: bool) -> Callable:
+        """soft += z W[c0:c1], planned: BLAS on the float rows, or with `bf16` bf16 dot
+        products over W's rows (the float block when the forward product loaded it, else
+        tiles dequantized from the packed rows)."""
+        if not bf16:
             return Matmul(self.z, self.w, soft, accumulate=True, slice_rows=SOFT_SLICE_ROWS)
-        c0 = self.c0
-        return lambda: bf16dot.product(lambda r0, r1, dst: wr.load(c0 + r0, c0 + r1, dst), self.c1 - c0,
-                                       self.z, soft, scratch, accumulate=True)
+        c0, w = self.c0, self.w
+        load = (lambda r0, r1, dst: wr.load(c0 + r0, c0 + r1, dst)) if w is None else \
+            (lambda r0, r1, dst: np.copyto(dst, w[r0:r1]))
+        return lambda: bf16dot.product(load, self.c1 - c0, self.z, soft, scratch, accumulate=True)
 
 
 def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray | None = None,
@@ -250,7 +252,7 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
     xr = inp.buffer(plan.scratch, rounded=True)
     bf16 = wr.quant is not None and prec_of(node) == Prec.BF16
     todo = chunks(wr, xr, plan.scratch, probs, float_rows=wants_dx and not bf16)
-    accumulate = [c.add_softmax_rows(wr, soft, plan.scratch) for c in todo] if wants_dx else []
+    accumulate = [c.add_softmax_rows(wr, soft, plan.scratch, bf16) for c in todo] if wants_dx else []
     m, zt, arg = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.int64)
     s, rescale = np.empty(n, np.float64), np.empty(n, np.float64)
 
