@@ -1,4 +1,5 @@
-"""Run a command in a child process and read its peak RSS (shared by the bench scripts)."""
+"""Run a command in a child process and read its peak RSS (shared by the bench scripts and
+tests/test_gemma3.py)."""
 from __future__ import annotations
 
 import os
