@@ -340,6 +340,29 @@ BCAST = {
 }
 
 
+@pytest.mark.parametrize("n", [1, 13, 40])
+@pytest.mark.parametrize("type", [T.Q5_0, T.Q8_0], ids=ids)
+def test_block_sums_products(type, n):
+    """qexact's block_sums kernel (the fused output layer's logits): one float multiply-add per
+    block of 32, so float32 rounding only from the rounded activations' exact products, and
+    each column's results the same bits whatever columns come with it."""
+    from ggmlpy.backend.cpu import qexact
+    from ggmlpy.backend.cpu.plan import Scratch
+    rng = np.random.default_rng(int(type) + n)
+    k, m = 160, 45  # 45 rows: a partial group of 8 and of 32
+    q, w = quantized_weights(rng, type, (m, k))
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    qm = qmatmul.QuantMatrix.from_bytes(type, q, k)
+    out = np.full((n, m), np.nan, np.float32)
+    qexact.mul_mat(type, qm.buf, qm.offs, x, out, Scratch(), block_sums=True)
+    xr = ref_round_activations(x, type).astype(np.float64)
+    assert_product_close(out, xr @ w.T, np.abs(xr) @ np.abs(w).T, type)
+    for i in range(n):
+        one = np.empty((1, m), np.float32)
+        qexact.mul_mat(type, qm.buf, qm.offs, x[i:i + 1], one, Scratch(), block_sums=True)
+        np.testing.assert_array_equal(one[0], out[i])
+
+
 @pytest.mark.parametrize("b_layout", ["contig", "perm", "trans"])
 @pytest.mark.parametrize("case", BCAST.values(), ids=BCAST.keys())
 @pytest.mark.parametrize("type", [T.Q8_0, T.Q4_K, T.Q6_K], ids=ids)

@@ -34,8 +34,8 @@ from ...quants.kquants import scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
-from .vecir import (Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile, q4_k_row_vnni, q4_k_tile,
-                    q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
+from .vecir import (BLOCK_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_vnni, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile,
+                    q4_k_row_vnni, q4_k_tile, q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
 
 QK = 32
 ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with every column tile)
@@ -361,12 +361,13 @@ def _unpack_q6_k_tile(buf, offs, m0, wu, wsc, wd):
 # ---- products --------------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
 def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
-    """out[n0 + c, m0 + r] = res[16 r + c] inside out."""
-    for r in range(rows):
-        if m0 + r < m_rows:
-            for c in range(W):
-                if n0 + c < n_cols:
-                    out[n0 + c, m0 + r] = res[W * r + c]
+    """out[n0 + c, m0 + r] = res[16 r + c] inside out (a run of rows per column: out's rows
+    are the columns)."""
+    r_end = min(rows, m_rows - m0)
+    for c in range(min(W, n_cols - n0)):
+        dst = out[n0 + c]
+        for r in range(r_end):
+            dst[m0 + r] = res[W * r + c]
 
 
 @njit(parallel=True, cache=True)
@@ -399,6 +400,22 @@ def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
             for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
                 q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
                 _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q0_blocks_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xcb, xd, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(BLOCK_ROWS * W, dtype=np.float32)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd)
+        for tile in range(xq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), BLOCK_ROWS):
+                q0_blocks_vnni(wu, wd, xq, xcb, xd, res, r, tile, nb)
+                _store_tile(out, res, BLOCK_ROWS, m0 + r, tile * W, m_rows, n_cols)
 
 
 @njit(parallel=True, cache=True)
@@ -564,8 +581,20 @@ def supports(type: GGMLType) -> bool:
     return type in Q0_BLOCK_BYTES or type in (GGMLType.Q4_K, GGMLType.Q6_K)
 
 
-def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:
-    """out (N, M) = x (N, K) times the M quantized rows at buf[offs] (ggml's sums, module doc)."""
+def block_sums(type: GGMLType) -> bool:
+    """Whether mul_mat(..., block_sums=True) has a kernel that sums each block of 32 whole."""
+    return VNNI and type in Q0_BLOCK_BYTES
+
+
+def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch,
+            block_sums: bool = False) -> None:
+    """out (N, M) = x (N, K) times the M quantized rows at buf[offs] (ggml's sums, module doc).
+
+    block_sums (Q5_0 and Q8_0 with AVX512-VNNI, else ignored): one float multiply-add per block
+    of 32 and column, in place of ggml's 8 lanes of 4 products (vecir.q0_blocks_vnni): the
+    same integer products, float32 rounding apart from ggml's, and any number of columns in
+    one formula. For the output layer fused with the loss (linear_ce.py), which needs logits,
+    not llama.cpp's bits."""
     n, k = x.shape
     if n == 0:
         return
@@ -573,7 +602,16 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
     if type in Q0_BLOCK_BYTES:
         nb = k // QK
         block_bytes, is_q8 = Q0_BLOCK_BYTES[type], type == GGMLType.Q8_0
-        if VNNI and n <= Q0_GEMV_MAX_COLS and is_q8:
+        if block_sums and VNNI:
+            bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
+            xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
+            xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb, 8, W)
+            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+            quantize_q8_0_tiles_vnni(x, xq, xc.reshape(tiles, nb * 8, W), xd, bias)
+            xcb = scratch.get("q8_0_cb", tiles * nb * W).view(np.int32).reshape(tiles, nb, W)
+            np.sum(xc, axis=2, out=xcb)
+            _q0_blocks_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xcb, xd, out)
+        elif VNNI and n <= Q0_GEMV_MAX_COLS and is_q8:
             xu = _bytes(scratch, "q8_0_u8", n * nb * QK).reshape(n, nb * QK)
             xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
             quantize_q8_0_biased(x, xu, xd)
