@@ -207,7 +207,7 @@ def llamapy_profile(args) -> None:
     ds = TokenWindows(cfg["n_tokens"], cfg["n_ctx"], cfg["stride"], n_win)
     ds.data[:], ds.labels[:] = data["tokens"][:n_win], data["labels"][:n_win]
     ctx = Context(m, n_ctx=cfg["n_ctx"], n_batch=cfg["n_ctx"], n_ubatch=512, n_threads=args.threads)
-    ctx.opt_init(TrainParams.for_model(m))
+    ctx.opt_init(TrainParams.for_model(m, backward_bf16=False if args.backward_f32 else None))
     ctx.opt_fit(ds, epochs=1, val_split=0.0, seed=0, silent=True)  # warm-up: graphs, plans, kernels
     prof = ctx.backend.enable_profile()
     calls: Counter[str] = Counter()
@@ -279,6 +279,8 @@ def llamapy_half(args) -> None:
         argv += ["--demo-chars", str(cfg["demo_chars"])]
     if cfg["epochs_given"]:
         argv += ["--epochs", str(cfg["epochs"])]
+    if args.backward_f32:
+        argv += ["--backward-f32"]
     sys.argv = argv
     print("llamapy half: " + " ".join(argv), file=sys.stderr, flush=True)
     try:
@@ -355,7 +357,8 @@ def run_half(which: str, args, data_path: Path, prefix: Path) -> dict:
     cmd = [py, str(Path(__file__).resolve()), "--half", which, "--data", str(data_path), "--out-prefix",
            str(prefix), "-t", str(args.threads), "--model", str(args.model_path)] \
         + (["--model-given"] if args.model else []) + (["--eval-only"] if args.check else []) \
-        + (["--profile", "--profile-windows", str(args.profile_windows)] if args.profile else [])
+        + (["--profile", "--profile-windows", str(args.profile_windows)] if args.profile else []) \
+        + (["--backward-f32"] if args.backward_f32 and which == "llamapy" else [])
     load_before = load_average()
     t0 = time.perf_counter()
     r, peak_mb = peak_rss_mb(cmd, ROOT, env)
@@ -494,6 +497,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="no torch: llamapy's seconds per op over --profile-windows training windows of the main job")
     ap.add_argument("--profile-windows", type=int, default=6)
+    ap.add_argument("--backward-f32", action="store_true",
+                    help="llamapy's backward products through the quantized weights in float32 (its --backward-f32)")
     ap.add_argument("--profile-top", type=int, default=20)
     ap.add_argument("--eval-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--half", choices=("llamapy", "torch"), help=argparse.SUPPRESS)
