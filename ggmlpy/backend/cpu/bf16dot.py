@@ -71,32 +71,20 @@ def pack_row_pairs(rows, n_rows, wp):
             dst[k] = _bf16_bits(lo[k])
 
 
-PACK_ROWS = 16  # rows of g per task when g is stored column by column
-
-
 @njit(parallel=True, cache=True)
 def pack_col_pairs(g, gp):
-    """gp[n, p] = bf16 of g[n, 2p] | bf16 of g[n, 2p + 1] << 16 (g: any strides, read along
-    its contiguous axis); rows of gp past g's and a missing last column of a pair are zero."""
+    """gp[n, p] = bf16 of g[n, 2p] | bf16 of g[n, 2p + 1] << 16 (g: any strides; the
+    gradients and logits blocks it gets have contiguous rows); rows of gp past g's and a
+    missing last column of a pair are zero."""
     n_rows, m = g.shape
     half = m // 2
     gp[n_rows:, :] = 0
-    if g.strides[0] < g.strides[1]:  # columns contiguous (a transposed gradient)
-        for task in prange((n_rows + PACK_ROWS - 1) // PACK_ROWS):
-            n0, n1 = task * PACK_ROWS, min(n_rows, task * PACK_ROWS + PACK_ROWS)
-            for p in range(half):
-                for n in range(n0, n1):
-                    gp[n, p] = _pair(g[n, 2 * p], g[n, 2 * p + 1])
-            if m % 2:
-                for n in range(n0, n1):
-                    gp[n, half] = _bf16_bits(g[n, m - 1])
-    else:
-        for n in prange(n_rows):
-            src, dst = g[n], gp[n]
-            for p in range(half):
-                dst[p] = _pair(src[2 * p], src[2 * p + 1])
-            if m % 2:
-                dst[half] = _bf16_bits(src[m - 1])
+    for n in prange(n_rows):
+        src, dst = g[n], gp[n]
+        for p in range(half):
+            dst[p] = _pair(src[2 * p], src[2 * p + 1])
+        if m % 2:
+            dst[half] = _bf16_bits(src[m - 1])
 
 
 # ---- the micro-tile (LLVM vector code) ------------------------------------------------------------
