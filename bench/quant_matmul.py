@@ -4,8 +4,10 @@
 
 The weight has `rows` rows of `k` elements (gemma3-270m's ffn_down is 640 x 2048); it is
 multiplied with N = 1, 8, 64, 512 activation columns through a graph on a reused
-CpuBackend, and the transposed product (dx = dy @ W) is timed on the array-level API.
-Medians of several runs, milliseconds.
+CpuBackend, and the transposed product (dx = dy @ W) is timed on the array-level API in
+float32 and with bf16 dot products (bf16dot.py, what training uses for it where the CPU has
+AVX512-BF16). For Q5_0 and Q8_0, qexact's block-sum product (the fused output layer's logits)
+is timed against the same kernels in ggml's order. Medians of several runs, milliseconds.
 """
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import argparse
 import statistics
 import time
 
+import numba
 import numpy as np
 
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu import CpuBackend, qmatmul
+from ggmlpy.backend.cpu import CpuBackend, qexact, qmatmul
+from ggmlpy.backend.cpu.plan import Scratch
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -40,10 +44,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     backend = CpuBackend(args.threads)
+    numba.set_num_threads(args.threads)  # the array-level calls below run outside the backend
+    scratch = Scratch()
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((args.rows, args.k)) * 0.05).astype(np.float32)
     print(f"W {args.rows} x {args.k}, threads {args.threads}; ms (median of {args.reps})")
-    print(f"{'type':6} {'N':>5} {'quantized':>10} {'f32 BLAS':>9} {'ratio':>6} {'transposed':>11}")
+    print(f"{'type':6} {'N':>5} {'quantized':>10} {'f32 BLAS':>9} {'ratio':>6} {'transposed':>11} {'bf16':>7} "
+          f"{'ratio':>6} {'blocks':>7} {'ratio':>6}")
     for name in args.types.split(","):
         w_type = T[name]
         q = quants.quantize(w, w_type)
@@ -59,8 +66,16 @@ def main() -> None:
             tf = _median_ms(lambda: backend.compute(gf), args.reps)
             dy = rng.standard_normal((n, args.rows)).astype(np.float32)
             dx = np.empty((n, args.k), np.float32)
-            tt = _median_ms(lambda: qmatmul.mul_mat_qt(wm, dy, dx), args.reps)
-            print(f"{name:6} {n:5d} {tq:10.2f} {tf:9.2f} {tq / tf:6.2f} {tt:11.2f}")
+            tt = _median_ms(lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch), args.reps)
+            tb = _median_ms(lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch, bf16=True), args.reps)
+            line = f"{name:6} {n:5d} {tq:10.2f} {tf:9.2f} {tq / tf:6.2f} {tt:11.2f} {tb:7.2f} {tb / tt:6.2f}"
+            if qexact.block_sums(w_type):
+                out = np.empty((n, args.rows), np.float32)
+                ts = _median_ms(lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch), args.reps)
+                tk = _median_ms(lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch, block_sums=True),
+                                args.reps)
+                line += f" {tk:7.2f} {tk / ts:6.2f}"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def test_fused_output_layer_with_prec_bf16(path, monkeypatch, type):
     (from the packed rows, or for types without qexact's kernels from the float rows the
     forward product loaded): dx within 2^-8 of each product of the float64 reference, chunk
     after chunk; the loss rows are unchanged."""
-    from test_linear_cross_entropy import graph_with_gradients, k_for, labels, rounded, weight
+    from test_linear_cross_entropy import graph_with_gradients, k_for, labels, logits_gradient, weight
 
     from ggmlpy.backend.cpu import linear_ce
     monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1)  # several chunks
@@ -153,15 +153,7 @@ def test_fused_output_layer_with_prec_bf16(path, monkeypatch, type):
     assert len(lce) == 1
     gg.set_prec(lce[0], gg.Prec.BF16)
     gg.compute(graph)
-    z = rounded(x, type) @ wv.T
-    p = np.exp(z - z.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    g = fw.astype(np.float64) * -0.75
-    counted = (idv >= 0) & (wtv != 0)
-    b = np.where(idv >= 0, wtv * g[:, 0], 0.0)
-    soft = (g[:, 1] + b)[:, None] * p
-    dz = soft.copy()
-    dz[np.flatnonzero(counted), idv[counted]] -= b[counted]
+    dz, soft = logits_gradient(x, wv, type, fw, idv, wtv)
     got = graph.get_grad(xt).numpy().reshape(n, k)
     tol = 4e-6 * (np.abs(dz) @ np.abs(wv)).max() + 2.0 ** -8 * (np.abs(soft) @ np.abs(wv))
     err = np.abs(got - dz @ wv)

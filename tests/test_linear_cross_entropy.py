@@ -141,6 +141,21 @@ def graph_with_gradients(ctx, w, x, ids, wts, fused: bool, field_weights: np.nda
     return loss, pred, graph
 
 
+def logits_gradient(x, wv, type: T, field_weights, idv, wtv) -> tuple[np.ndarray, np.ndarray]:
+    """(dz, its softmax part) in float64 for graph_with_gradients' loss with `field_weights`:
+    dz = (g_lse + weights g_loss) softmax(z) - weights g_loss onehot(ids)."""
+    z = rounded(x, type) @ wv.T
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    g = field_weights.astype(np.float64) * -0.75
+    counted = (idv >= 0) & (wtv != 0)
+    b = np.where(idv >= 0, wtv * g[:, 0], 0.0)
+    soft = (g[:, 1] + b)[:, None] * p
+    dz = soft.copy()
+    dz[np.flatnonzero(counted), idv[counted]] -= b[counted]
+    return dz, soft
+
+
 @pytest.mark.parametrize("type", [T.F32, T.F16, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
 def test_gradients_against_float64_reference(small_chunks, type):
     """dz = (g_lse + weights g_loss) softmax(z) - weights g_loss onehot(ids) for any gradient
@@ -157,15 +172,7 @@ def test_gradients_against_float64_reference(small_chunks, type):
     fw = rng.standard_normal((n, 3)).astype(np.float32)
     _, _, graph = graph_with_gradients(ctx, w, xt, ids, wts, True, fw)
     gg.compute(graph)
-    xr = rounded(x, type)
-    z = xr @ wv.T
-    p = np.exp(z - z.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
-    g = fw.astype(np.float64) * -0.75
-    counted = (idv >= 0) & (wtv != 0)
-    b = np.where(idv >= 0, wtv * g[:, 0], 0.0)
-    dz = (g[:, 1] + b)[:, None] * p
-    dz[np.flatnonzero(counted), idv[counted]] -= b[counted]
+    dz, _ = logits_gradient(x, wv, type, fw, idv, wtv)
     got = graph.get_grad(xt).numpy().reshape(n, k)
     scale = (np.abs(dz) @ np.abs(wv)).max()
     np.testing.assert_allclose(got, dz @ wv, rtol=0, atol=4e-6 * scale)

@@ -102,11 +102,6 @@ class WeightRows:
         elif self.type in (GGMLType.F16, GGMLType.BF16):
             np.copyto(x, convert.round_to(x, self.type))
 
-    @property
-    def float_rows(self) -> bool:
-        """Whether the forward product reads the chunk's rows as float32 (not qexact's packed rows)."""
-        return not self.exact
-
     def load(self, c0: int, c1: int, out: np.ndarray) -> None:
         """out = rows c0..c1 as float32 (c1 - c0, K); nothing to do when out is W's own rows (F32)."""
         if self.quant is not None:
@@ -184,7 +179,7 @@ def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray |
     n, k = x.shape
     c = wr.chunk(n)
     zbuf = scratch.get("lce logits", n * c) if logits is None else logits.reshape(-1)
-    float_rows = float_rows or wr.float_rows
+    float_rows = float_rows or not wr.exact  # qexact's kernels read the packed rows
     wbuf = scratch.get("lce weight rows", c * k).reshape(c, k) if float_rows and wr.type != GGMLType.F32 else None
     out = []
     for c0 in range(0, wr.m, c):

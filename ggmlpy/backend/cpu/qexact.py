@@ -582,7 +582,8 @@ def supports(type: GGMLType) -> bool:
 
 
 def block_sums(type: GGMLType) -> bool:
-    """Whether mul_mat(..., block_sums=True) has a kernel that sums each block of 32 whole."""
+    """Whether mul_mat(..., block_sums=True) has a kernel that sums each block of 32 whole
+    (for more than Q0_GEMV_MAX_COLS columns)."""
     return VNNI and type in Q0_BLOCK_BYTES
 
 
@@ -590,11 +591,12 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
             block_sums: bool = False) -> None:
     """out (N, M) = x (N, K) times the M quantized rows at buf[offs] (ggml's sums, module doc).
 
-    block_sums (Q5_0 and Q8_0 with AVX512-VNNI, else ignored): one float multiply-add per block
-    of 32 and column, in place of ggml's 8 lanes of 4 products (vecir.q0_blocks_vnni): the
-    same integer products, float32 rounding apart from ggml's, and any number of columns in
-    one formula. For the output layer fused with the loss (linear_ce.py), which needs logits,
-    not llama.cpp's bits."""
+    block_sums (Q5_0 and Q8_0 with AVX512-VNNI and more than Q0_GEMV_MAX_COLS columns, else
+    ignored): one float multiply-add per block of 32 and column, in place of ggml's 8 lanes of
+    4 products (vecir.q0_blocks_vnni): the same integer products, float32 rounding apart from
+    ggml's, a column's results the same whatever columns come with it. For the output layer
+    fused with the loss (linear_ce.py), which needs logits, not llama.cpp's bits. (Few columns
+    keep the gemv kernels: 2-10x faster there, bench/quant_matmul.py.)"""
     n, k = x.shape
     if n == 0:
         return
@@ -602,7 +604,7 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
     if type in Q0_BLOCK_BYTES:
         nb = k // QK
         block_bytes, is_q8 = Q0_BLOCK_BYTES[type], type == GGMLType.Q8_0
-        if block_sums and VNNI:
+        if block_sums and VNNI and n > Q0_GEMV_MAX_COLS:
             bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
             xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
             xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb, 8, W)
