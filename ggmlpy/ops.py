@@ -157,21 +157,28 @@ def out_prod(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
 
 
 class Prec(IntEnum):
-    """The arithmetic of a product node (ggml_prec, ggml_mul_mat_set_prec): DEFAULT is float32;
-    BF16 rounds both operands of a product through a quantized matrix to bfloat16 and sums
-    float32 (AVX512-BF16: twice float32's speed; each product within 2^-8 of its value)."""
+    """The arithmetic of a product node (ggml_prec, ggml_mul_mat_set_prec).
+
+    DEFAULT: float32; a MUL_MAT sums in ggml-cpu's order (llama.cpp's bits, on any CPU).
+    BLAS: a MUL_MAT with an F32 first operand sums in the BLAS library's order (several
+    times faster on big products; training graphs use it, see opt.TrainGraph).
+    BF16: an OUT_PROD (LINEAR_CROSS_ENTROPY: its backward product) through a quantized
+    matrix rounds both operands to bfloat16 and sums float32 (AVX512-BF16: twice float32's
+    speed; each product within 2^-8 of its value)."""
 
     DEFAULT = 0
     BF16 = 1
+    BLAS = 2
 
 
-PREC_OPS = (Op.OUT_PROD, Op.LINEAR_CROSS_ENTROPY)  # LINEAR_CROSS_ENTROPY: its softmax(z) W for dx
+# the precisions each product op takes besides DEFAULT (LINEAR_CROSS_ENTROPY: its softmax(z) W for dx)
+PREC_OPS = {Op.OUT_PROD: (Prec.BF16,), Op.LINEAR_CROSS_ENTROPY: (Prec.BF16,), Op.MUL_MAT: (Prec.BLAS,)}
 
 
 def set_prec(node: Tensor, prec: Prec) -> Tensor:
-    """Choose the arithmetic of an OUT_PROD node, or of a LINEAR_CROSS_ENTROPY node's backward
-    product, where its first operand is a quantized matrix (other products stay float32)."""
+    """Choose the arithmetic of a product node (Prec says which op takes which)."""
     _check(node.op in PREC_OPS, f"set_prec: {node.op.name} has no precision to set")
+    _check(prec == Prec.DEFAULT or prec in PREC_OPS[node.op], f"set_prec: {node.op.name} has no {Prec(prec).name}")
     node.op_params = (Prec(prec),)
     return node
 
@@ -185,8 +192,16 @@ def set_backward_prec(nodes, prec: Prec) -> None:
     """set_prec on every node among `nodes` (a graph's) whose product runs through a quantized
     first operand: the backward passes through frozen quantized weights of a training graph."""
     for n in nodes:
-        if n.op in PREC_OPS and traits(n.src[0].type).is_quantized:
+        if n.op in (Op.OUT_PROD, Op.LINEAR_CROSS_ENTROPY) and traits(n.src[0].type).is_quantized:
             set_prec(n, prec)
+
+
+def set_blas_products(nodes) -> None:
+    """Prec.BLAS on every MUL_MAT among `nodes` with an F32 first operand (training graphs:
+    speed over llama.cpp's summation order)."""
+    for n in nodes:
+        if n.op == Op.MUL_MAT and n.src[0].type == GGMLType.F32:
+            set_prec(n, Prec.BLAS)
 
 
 def concat(ctx: Context, a: Tensor, b: Tensor, dim: int) -> Tensor:

@@ -395,6 +395,7 @@ class TrainGraph:
         if grad_accs is not None:
             self.backward = self.forward.copy()
             build_backward_expand(ctx, self.backward, grad_accs, checkpoints)
+        O.set_blas_products((self.backward or self.forward).nodes)  # speed over llama.cpp's summation order
         self.allocator = allocator or GraphAllocator()
         self.allocator.alloc_graph(self.backward or self.forward)
 

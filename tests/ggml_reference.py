@@ -219,10 +219,12 @@ def mul_mat_q6_k(rows, x):
     return hsum8(acc)
 
 
-def mul_mat_f16(a, b):
-    """MUL_MAT of F16 a (M, K) and F32 b (N, K) rounded to F16: tinyBLAS (AVX-512) when N >= 2,
-    K % 16 == 0 and M % 4 == 0, else ggml_vec_dot_f16. Returns (N, M)."""
-    a, b = half(a), half(b)
+def mul_mat_float(a, b, halves: bool):
+    """MUL_MAT of F16 (halves) or F32 a (M, K) and F32 b (N, K), rounded to F16 for F16 a:
+    tinyBLAS (AVX-512) when N >= 2, K % 16 == 0 and M % 4 == 0, else ggml_vec_dot_f16 or
+    ggml_vec_dot_f32. Returns (N, M)."""
+    if halves:
+        a, b = half(a), half(b)
     m, k = a.shape
     n = b.shape[0]
     if n >= 2 and k % 16 == 0 and m % 4 == 0:
@@ -230,7 +232,8 @@ def mul_mat_f16(a, b):
         for l in range(0, k, 16):
             acc = fma(a[None, :, l:l + 16], b[:, None, l:l + 16], acc)
         return reduce16(acc)
-    return vec_dot_f16(a[None, :, :], b[:, None, :])
+    vec_dot = vec_dot_f16 if halves else vec_dot_f32
+    return vec_dot(a[None, :, :], b[:, None, :])
 
 
 def vec_dot_f16(x, y):

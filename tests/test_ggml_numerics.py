@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ggml_reference import (flash_attn, mul_mat_f16, mul_mat_q0, mul_mat_q4_k, mul_mat_q6_k, decode_q5_0,
+from ggml_reference import (flash_attn, mul_mat_float, mul_mat_q0, mul_mat_q4_k, mul_mat_q6_k, decode_q5_0,
                             decode_q8_0, soft_max, v_expf_avx512)
 from numba import njit
 
@@ -124,25 +124,27 @@ def test_the_graph_product_uses_them():
     np.testing.assert_array_equal(y.array().reshape(n, m), reference(T.Q6_K, rows, x))
 
 
-# ---- F16 products ------------------------------------------------------------------------------
-@pytest.mark.parametrize("m, n, k", [(8, 5, 64), (12, 1, 64), (6, 7, 64), (8, 6, 72), (16, 33, 256)])
+# ---- F32 and F16 products ----------------------------------------------------------------------
+@pytest.mark.parametrize("m, n, k", [(8, 5, 64), (12, 1, 64), (6, 7, 64), (8, 6, 72), (16, 33, 256), (12, 9, 172)])
 @pytest.mark.parametrize("layout", ["contig", "trans"])
-def test_f16_products_are_ggmls(m, n, k, layout):
-    """tinyBLAS's 16 lanes (N >= 2, K % 16 == 0, M % 4 == 0) or ggml_vec_dot_f16 (the rest),
-    with a transposed F16 operand (the cache's V seen as V^T) and GQA-style broadcasting."""
+@pytest.mark.parametrize("type", [T.F16, T.F32])
+def test_float_products_are_ggmls(type, m, n, k, layout):
+    """tinyBLAS's 16 lanes (N >= 2, K % 16 == 0, M % 4 == 0) or ggml_vec_dot_f16/_f32 (the
+    rest), with a transposed first operand (an F16 cache's V seen as V^T) and GQA-style
+    broadcasting: the same bits on any CPU and BLAS."""
     rng = np.random.default_rng(m * n + k)
-    a = rng.standard_normal((2, m, k)).astype(np.float16)
+    a = rng.standard_normal((2, m, k)).astype(np.float16 if type == T.F16 else F32)
     b = (rng.standard_normal((4, n, k)) * 3).astype(F32)
     ctx = gg.Context()
     if layout == "trans":
-        at = gg.transpose(ctx, ctx.from_numpy(np.ascontiguousarray(a.swapaxes(1, 2)).reshape(1, 2, k, m), T.F16))
+        at = gg.transpose(ctx, ctx.from_numpy(np.ascontiguousarray(a.swapaxes(1, 2)).reshape(1, 2, k, m), type))
     else:
-        at = ctx.from_numpy(a.reshape(1, 2, m, k), T.F16)
+        at = ctx.from_numpy(a.reshape(1, 2, m, k), type)
     y = gg.mul_mat(ctx, at, ctx.from_numpy(b.reshape(1, 4, n, k)))
     gg.compute(gg.new_graph(y))
     got = y.array().reshape(4, n, m)
     for h in range(4):
-        np.testing.assert_array_equal(got[h], mul_mat_f16(a[h // 2].astype(F32), b[h]))
+        np.testing.assert_array_equal(got[h], mul_mat_float(a[h // 2].astype(F32), b[h], type == T.F16))
 
 
 # ---- softmax, exp ------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
-"""The products on the CPU, MUL_MAT and OUT_PROD: floats through BLAS (gemm.py), with
-ggml's broadcasting.
+"""The products on the CPU, MUL_MAT and OUT_PROD, with ggml's broadcasting.
+
+MUL_MAT of an F32 or F16 first operand sums in ggml-cpu's order (floatdot.py), so that
+inference gives llama.cpp's numbers whatever BLAS and CPU run it; training graphs set
+Prec.BLAS on their F32 products (opt.TrainGraph), which then go through BLAS (gemm.py),
+several times faster, as OUT_PROD's float products always do.
 
 ggml computes dst[i13, i12, i11, i01] = dot(a[i13 / r3, i12 / r2, i01, :], b[i13, i12, i11, :]),
 r2 = b.ne2 / a.ne2, r3 = b.ne3 / a.ne3: a's matrices are shared by r2 (r3) consecutive
@@ -7,14 +11,13 @@ matrices of b, as grouped-query attention needs. Splitting b's dims 2 and 3 into
 (a.ne, r) makes that plain numpy broadcasting, without copying anything.
 
 When `a` is F16/BF16, ggml converts `b` to that type before the dot products; rounding
-`b` the same way here keeps results identical to llama.cpp's. F16 products then follow
-ggml's summation order too (halfdot.py), bit for bit.
+`b` the same way here keeps results identical to llama.cpp's (bit for bit for F16).
 
 When `a` is block-quantized, ggml quantizes `b` to the type's dot-product partner
 (vec_dot_type: Q8_0, Q8_1 or Q8_K) and uses integer dot products. Here `b`'s rows are
-rounded to exactly those values (d * q), and `a`'s rows are dequantized a tile at a time
-and multiplied with them through BLAS (qmatmul.py): the products differ from llama.cpp's
-only by float32 summation order. OUT_PROD (the products of the backward pass) reads
+rounded to exactly those values (d * q); qmatmul.py multiplies them with `a`'s packed rows
+in ggml's order for Q5_0, Q8_0, Q4_K and Q6_K (qexact.py) and otherwise with rows
+dequantized a tile at a time, through BLAS (float32 summation order apart, llama.cpp's). OUT_PROD (the products of the backward pass) reads
 a quantized `a` the same way, from its packed rows, in float32 or (set_prec BF16) by
 bf16 dot products.
 """
@@ -26,7 +29,7 @@ from ... import convert
 from ...ops import Prec, prec_of
 from ...tensor import Op, Tensor
 from ...types import GGMLType, traits
-from . import halfdot
+from . import floatdot
 from .gemm import GRAIN, Matmul, matmul
 from .kernel_table import KernelTable, Prepared, require_f32
 from .plan import Plan
@@ -62,12 +65,13 @@ def prepare_mul_mat(node: Tensor, plan: Plan) -> Prepared:
     av, bv, dv = a.array(), b.array(), node.array()
     ne03, ne02 = av.shape[0], av.shape[1]
     a_type = a.type
-    if a_type == GGMLType.F16:  # ggml's own order (halfdot.py)
-        tinyblas = halfdot.uses_tinyblas(a.ne[1], b.ne[1], a.ne[0])
+    if a_type == GGMLType.F16 or (a_type == GGMLType.F32 and prec_of(node) != Prec.BLAS):  # ggml's order (floatdot.py)
+        tinyblas = floatdot.uses_tinyblas(a.ne[1], b.ne[1], a.ne[0])
         if not dv.flags.c_contiguous:
-            raise NotImplementedError("MUL_MAT of F16 into a non-contiguous result")
-        return lambda: halfdot.mul_mat_f16(np.ascontiguousarray(convert.to_f32(av, a_type)),
-                                           np.ascontiguousarray(convert.round_to(bv, a_type)), dv, tinyblas)
+            raise NotImplementedError(f"MUL_MAT of {a_type.name} into a non-contiguous result")
+        halves = a_type == GGMLType.F16
+        return lambda: floatdot.mul_mat(np.ascontiguousarray(convert.to_f32(av, a_type)),
+                                        np.ascontiguousarray(convert.round_to(bv, a_type)), dv, tinyblas, halves)
 
     b2, d2 = _fold_rows(bv), _fold_rows(dv)
     if ne02 == 1 and ne03 == 1 and b2 is not None and d2 is not None:

@@ -1,27 +1,29 @@
-"""MUL_MAT with an F16 first operand as ggml-cpu computes it (simd.py says why the order).
+"""MUL_MAT with an F32 or F16 first operand as ggml-cpu computes it (simd.py says why the
+order), so that results do not depend on the BLAS library or the CPU it runs on.
 
-ggml rounds the second operand to F16 and then, with at least 2 of its rows, K a multiple
-of 16 and the first operand's rows a multiple of 4, hands the product to llamafile's
-tinyBLAS (AVX-512: 16 lanes, lane t summing elements t, t + 16, ... by fma, the lanes added
-as _mm512_reduce_add_ps); otherwise each element is ggml_vec_dot_f16. Without flash
-attention these are the attention's two products (K x Q, V x softmax) over an F16 cache.
+For F16, ggml rounds the second operand to F16 first. Then, with at least 2 of its rows, K
+a multiple of 16 and the first operand's rows a multiple of 4, it hands the product to
+llamafile's tinyBLAS (AVX-512: 16 lanes, lane t summing elements t, t + 16, ... by fma,
+the lanes added as _mm512_reduce_add_ps); otherwise each element is ggml_vec_dot_f16 or
+ggml_vec_dot_f32. Without flash attention an F16 cache's attention products (K x Q,
+V x softmax) come here; F32 weights (small models) do too.
 
-Arrays: a [a3, a2, M, K] and b [b3, b2, N, K] float32 values of halves (b2 a multiple of
-a2, b3 of a3, as ggml broadcasts), out [b3, b2, N, M].
+Arrays: a [a3, a2, M, K] and b [b3, b2, N, K] float32 (values of halves for F16; b2 a
+multiple of a2, b3 of a3, as ggml broadcasts), out [b3, b2, N, M].
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .simd import fma_f32, reduce16, vec_dot_f16
+from .simd import fma_f32, reduce16, vec_dot_f16, vec_dot_f32
 from .vecir import f16_tile_4x4
 
 LANES = 16
 
 
 def uses_tinyblas(m: int, n: int, k: int) -> bool:
-    """llamafile_sgemm's conditions for an F16 product (AVX-512 build)."""
+    """llamafile_sgemm's conditions for an F32 or F16 product (AVX-512 build)."""
     return n >= 2 and k % LANES == 0 and m % 4 == 0
 
 
@@ -40,18 +42,19 @@ def _tinyblas_blocks(a, b, out, m4, n4):
             f16_tile_4x4(a[i3 // r3, i2 // r2], b[i3, i2], out[i3, i2], m0, n0)
 
 
-def mul_mat_f16(a: np.ndarray, b: np.ndarray, out: np.ndarray, tinyblas: bool) -> None:
-    """out = the products (module doc); a, b C-contiguous float32, out C-contiguous."""
+def mul_mat(a: np.ndarray, b: np.ndarray, out: np.ndarray, tinyblas: bool, halves: bool) -> None:
+    """out = the products (module doc); a, b C-contiguous float32, out C-contiguous; halves:
+    an F16 product (ggml_vec_dot_f16's sums where tinyBLAS does not take it)."""
     if tinyblas:
         m4, n4 = a.shape[2] - a.shape[2] % 4, b.shape[2] - b.shape[2] % 4
         _tinyblas_blocks(a, b, out, m4, n4)
-        _mul_mat_f16(a, b, out, True, m4, n4)
+        _mul_mat_rest(a, b, out, True, halves, m4, n4)
     else:
-        _mul_mat_f16(a, b, out, False, 0, 0)
+        _mul_mat_rest(a, b, out, False, halves, 0, 0)
 
 
 @njit(parallel=True, cache=True)
-def _mul_mat_f16(a, b, out, tinyblas, m_done, n_done):
+def _mul_mat_rest(a, b, out, tinyblas, halves, m_done, n_done):
     """Each element not in the first m_done x n_done block, one at a time."""
     a3, a2, m_rows, k = a.shape
     b3, b2, n_cols = b.shape[0], b.shape[1], b.shape[2]
@@ -72,5 +75,7 @@ def _mul_mat_f16(a, b, out, tinyblas, m_done, n_done):
                     for t in range(LANES):
                         acc[t] = fma_f32(ar[l + t], br[l + t], acc[t])
                 out[i3, i2, n, m] = reduce16(acc, 0)
-            else:
+            elif halves:
                 out[i3, i2, n, m] = vec_dot_f16(ar, br, k, acc)
+            else:
+                out[i3, i2, n, m] = vec_dot_f32(ar, br, k, acc)
