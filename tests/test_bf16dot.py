@@ -115,8 +115,10 @@ def test_out_prod_of_a_quantized_matrix_with_prec_bf16(path, type):
 def test_set_prec_refuses_other_ops():
     ctx = gg.Context()
     a = ctx.from_numpy(np.ones((4, 4), np.float32))
-    with pytest.raises(ValueError, match="MUL_MAT has no precision to set"):
+    with pytest.raises(ValueError, match="MUL_MAT has no BF16"):
         gg.set_prec(gg.mul_mat(ctx, a, a), gg.Prec.BF16)
+    with pytest.raises(ValueError, match="ADD has no precision to set"):
+        gg.set_prec(gg.add(ctx, a, a), gg.Prec.BLAS)
 
 
 def test_mul_mat_qt_takes_either_arithmetic():

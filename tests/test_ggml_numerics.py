@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from ggml_reference import (flash_attn, mul_mat_float, mul_mat_q0, mul_mat_q4_k, mul_mat_q6_k, decode_q5_0,
-                            decode_q8_0, soft_max, v_expf_avx512)
+                            decode_q8_0, half, soft_max, v_expf_avx512)
 from numba import njit
 
 import ggmlpy as gg
@@ -145,6 +145,30 @@ def test_float_products_are_ggmls(type, m, n, k, layout):
     got = y.array().reshape(4, n, m)
     for h in range(4):
         np.testing.assert_array_equal(got[h], mul_mat_float(a[h // 2].astype(F32), b[h], type == T.F16))
+
+
+def test_training_graphs_sum_f32_products_by_blas():
+    """A training graph's F32 products take Prec.BLAS (speed; any float32 order), its other
+    products and every product of a plain graph ggml's order."""
+    rng = np.random.default_rng(3)
+    ctx = gg.Context()
+    w = ctx.from_numpy(rng.standard_normal((8, 32)).astype(F32)).set_param()
+    wh = ctx.from_numpy(rng.standard_normal((8, 32)).astype(np.float16), T.F16)
+    x = ctx.from_numpy(rng.standard_normal((5, 32)).astype(F32))
+    y = gg.add(ctx, gg.mul_mat(ctx, w, x), gg.mul_mat(ctx, wh, x))
+    plain = gg.new_graph(y)
+    products = [n for n in plain.nodes if n.op == gg.Op.MUL_MAT]
+    assert [gg.prec_of(n) for n in products] == [gg.Prec.DEFAULT] * 2
+    gg.compute(plain)
+    exact = y.array().copy()
+    train = gg.opt.TrainGraph(ctx, gg.sum(ctx, y), gg.sum(ctx, y), grad_accs={})
+    assert [gg.prec_of(n) for n in products] == [gg.Prec.BLAS, gg.Prec.DEFAULT]
+    gg.compute(train.forward)
+    xv = x.array().reshape(5, 32)
+    reference = (xv.astype(np.float64) @ w.array().reshape(8, 32).T
+                 + half(xv).astype(np.float64) @ wh.array().reshape(8, 32).astype(np.float64).T)  # ggml rounds x to F16
+    np.testing.assert_allclose(y.array().reshape(5, 8), reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y.array(), exact, rtol=1e-5, atol=1e-5)
 
 
 # ---- softmax, exp ------------------------------------------------------------------------------
