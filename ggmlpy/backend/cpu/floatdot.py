@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import fma_f32, reduce16, vec_dot_f16, vec_dot_f32
-from .vecir import f16_tile_4x4
+from .vecir import dot_lanes16, float_tile_4x4, vec_dot_f16_row, vec_dot_f32_row
 
 LANES = 16
 
@@ -28,54 +27,28 @@ def uses_tinyblas(m: int, n: int, k: int) -> bool:
 
 
 @njit(parallel=True, cache=True)
-def _tinyblas_blocks(a, b, out, m4, n4):
-    """The 4 x 4 blocks of each matrix pair: vecir.f16_tile_4x4."""
-    a3, a2 = a.shape[0], a.shape[1]
-    b3, b2 = b.shape[0], b.shape[1]
+def mul_mat(a, b, out, tinyblas, halves):
+    """out = the products (module doc); a, b C-contiguous float32, out C-contiguous; halves:
+    an F16 product. Each matrix pair's rows four at a time: with tinyblas (M a multiple of 4)
+    its 4 x 4 blocks and the columns past the last whole block in tinyBLAS's lanes, else
+    each element as ggml_vec_dot_f16/_f32 (vecir's LLVM vector code: quick to compile)."""
+    a3, a2, m_rows, k = a.shape
+    b3, b2, n_cols = b.shape[0], b.shape[1], b.shape[2]
     r3, r2 = b3 // a3, b2 // a2
-    mb, nbk = m4 // 4, n4 // 4
+    mb = (m_rows + 3) // 4
+    n4 = n_cols - n_cols % 4 if tinyblas else 0
     for task in prange(b3 * b2 * mb):
         i3 = task // (b2 * mb)
         i2 = (task // mb) % b2
         m0 = (task % mb) * 4
+        am, bm, om = a[i3 // r3, i2 // r2], b[i3, i2], out[i3, i2]
         for n0 in range(0, n4, 4):
-            f16_tile_4x4(a[i3 // r3, i2 // r2], b[i3, i2], out[i3, i2], m0, n0)
-
-
-def mul_mat(a: np.ndarray, b: np.ndarray, out: np.ndarray, tinyblas: bool, halves: bool) -> None:
-    """out = the products (module doc); a, b C-contiguous float32, out C-contiguous; halves:
-    an F16 product (ggml_vec_dot_f16's sums where tinyBLAS does not take it)."""
-    if tinyblas:
-        m4, n4 = a.shape[2] - a.shape[2] % 4, b.shape[2] - b.shape[2] % 4
-        _tinyblas_blocks(a, b, out, m4, n4)
-        _mul_mat_rest(a, b, out, True, halves, m4, n4)
-    else:
-        _mul_mat_rest(a, b, out, False, halves, 0, 0)
-
-
-@njit(parallel=True, cache=True)
-def _mul_mat_rest(a, b, out, tinyblas, halves, m_done, n_done):
-    """Each element not in the first m_done x n_done block, one at a time."""
-    a3, a2, m_rows, k = a.shape
-    b3, b2, n_cols = b.shape[0], b.shape[1], b.shape[2]
-    r3, r2 = b3 // a3, b2 // a2
-    for task in prange(b3 * b2 * m_rows):
-        i3 = task // (b2 * m_rows)
-        i2 = (task // m_rows) % b2
-        m = task % m_rows
-        ar = a[i3 // r3, i2 // r2, m]
-        acc = np.empty(64, dtype=np.float32)
-        for n in range(n_cols):
-            if m < m_done and n < n_done:
-                continue
-            br = b[i3, i2, n]
-            if tinyblas:
-                acc[:LANES] = 0.0
-                for l in range(0, k, LANES):
-                    for t in range(LANES):
-                        acc[t] = fma_f32(ar[l + t], br[l + t], acc[t])
-                out[i3, i2, n, m] = reduce16(acc, 0)
-            elif halves:
-                out[i3, i2, n, m] = vec_dot_f16(ar, br, k, acc)
-            else:
-                out[i3, i2, n, m] = vec_dot_f32(ar, br, k, acc)
+            float_tile_4x4(am, bm, om, m0, n0)
+        for m in range(m0, min(m0 + 4, m_rows)):
+            for n in range(n4, n_cols):
+                if tinyblas:
+                    om[n, m] = dot_lanes16(am[m], bm[n], k)
+                elif halves:
+                    om[n, m] = vec_dot_f16_row(am[m], bm[n], k)
+                else:
+                    om[n, m] = vec_dot_f32_row(am[m], bm[n], k)

@@ -591,11 +591,11 @@ def _reduce16(e, v):
 
 
 @intrinsic
-def f16_tile_4x4(typingctx, a, bm, out, m0, n0):
-    """tinyBLAS's F16 product (AVX-512) for rows m0..m0 + 3 of a and n0..n0 + 3 of bm:
+def float_tile_4x4(typingctx, a, bm, out, m0, n0):
+    """tinyBLAS's F32 or F16 product (AVX-512) for rows m0..m0 + 3 of a and n0..n0 + 3 of bm:
     out[n, m] = _mm512_reduce_add_ps of 16 lanes, lane t the fma chain over l of
-    a[m, 16 l + t] * bm[n, 16 l + t]. a (M, K), bm (N, K) float32 values of halves, K a
-    multiple of 16; out (N, M); all C-contiguous."""
+    a[m, 16 l + t] * bm[n, 16 l + t]. a (M, K), bm (N, K) float32 (values of halves for F16),
+    K a multiple of 16; out (N, M); all C-contiguous."""
     sig = types.void(a, bm, out, m0, n0)
 
     def codegen(context, builder, signature, args):
@@ -622,6 +622,59 @@ def f16_tile_4x4(typingctx, a, bm, out, m0, n0):
                 b.store(_reduce16(e, b.load(acc[i][j])), e.gep(o_p, idx))
         return context.get_dummy_value()
     return sig, codegen
+
+
+def _float_dot(kind: str):
+    @intrinsic
+    def float_dot(typingctx, a, bv, k):
+        """One element of ggml-cpu's float products over a[:k] and bv[:k] (1-D float32 arrays,
+        contiguous), in its order (AVX-512): kind "lanes16" as tinyBLAS sums it (16 lanes, lane
+        t the fma chain over a[16 l + t] * bv[16 l + t], then _mm512_reduce_add_ps; k a multiple
+        of 16); "f32" as ggml_vec_dot_f32 (4 accumulators of 16 lanes over each 64 elements,
+        reduced 0 + 2, 1 + 3, then the two, then _mm512_reduce_add_ps; the last k % 64 products
+        added by fma); "f16" as ggml_vec_dot_f16 (the same lanes, their sum and the last
+        products, each rounded to float32, added in double)."""
+        sig = types.float32(a, bv, k)
+
+        def codegen(context, builder, signature, args):
+            e, b = _Emit(context, builder), builder
+            a_p, b_p = (e.ptr(context, ty, x) for ty, x in zip(signature.args[:2], args[:2]))
+            k_ = e.i64(args[2])
+            if kind == "lanes16":
+                acc = e.acc()
+                with cgutils.for_range(b, b.udiv(k_, e.const(W))) as loop:
+                    off = b.mul(loop.index, e.const(W))
+                    b.store(e.fma(e.load(a_p, off), e.load(b_p, off), b.load(acc)), acc)
+                return _reduce16(e, b.load(acc))
+            accs = [e.acc() for _ in range(4)]
+            n64 = b.udiv(k_, e.const(64))
+            with cgutils.for_range(b, n64) as loop:
+                base = b.mul(loop.index, e.const(64))
+                for j, slot in enumerate(accs):
+                    off = b.add(base, e.const(W * j))
+                    b.store(e.fma(e.load(a_p, off), e.load(b_p, off), b.load(slot)), slot)
+            v = [b.load(slot) for slot in accs]
+            lanes = _reduce16(e, e.add(e.add(v[0], v[2]), e.add(v[1], v[3])))  # +0.0 when k < 64
+            start = b.mul(n64, e.const(64))
+            if kind == "f32":
+                fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F, [_F, _F, _F]), "llvm.fma.f32")
+                total = cgutils.alloca_once_value(b, lanes)
+                with cgutils.for_range(b, b.sub(k_, start)) as loop:
+                    i = b.add(start, loop.index)
+                    b.store(b.call(fma, [e.scalar(a_p, i), e.scalar(b_p, i), b.load(total)]), total)
+                return b.load(total)
+            total = cgutils.alloca_once_value(b, b.fpext(lanes, _D))
+            with cgutils.for_range(b, b.sub(k_, start)) as loop:
+                i = b.add(start, loop.index)
+                b.store(b.fadd(b.load(total), b.fpext(b.fmul(e.scalar(a_p, i), e.scalar(b_p, i)), _D)), total)
+            return b.fptrunc(b.load(total), _F)
+        return sig, codegen
+    return float_dot
+
+
+dot_lanes16 = _float_dot("lanes16")
+vec_dot_f32_row = _float_dot("f32")
+vec_dot_f16_row = _float_dot("f16")
 
 
 def _bcast8(b, x):
