@@ -41,7 +41,7 @@ from numba import njit, prange, types
 from threadpoolctl import ThreadpoolController
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-SLICE_ROWS = 32
+SLICE_ROWS = 16
 SLICE_COLS = 32  # tile width when the right operand is transposed
 GRAIN = 1 << 17  # multiply-adds worth a thread: ~5 us of work, more than waking it costs
 # cblas_sgemm with 64-bit integers, as OpenBLAS (numpy's wheels: "scipy_" prefix), MKL and BLIS name it.
