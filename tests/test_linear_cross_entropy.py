@@ -185,8 +185,9 @@ def test_gradients_against_float64_reference(small_chunks, type):
 @pytest.mark.parametrize("type", [T.F32, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_equals_the_unfused_graph(monkeypatch, type, chunked):
     """Loss, predictions and gradients of linear_cross_entropy_loss against
-    cross_entropy_loss(mul_mat(w, x)) + argmax: the same to float rounding (the logits are
-    the same tile products; sums and exps differ in order only)."""
+    cross_entropy_loss(mul_mat(w, x)) + argmax, in a graph whose F32 products go through BLAS
+    as training graphs' do: the same to float rounding (the logits are the same tile
+    products; sums and exps differ in order only)."""
     if chunked:
         monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1)
         monkeypatch.setattr(qmatmul, "TILE_BYTES", 1)
@@ -203,6 +204,7 @@ def test_equals_the_unfused_graph(monkeypatch, type, chunked):
         xt = ctx.from_numpy(x).set_param()
         ids, wts, _, _ = labels(ctx, np.random.default_rng(8), (n,), n_classes)
         loss, pred, graph = graph_with_gradients(ctx, w, xt, ids, wts, fused)
+        gg.set_blas_products(graph.nodes)  # F32 logits through BLAS, as in training graphs (opt.TrainGraph)
         gg.compute(graph)
         results.append((loss.numpy().item(), pred.numpy().reshape(-1).copy(), graph.get_grad(xt).numpy().copy(),
                         graph.get_grad(w).numpy().copy() if type == T.F32 else None))
