@@ -17,9 +17,9 @@ When `a` is block-quantized, ggml quantizes `b` to the type's dot-product partne
 (vec_dot_type: Q8_0, Q8_1 or Q8_K) and uses integer dot products. Here `b`'s rows are
 rounded to exactly those values (d * q); qmatmul.py multiplies them with `a`'s packed rows
 in ggml's order for Q5_0, Q8_0, Q4_K and Q6_K (qexact.py) and otherwise with rows
-dequantized a tile at a time, through BLAS (float32 summation order apart, llama.cpp's). OUT_PROD (the products of the backward pass) reads
-a quantized `a` the same way, from its packed rows, in float32 or (set_prec BF16) by
-bf16 dot products.
+dequantized a tile at a time, through BLAS (float32 summation order apart, llama.cpp's).
+OUT_PROD (the products of the backward pass) reads a quantized `a` the same way, from its
+packed rows, in float32 or (set_prec BF16) by bf16 dot products.
 """
 from __future__ import annotations
 
