@@ -243,7 +243,7 @@ def test_gemma3_perplexity_matches_llama_cpp(gemma3_path, flash_attn, golden_fil
     # the peak of the command's own processes (this test process's RUSAGE_CHILDREN would
     # also hold every earlier child's, e.g. compile-ahead forks of a large test process)
     run, peak_mb = peak_rss_mb([sys.executable, "-m", "apps.perplexity", "-m", str(gemma3_path), "-f", str(wiki),
-                                "-c", "512", "-b", "512", "--chunks", "20", "-fa", flash_attn, "-t", "1"], REPO_ROOT)
+                                "-c", "512", "-b", "512", "--chunks", "20", "-fa", flash_attn, "-t", "2"], REPO_ROOT)
     seconds = time.perf_counter() - t0
     assert run.returncode == 0, run.stderr
     ours = [float(v) for v in re.findall(r"\[\d+\]([0-9.]+)", run.stdout)]
