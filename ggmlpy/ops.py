@@ -192,7 +192,8 @@ def set_backward_prec(nodes, prec: Prec) -> None:
     """set_prec on every node among `nodes` (a graph's) whose product runs through a quantized
     first operand: the backward passes through frozen quantized weights of a training graph."""
     for n in nodes:
-        if n.op in (Op.OUT_PROD, Op.LINEAR_CROSS_ENTROPY) and traits(n.src[0].type).is_quantized:
+        takes = prec == Prec.DEFAULT or prec in PREC_OPS.get(n.op, ())
+        if takes and n.op in PREC_OPS and traits(n.src[0].type).is_quantized:
             set_prec(n, prec)
 
 
