@@ -364,6 +364,41 @@ def test_block_sums_products(type, n):
         np.testing.assert_array_equal(part, out[i0:i0 + len(part)])
 
 
+def _q0_block_integers(q: np.ndarray, rows: int, block_bytes: int, values: np.ndarray):
+    """(scales (rows, nb) float32, integers (rows, nb, 32) int64) of Q5_0/Q8_0 rows, given
+    their dequantized values (integer = value / scale)."""
+    blocks = q.reshape(rows, -1, block_bytes)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    v = values.reshape(rows, d.shape[1], 32)
+    ints = np.rint(np.divide(v, d[..., None], out=np.zeros_like(v), where=d[..., None] != 0)).astype(np.int64)
+    return d, ints
+
+
+@pytest.mark.parametrize("type", [T.Q5_0, T.Q8_0], ids=ids)
+def test_block_sums_bits(type):
+    """The block-sum kernel's float arithmetic, bit for bit: per block, the exact integer sum
+    s_b, then acc = fma(d_w * d_x, s_b, acc) in block order (float32; the fma as the exact
+    product rounded once with the sum, in float64 then float32)."""
+    from ggmlpy.backend.cpu import qexact
+    from ggmlpy.backend.cpu.plan import Scratch
+    rng = np.random.default_rng(7 + int(type))
+    k, m, n = 192, 37, 35  # partial row groups and a partial column tile
+    q, w = quantized_weights(rng, type, (m, k))
+    x = rng.standard_normal((n, k)).astype(np.float32) * 3
+    qm = qmatmul.QuantMatrix.from_bytes(type, q, k)
+    out = np.empty((n, m), np.float32)
+    qexact.mul_mat(type, qm.buf, qm.offs, x, out, Scratch(), block_sums=True)
+    dw, iw = _q0_block_integers(q, m, qexact.Q0_BLOCK_BYTES[type], w)
+    xq = Q.quantize(x, T.Q8_0)
+    dx, ix = _q0_block_integers(xq, n, 34, Q.dequantize(xq, T.Q8_0))
+    acc = np.zeros((n, m), np.float32)
+    for b in range(k // 32):
+        isum = ix[:, b] @ iw[:, b].T  # (n, m), exact
+        s = (dx[:, b, None] * dw[None, :, b]).astype(np.float32)
+        acc = (s.astype(np.float64) * isum + acc).astype(np.float32)
+    np.testing.assert_array_equal(out, acc)
+
+
 @pytest.mark.parametrize("b_layout", ["contig", "perm", "trans"])
 @pytest.mark.parametrize("case", BCAST.values(), ids=BCAST.keys())
 @pytest.mark.parametrize("type", [T.Q8_0, T.Q4_K, T.Q6_K], ids=ids)

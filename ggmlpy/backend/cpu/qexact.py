@@ -34,7 +34,7 @@ from ...quants.kquants import scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
-from .vecir import (BLOCK_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_vnni, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile,
+from .vecir import (BLOCK_ROWS, Q0_BLOCK_ROWS_F32, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile,
                     q4_k_row_vnni, q4_k_tile, q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
 
 QK = 32
@@ -403,6 +403,23 @@ def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
 
 
 @njit(parallel=True, cache=True)
+def _q0_blocks_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    group = ROW_GROUP // Q0_BLOCK_ROWS_F32 * Q0_BLOCK_ROWS_F32  # whole tiles of rows
+    for task in prange((m_rows + group - 1) // group):
+        m0 = task * group
+        wq = np.empty((group, nb * QK), dtype=np.float32)
+        wd = np.empty((group, nb), dtype=np.float32)
+        res = np.empty(Q0_BLOCK_ROWS_F32 * W, dtype=np.float32)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd)
+        for tile in range(xq.shape[0]):
+            for r in range(0, min(group, m_rows - m0), Q0_BLOCK_ROWS_F32):
+                q0_blocks_tile(wq, wd, xq, xd, res, r, tile, nb)
+                _store_tile(out, res, Q0_BLOCK_ROWS_F32, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
 def _q0_blocks_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xcb, xd, out):
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
@@ -584,17 +601,18 @@ def supports(type: GGMLType) -> bool:
 def block_sums(type: GGMLType) -> bool:
     """Whether mul_mat(..., block_sums=True) has a kernel that sums each block of 32 whole
     (for more than Q0_GEMV_MAX_COLS columns)."""
-    return VNNI and type in Q0_BLOCK_BYTES
+    return type in Q0_BLOCK_BYTES
 
 
 def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch,
             block_sums: bool = False) -> None:
     """out (N, M) = x (N, K) times the M quantized rows at buf[offs] (ggml's sums, module doc).
 
-    block_sums (Q5_0 and Q8_0 with AVX512-VNNI and more than Q0_GEMV_MAX_COLS columns, else
-    ignored): one float multiply-add per block of 32 and column, in place of ggml's 8 lanes of
-    4 products (vecir.q0_blocks_vnni): the same integer products, float32 rounding apart from
-    ggml's, a column's results the same whatever columns come with it. For the output layer
+    block_sums (Q5_0 and Q8_0 with more than Q0_GEMV_MAX_COLS columns, else ignored): one
+    float multiply-add per block of 32 and column, in place of ggml's 8 lanes of 4 products
+    (vecir.q0_blocks_vnni, or q0_blocks_tile without AVX512-VNNI: the same bits), the same
+    integer products, float32 rounding apart from ggml's, a column's results the same
+    whatever columns come with it. For the output layer
     fused with the loss (linear_ce.py), which needs logits, not llama.cpp's bits. (Few columns
     keep the gemv kernels: 2-10x faster there, bench/quant_matmul.py.)"""
     n, k = x.shape
@@ -604,7 +622,12 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
     if type in Q0_BLOCK_BYTES:
         nb = k // QK
         block_bytes, is_q8 = Q0_BLOCK_BYTES[type], type == GGMLType.Q8_0
-        if block_sums and VNNI and n > Q0_GEMV_MAX_COLS:
+        if block_sums and not VNNI and n > Q0_GEMV_MAX_COLS:
+            xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
+            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+            quantize_q8_0_tiles(x, xq, xd)
+            _q0_blocks_gemm(buf, offs, block_bytes, is_q8, xq, xd, out)
+        elif block_sums and n > Q0_GEMV_MAX_COLS:
             bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
             xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
             xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb, 8, W)

@@ -166,6 +166,44 @@ def _q0_tile(rows):
 
 q0_tile2 = _q0_tile(2)
 
+Q0_BLOCK_ROWS_F32 = 3  # rows per q0_blocks_tile: 3 x 16 columns of sums and of accumulators fill AVX2's 16 registers
+
+
+@intrinsic
+def q0_blocks_tile(typingctx, wq, wd, xq, xd, res, r0, tile, nb):
+    """q0_blocks_vnni's numbers in float32 vector code, for CPUs without AVX512-VNNI: per
+    block of 32, each row's integer sum with 16 columns whole (32 products of integers, exact
+    in float32), then acc = fma(d_w * d_x, isum, acc) over the blocks in order. One float
+    multiply-add per 32 products where q0_tile's 8 lanes take 8, and 3 rows' accumulators
+    stay in registers on AVX2, where q0_tile2's 16 lane chains spill. Operands as q0_tile's
+    (the lane order of a block's elements is the same on both sides, so sums are unchanged);
+    res (48,)."""
+    sig = types.void(wq, wd, xq, xd, res, r0, tile, nb)
+    rows = Q0_BLOCK_ROWS_F32
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        wq_p, wd_p, xq_p, xd_p, res_p = (e.ptr(context, ty, a) for ty, a in zip(signature.args[:5], args[:5]))
+        r0_, tile_, nb_ = (e.i64(a) for a in args[5:])
+        b = builder
+        wrow = b.mul(nb_, e.const(32))
+        xq_t = e.gep(xq_p, b.mul(tile_, b.mul(wrow, e.const(W))))
+        xd_t = e.gep(xd_p, b.mul(tile_, b.mul(nb_, e.const(W))))
+        w_rows = _row_ptrs(e, wq_p, r0_, wrow, rows)
+        d_rows = _row_ptrs(e, wd_p, r0_, nb_, rows)
+        accs = [e.acc() for _ in range(rows)]
+        with cgutils.for_range(b, nb_) as loop:
+            blk = loop.index
+            isums = _dots(e, w_rows, xq_t, b.mul(blk, e.const(32)), 32)
+            dx = e.load(xd_t, b.mul(blk, e.const(W)))
+            for r in range(rows):
+                s = e.mul(e.splat(e.scalar(d_rows[r], blk)), dx)
+                b.store(e.fma(s, isums[r], b.load(accs[r])), accs[r])
+        for r in range(rows):
+            e.store(res_p, e.const(W * r), b.load(accs[r]))
+        return context.get_dummy_value()
+    return sig, codegen
+
 Q4K_ROWS = 4
 
 
