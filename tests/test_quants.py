@@ -374,13 +374,18 @@ def _q0_block_integers(q: np.ndarray, rows: int, block_bytes: int, values: np.nd
     return d, ints
 
 
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "float"])
 @pytest.mark.parametrize("type", [T.Q5_0, T.Q8_0], ids=ids)
-def test_block_sums_bits(type):
-    """The block-sum kernel's float arithmetic, bit for bit: per block, the exact integer sum
-    s_b, then acc = fma(d_w * d_x, s_b, acc) in block order (float32; the fma as the exact
-    product rounded once with the sum, in float64 then float32)."""
+def test_block_sums_bits(type, vnni, monkeypatch):
+    """Both block-sum kernels' float arithmetic (AVX512-VNNI's, and the float32 one other CPUs
+    run), bit for bit: per block, the exact integer sum s_b, then acc = fma(d_w * d_x, s_b,
+    acc) in block order (float32; the fma as the exact product rounded once with the sum, in
+    float64 then float32)."""
     from ggmlpy.backend.cpu import qexact
     from ggmlpy.backend.cpu.plan import Scratch
+    if vnni and not qexact.VNNI:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(qexact, "VNNI", vnni)
     rng = np.random.default_rng(7 + int(type))
     k, m, n = 192, 37, 35  # partial row groups and a partial column tile
     q, w = quantized_weights(rng, type, (m, k))
