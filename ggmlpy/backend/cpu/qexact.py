@@ -34,7 +34,7 @@ from ...quants.kquants import scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
-from .vecir import (BLOCK_ROWS, Q0_BLOCK_ROWS_F32, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_tile2, q0_tile2_vnni, q4_k_gemv_tile,
+from .vecir import (BLOCK_ROWS, Q0_BLOCK_ROWS_F32, Q0_LANE_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_lanes_tile, q0_tile2_vnni, q4_k_gemv_tile,
                     q4_k_row_vnni, q4_k_tile, q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
 
 QK = 32
@@ -46,11 +46,21 @@ GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their
 
 
 # ---- activations ---------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _at(e, nb, lane_major):
+    """Where element e of a row of nb blocks goes in the float kernels' layout: e itself, or
+    lane-major, where ggml's lane j of every block (elements 4 j .. 4 j + 3) comes together:
+    (j, b, t) at j 4 nb + 4 b + t, so one lane's chain over the blocks reads a contiguous run."""
+    if not lane_major:
+        return e
+    return ((e % QK) // 4) * 4 * nb + 4 * (e // QK) + e % 4
+
+
 @njit(parallel=True, cache=True)
-def quantize_q8_0_tiles(x, xq, xd):
+def quantize_q8_0_tiles(x, xq, xd, lane_major):
     """x (N, K) -> Q8_0 as ggml-cpu's quantize_row_q8_0 rounds it (half to even of
-    x * 127 / amax), in column tiles: xq[n // 16, 32 b + 8 t + j, n % 16] = integer of element
-    32 b + 4 j + t (lane order), xd[n // 16, b, n % 16] = d; columns past N are zero."""
+    x * 127 / amax), in column tiles: xq[n // 16, _at(e), n % 16] = integer of element e
+    (_at: natural or lane-major order), xd[n // 16, b, n % 16] = d; columns past N are zero."""
     n_cols, nb = x.shape[0], x.shape[1] // QK
     for tile in prange(xq.shape[0]):
         for c in range(W):
@@ -65,9 +75,8 @@ def quantize_q8_0_tiles(x, xq, xd):
             for b in range(nb):
                 d, idd = activation_block_scale(xr, b * QK)
                 xd[tile, b, c] = d
-                for j in range(8):
-                    for t in range(4):
-                        xq[tile, b * QK + 8 * t + j, c] = np.rint(F32(xr[b * QK + 4 * j + t] * idd))
+                for e in range(b * QK, b * QK + QK):
+                    xq[tile, _at(e, nb, lane_major), c] = np.rint(F32(xr[e] * idd))
 
 
 @njit(parallel=True, cache=True)
@@ -236,9 +245,9 @@ def _decode_q0_block(buf, o, is_q8, w):
 
 
 @njit(cache=True)
-def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd):
-    """Rows m0.. (as many as wq has; past the last matrix row, the last again) -> wq[r, 32 b +
-    8 t + j] = integer of element 32 b + 4 j + t, wd[r, b] = d."""
+def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, lane_major):
+    """Rows m0.. (as many as wq has; past the last matrix row, the last again) -> wq[r, _at(e)]
+    = integer of element e, wd[r, b] = d."""
     nb = wd.shape[1]
     w = np.empty(QK, dtype=np.float32)
     for r in range(wq.shape[0]):
@@ -246,10 +255,14 @@ def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd):
         for b in range(nb):
             o = o0 + b * block_bytes
             wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
+            if not lane_major:
+                _decode_q0_block(buf, o, is_q8, wq[r, b * QK:(b + 1) * QK])
+                continue
             _decode_q0_block(buf, o, is_q8, w)
             for j in range(8):
+                run = 4 * (j * nb + b)  # _at's place of element 4 j of block b
                 for t in range(4):
-                    wq[r, b * QK + 8 * t + j] = w[4 * j + t]
+                    wq[r, run + t] = w[4 * j + t]
 
 
 @njit(cache=True)
@@ -374,16 +387,18 @@ def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
 def _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
-    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
-        m0 = task * ROW_GROUP
-        wq = np.empty((ROW_GROUP, nb * QK), dtype=np.float32)
-        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
-        res = np.empty(2 * W, dtype=np.float32)
-        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd)
+    group = ROW_GROUP // Q0_LANE_ROWS * Q0_LANE_ROWS  # whole tiles of rows
+    for task in prange((m_rows + group - 1) // group):
+        m0 = task * group
+        wq = np.empty((group, nb * QK), dtype=np.float32)
+        wd = np.empty((group, nb), dtype=np.float32)
+        sbuf = np.empty(Q0_LANE_ROWS * nb * W, dtype=np.float32)
+        res = np.empty(Q0_LANE_ROWS * W, dtype=np.float32)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, True)
         for tile in range(xq.shape[0]):
-            for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
-                q0_tile2(wq, wd, xq, xd, res, r, tile, nb)
-                _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
+            for r in range(0, min(group, m_rows - m0), Q0_LANE_ROWS):
+                q0_lanes_tile(wq, wd, xq, xd, sbuf, res, r, tile, nb)
+                _store_tile(out, res, Q0_LANE_ROWS, m0 + r, tile * W, m_rows, n_cols)
 
 
 @njit(parallel=True, cache=True)
@@ -412,7 +427,7 @@ def _q0_blocks_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
         wq = np.empty((group, nb * QK), dtype=np.float32)
         wd = np.empty((group, nb), dtype=np.float32)
         res = np.empty(Q0_BLOCK_ROWS_F32 * W, dtype=np.float32)
-        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, False)
         for tile in range(xq.shape[0]):
             for r in range(0, min(group, m_rows - m0), Q0_BLOCK_ROWS_F32):
                 q0_blocks_tile(wq, wd, xq, xd, res, r, tile, nb)
@@ -625,7 +640,7 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
         if block_sums and not VNNI and n > Q0_GEMV_MAX_COLS:
             xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-            quantize_q8_0_tiles(x, xq, xd)
+            quantize_q8_0_tiles(x, xq, xd, False)
             _q0_blocks_gemm(buf, offs, block_bytes, is_q8, xq, xd, out)
         elif block_sums and n > Q0_GEMV_MAX_COLS:
             bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
@@ -662,7 +677,7 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
         else:
             xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-            quantize_q8_0_tiles(x, xq, xd)
+            quantize_q8_0_tiles(x, xq, xd, True)
             _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out)
         return
     nb = k // QK_K

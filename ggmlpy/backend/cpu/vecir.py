@@ -116,55 +116,65 @@ def _row_ptrs(e, base, r0, stride, count):
     return [e.gep(base, b.mul(b.add(r0, e.const(r)), stride)) for r in range(count)]
 
 
-def _q0_tile(rows):
-    @intrinsic
-    def q0_tile(typingctx, wq, wd, xq, xd, res, r0, tile, nb):
-        """`rows` matrix rows (r0..) x the 16 columns of column tile `tile` of the Q5_0/Q8_0
-        product: res[16 r + c] = hsum8 over lanes j of the fma chain over blocks b of
-        (wd[row, b] * xd[tile, b, c]) * sum_t wq[row, 32 b + 8 t + j] * xq[tile, 32 b + 8 t + j, c].
+Q0_LANE_ROWS = 3  # rows per q0_lanes_tile: 3 x 16 columns of one lane's chains and sums fill AVX2's registers
 
-        wq (rows, 32 nb): integers in lane order (8 t + j is element 4 j + t of the block),
-        wd (rows, nb), xq (tiles, 32 nb, 16), xd (tiles, nb, 16), res (16 rows,). The product
-        is symmetric: with the activations as `wq` and a tile of 16 matrix rows as `xq`, it
-        computes 16 matrix rows for `rows` columns (generation)."""
-        sig = types.void(wq, wd, xq, xd, res, r0, tile, nb)
 
-        def codegen(context, builder, signature, args):
-            e = _Emit(context, builder)
-            wq_p, wd_p, xq_p, xd_p, res_p = (e.ptr(context, ty, a) for ty, a in zip(signature.args[:5], args[:5]))
-            r0_, tile_, nb_ = (e.i64(a) for a in args[5:])
-            b = builder
-            wrow = b.mul(nb_, e.const(32))
-            xq_t = e.gep(xq_p, b.mul(tile_, b.mul(wrow, e.const(W))))  # this tile's (32 nb, 16) block
-            xd_t = e.gep(xd_p, b.mul(tile_, b.mul(nb_, e.const(W))))
-            w_rows = _row_ptrs(e, wq_p, r0_, wrow, rows)
-            d_rows = _row_ptrs(e, wd_p, r0_, nb_, rows)
-            accs = [[e.acc() for _ in range(8)] for _ in range(rows)]
+@intrinsic
+def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
+    """Q0_LANE_ROWS matrix rows (r0..) x the 16 columns of column tile `tile` of the Q5_0/Q8_0
+    product in ggml's order: res[16 r + c] = hsum8 over lanes j of the fma chain over blocks
+    b of (wd[row, b] * xd[tile, b, c]) * (lane j's 4 integer products of block b, exact).
+
+    One lane at a time: the lanes' chains are independent, so running them one after another
+    changes no bit, and only 3 rows x 16 columns of chains are live at once (in registers on
+    AVX2; all 8 lanes at once spill on every step, 1.15x slower). wq (rows, 32 nb) the rows'
+    integers and xq (tiles, 32 nb, 16) the columns', both lane-major (qexact._at: lane j of
+    every block is one run of 4 nb), wd (rows, nb), xd (tiles, nb, 16); sbuf (3 nb 16,)
+    takes the scale products d_w d_x, computed once for the 8 lanes; res (48,)."""
+    sig = types.void(wq, wd, xq, xd, sbuf, res, r0, tile, nb)
+    rows = Q0_LANE_ROWS
+
+    def codegen(context, builder, signature, args):
+        e = _Emit(context, builder)
+        wq_p, wd_p, xq_p, xd_p, s_p, res_p = (e.ptr(context, ty, a) for ty, a in zip(signature.args[:6], args[:6]))
+        r0_, tile_, nb_ = (e.i64(a) for a in args[6:])
+        b = builder
+        wrow = b.mul(nb_, e.const(32))
+        xq_t = e.gep(xq_p, b.mul(tile_, b.mul(wrow, e.const(W))))
+        xd_t = e.gep(xd_p, b.mul(tile_, b.mul(nb_, e.const(W))))
+        w_rows = _row_ptrs(e, wq_p, r0_, wrow, rows)
+        d_rows = _row_ptrs(e, wd_p, r0_, nb_, rows)
+        s_rows = _row_ptrs(e, s_p, e.const(0), b.mul(nb_, e.const(W)), rows)
+        with cgutils.for_range(b, nb_) as loop:
+            blk = loop.index
+            dx = e.load(xd_t, b.mul(blk, e.const(W)))
+            for r in range(rows):
+                e.store(s_rows[r], b.mul(blk, e.const(W)), e.mul(e.splat(e.scalar(d_rows[r], blk)), dx))
+        lanes = [[None] * 8 for _ in range(rows)]
+        for j in range(8):
+            accs = [e.acc() for _ in range(rows)]
             with cgutils.for_range(b, nb_) as loop:
                 blk = loop.index
-                dx = e.load(xd_t, b.mul(blk, e.const(W)))
-                s = [e.mul(e.splat(e.scalar(d_rows[r], blk)), dx) for r in range(rows)]
-                xb = e.gep(xq_t, b.mul(blk, e.const(32 * W)))
-                wb = [e.gep(w_rows[r], b.mul(blk, e.const(32))) for r in range(rows)]
-                for j in range(8):
-                    xs = [e.load(xb, e.const((8 * t + j) * W)) for t in range(4)]
+                base = b.add(b.mul(blk, e.const(4)), b.mul(nb_, e.const(4 * j)))  # lane j's run
+                ps = [None] * rows
+                for t in range(4):  # the lane's 4 products: exact, any order
+                    idx = b.add(base, e.const(t))
+                    xv = e.load(xq_t, b.mul(idx, e.const(W)))
                     for r in range(rows):
-                        ws = [e.splat(e.scalar(wb[r], e.const(8 * t + j))) for t in range(4)]
-                        p = e.mul(ws[0], xs[0])  # the lane's 4 products: exact, any order
-                        for t in range(1, 4):
-                            p = e.fma(ws[t], xs[t], p)
-                        slot = accs[r][j]
-                        b.store(e.fma(s[r], p, b.load(slot)), slot)
+                        wv = e.splat(e.scalar(w_rows[r], idx))
+                        ps[r] = e.mul(wv, xv) if ps[r] is None else e.fma(wv, xv, ps[r])
+                for r in range(rows):
+                    sv = e.load(s_rows[r], b.mul(blk, e.const(W)))
+                    b.store(e.fma(sv, ps[r], b.load(accs[r])), accs[r])
             for r in range(rows):
-                a = [b.load(slot) for slot in accs[r]]
-                t = [e.add(a[i], a[i + 4]) for i in range(4)]
-                e.store(res_p, e.const(W * r), e.add(e.add(t[0], t[2]), e.add(t[1], t[3])))
-            return context.get_dummy_value()
-        return sig, codegen
-    return q0_tile
+                lanes[r][j] = b.load(accs[r])
+        for r in range(rows):
+            a = lanes[r]
+            t = [e.add(a[i], a[i + 4]) for i in range(4)]
+            e.store(res_p, e.const(W * r), e.add(e.add(t[0], t[2]), e.add(t[1], t[3])))
+        return context.get_dummy_value()
+    return sig, codegen
 
-
-q0_tile2 = _q0_tile(2)
 
 Q0_BLOCK_ROWS_F32 = 3  # rows per q0_blocks_tile: 3 x 16 columns of sums and of accumulators fill AVX2's 16 registers
 
@@ -174,9 +184,8 @@ def q0_blocks_tile(typingctx, wq, wd, xq, xd, res, r0, tile, nb):
     """q0_blocks_vnni's numbers in float32 vector code, for CPUs without AVX512-VNNI: per
     block of 32, each row's integer sum with 16 columns whole (32 products of integers, exact
     in float32), then acc = fma(d_w * d_x, isum, acc) over the blocks in order. One float
-    multiply-add per 32 products where q0_tile's 8 lanes take 8, and 3 rows' accumulators
-    stay in registers on AVX2, where q0_tile2's 16 lane chains spill. Operands as q0_tile's
-    (the lane order of a block's elements is the same on both sides, so sums are unchanged);
+    multiply-add per 32 products where ggml's 8 lanes take 8 (q0_lanes_tile), 1.5x faster.
+    Operands as q0_lanes_tile's, but in natural order (a block's 32 elements together);
     res (48,)."""
     sig = types.void(wq, wd, xq, xd, res, r0, tile, nb)
     rows = Q0_BLOCK_ROWS_F32
@@ -500,7 +509,7 @@ def _splat_i32(b, x):
 
 @intrinsic
 def q0_tile2_vnni(typingctx, wu, wd, xq, xc, xd, res, r0, tile, nb):
-    """q0_tile2 with the integer sums by AVX512-VNNI: the same numbers. wu (rows, 32 nb) int8
+    """q0_lanes_tile's numbers for 2 rows, the integer sums by AVX512-VNNI. wu (rows, 32 nb) int8
     bytes of the matrix integers plus a bias making them unsigned (natural order), wd (rows,
     nb); xq (tiles, 8 nb, 16, 4) int8: lane j of block b for 16 columns, 4 bytes each;
     xc (tiles, 8 nb, 16) int32: -bias times each lane's sum of x (vpdpbusd adding the
@@ -581,7 +590,7 @@ _VF8 = ir.VectorType(_F, 8)
 def q8_0_row_vnni(typingctx, buf, o, xu, xd, nb):
     """ggml_vec_dot_q8_0_q8_0 of the Q8_0 row at buf[o] (its packed blocks, used in place)
     and one activation column: per block, 8 lanes of 4 products by AVX512-VNNI, lane_j =
-    fma(d_w * d_x, isum_j, lane_j), then hsum8 (as q0_tile2 computes it, for one column).
+    fma(d_w * d_x, isum_j, lane_j), then hsum8 (as q0_lanes_tile computes it, for one column).
     xu (32 nb,) uint8: the activations' integers plus 128; xd (nb,) their scales."""
     sig = types.float32(buf, o, xu, xd, nb)
 
