@@ -34,7 +34,7 @@ from ...quants.kquants import scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
-from .vecir import (BLOCK_ROWS, Q0_BLOCK_ROWS_F32, Q0_LANE_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_lanes_tile, q0_tile2_vnni, q4_k_gemv_tile,
+from .vecir import (BLOCK_ROWS, Q0_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_lanes_tile, q0_tile2_vnni, q4_k_gemv_tile,
                     q4_k_row_vnni, q4_k_tile, q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
 
 QK = 32
@@ -384,54 +384,27 @@ def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
 
 
 @njit(parallel=True, cache=True)
-def _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
+def _q0_gemm(buf, offs, block_bytes, is_q8, blocks, xq, xd, out):
+    """out = the Q5_0/Q8_0 product, in ggml's order (q0_lanes_tile, xq lane-major) or with
+    `blocks` by block sums (q0_blocks_tile, xq in natural order): one kernel for both, as a
+    training step takes both (the layers' products and the output layer's), compiled once."""
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
-    group = ROW_GROUP // Q0_LANE_ROWS * Q0_LANE_ROWS  # whole tiles of rows
+    group = ROW_GROUP // Q0_ROWS * Q0_ROWS  # whole tiles of rows
     for task in prange((m_rows + group - 1) // group):
         m0 = task * group
         wq = np.empty((group, nb * QK), dtype=np.float32)
         wd = np.empty((group, nb), dtype=np.float32)
-        sbuf = np.empty(Q0_LANE_ROWS * nb * W, dtype=np.float32)
-        res = np.empty(Q0_LANE_ROWS * W, dtype=np.float32)
-        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, True)
+        sbuf = np.empty(Q0_ROWS * nb * W, dtype=np.float32)
+        res = np.empty(Q0_ROWS * W, dtype=np.float32)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, not blocks)
         for tile in range(xq.shape[0]):
-            for r in range(0, min(group, m_rows - m0), Q0_LANE_ROWS):
-                q0_lanes_tile(wq, wd, xq, xd, sbuf, res, r, tile, nb)
-                _store_tile(out, res, Q0_LANE_ROWS, m0 + r, tile * W, m_rows, n_cols)
-
-
-@njit(parallel=True, cache=True)
-def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
-    m_rows, n_cols = offs.shape[0], out.shape[0]
-    nb = xd.shape[1]
-    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
-        m0 = task * ROW_GROUP
-        wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
-        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
-        res = np.empty(2 * W, dtype=np.float32)
-        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd)
-        for tile in range(xq.shape[0]):
-            for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
-                q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
-                _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
-
-
-@njit(parallel=True, cache=True)
-def _q0_blocks_gemm(buf, offs, block_bytes, is_q8, xq, xd, out):
-    m_rows, n_cols = offs.shape[0], out.shape[0]
-    nb = xd.shape[1]
-    group = ROW_GROUP // Q0_BLOCK_ROWS_F32 * Q0_BLOCK_ROWS_F32  # whole tiles of rows
-    for task in prange((m_rows + group - 1) // group):
-        m0 = task * group
-        wq = np.empty((group, nb * QK), dtype=np.float32)
-        wd = np.empty((group, nb), dtype=np.float32)
-        res = np.empty(Q0_BLOCK_ROWS_F32 * W, dtype=np.float32)
-        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, False)
-        for tile in range(xq.shape[0]):
-            for r in range(0, min(group, m_rows - m0), Q0_BLOCK_ROWS_F32):
-                q0_blocks_tile(wq, wd, xq, xd, res, r, tile, nb)
-                _store_tile(out, res, Q0_BLOCK_ROWS_F32, m0 + r, tile * W, m_rows, n_cols)
+            for r in range(0, min(group, m_rows - m0), Q0_ROWS):
+                if blocks:
+                    q0_blocks_tile(wq, wd, xq, xd, res, r, tile, nb)
+                else:
+                    q0_lanes_tile(wq, wd, xq, xd, sbuf, res, r, tile, nb)
+                _store_tile(out, res, Q0_ROWS, m0 + r, tile * W, m_rows, n_cols)
 
 
 @njit(parallel=True, cache=True)
@@ -641,7 +614,7 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
             xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
             quantize_q8_0_tiles(x, xq, xd, False)
-            _q0_blocks_gemm(buf, offs, block_bytes, is_q8, xq, xd, out)
+            _q0_gemm(buf, offs, block_bytes, is_q8, True, xq, xd, out)
         elif block_sums and n > Q0_GEMV_MAX_COLS:
             bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
             xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
@@ -678,7 +651,7 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
             xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
             quantize_q8_0_tiles(x, xq, xd, True)
-            _q0_gemm(buf, offs, block_bytes, is_q8, xq, xd, out)
+            _q0_gemm(buf, offs, block_bytes, is_q8, False, xq, xd, out)
         return
     nb = k // QK_K
     xq = scratch.get("q8_k", n * k).reshape(n, k)

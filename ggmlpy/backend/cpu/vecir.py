@@ -116,12 +116,14 @@ def _row_ptrs(e, base, r0, stride, count):
     return [e.gep(base, b.mul(b.add(r0, e.const(r)), stride)) for r in range(count)]
 
 
-Q0_LANE_ROWS = 3  # rows per q0_lanes_tile: 3 x 16 columns of one lane's chains and sums fill AVX2's registers
+# rows per call of q0_lanes_tile and q0_blocks_tile: 3 x 16 columns of chains (of one lane, or of
+# blocks) and of sums fill AVX2's 16 registers
+Q0_ROWS = 3
 
 
 @intrinsic
 def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
-    """Q0_LANE_ROWS matrix rows (r0..) x the 16 columns of column tile `tile` of the Q5_0/Q8_0
+    """Q0_ROWS matrix rows (r0..) x the 16 columns of column tile `tile` of the Q5_0/Q8_0
     product in ggml's order: res[16 r + c] = hsum8 over lanes j of the fma chain over blocks
     b of (wd[row, b] * xd[tile, b, c]) * (lane j's 4 integer products of block b, exact).
 
@@ -132,7 +134,7 @@ def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
     every block is one run of 4 nb), wd (rows, nb), xd (tiles, nb, 16); sbuf (3 nb 16,)
     takes the scale products d_w d_x, computed once for the 8 lanes; res (48,)."""
     sig = types.void(wq, wd, xq, xd, sbuf, res, r0, tile, nb)
-    rows = Q0_LANE_ROWS
+    rows = Q0_ROWS
 
     def codegen(context, builder, signature, args):
         e = _Emit(context, builder)
@@ -150,12 +152,17 @@ def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
             dx = e.load(xd_t, b.mul(blk, e.const(W)))
             for r in range(rows):
                 e.store(s_rows[r], b.mul(blk, e.const(W)), e.mul(e.splat(e.scalar(d_rows[r], blk)), dx))
-        lanes = [[None] * 8 for _ in range(rows)]
-        for j in range(8):
+        lanes = cgutils.alloca_once(b, ir.ArrayType(_VF, 8 * rows))  # each row's 8 lane sums
+
+        def lane(r, j):
+            return b.gep(lanes, [ir.Constant(_I32, 0), b.trunc(b.add(e.const(8 * r), j), _I32)])
+        with cgutils.for_range(b, e.const(8)) as lane_loop:  # a loop, not unrolled: 8x less to compile
+            j = lane_loop.index
+            run = b.mul(nb_, b.mul(j, e.const(4)))  # lane j's run
             accs = [e.acc() for _ in range(rows)]
             with cgutils.for_range(b, nb_) as loop:
                 blk = loop.index
-                base = b.add(b.mul(blk, e.const(4)), b.mul(nb_, e.const(4 * j)))  # lane j's run
+                base = b.add(b.mul(blk, e.const(4)), run)
                 ps = [None] * rows
                 for t in range(4):  # the lane's 4 products: exact, any order
                     idx = b.add(base, e.const(t))
@@ -167,16 +174,13 @@ def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
                     sv = e.load(s_rows[r], b.mul(blk, e.const(W)))
                     b.store(e.fma(sv, ps[r], b.load(accs[r])), accs[r])
             for r in range(rows):
-                lanes[r][j] = b.load(accs[r])
+                b.store(b.load(accs[r]), lane(r, j))
         for r in range(rows):
-            a = lanes[r]
+            a = [b.load(lane(r, e.const(i))) for i in range(8)]
             t = [e.add(a[i], a[i + 4]) for i in range(4)]
             e.store(res_p, e.const(W * r), e.add(e.add(t[0], t[2]), e.add(t[1], t[3])))
         return context.get_dummy_value()
     return sig, codegen
-
-
-Q0_BLOCK_ROWS_F32 = 3  # rows per q0_blocks_tile: 3 x 16 columns of sums and of accumulators fill AVX2's 16 registers
 
 
 @intrinsic
@@ -188,7 +192,7 @@ def q0_blocks_tile(typingctx, wq, wd, xq, xd, res, r0, tile, nb):
     Operands as q0_lanes_tile's, but in natural order (a block's 32 elements together);
     res (48,)."""
     sig = types.void(wq, wd, xq, xd, res, r0, tile, nb)
-    rows = Q0_BLOCK_ROWS_F32
+    rows = Q0_ROWS
 
     def codegen(context, builder, signature, args):
         e = _Emit(context, builder)
