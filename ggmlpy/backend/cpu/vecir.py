@@ -121,6 +121,16 @@ def _row_ptrs(e, base, r0, stride, count):
 Q0_ROWS = 3
 
 
+def _q0_float_operands(e, wq_p, wd_p, xq_p, xd_p, r0_, tile_, nb_):
+    """What the float Q0 tiles read: column tile `tile`'s integers and scales, and Q0_ROWS
+    rows' integers and scales from r0."""
+    b = e.b
+    wrow = b.mul(nb_, e.const(32))
+    xq_t = e.gep(xq_p, b.mul(tile_, b.mul(wrow, e.const(W))))
+    xd_t = e.gep(xd_p, b.mul(tile_, b.mul(nb_, e.const(W))))
+    return xq_t, xd_t, _row_ptrs(e, wq_p, r0_, wrow, Q0_ROWS), _row_ptrs(e, wd_p, r0_, nb_, Q0_ROWS)
+
+
 @intrinsic
 def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
     """Q0_ROWS matrix rows (r0..) x the 16 columns of column tile `tile` of the Q5_0/Q8_0
@@ -141,11 +151,7 @@ def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
         wq_p, wd_p, xq_p, xd_p, s_p, res_p = (e.ptr(context, ty, a) for ty, a in zip(signature.args[:6], args[:6]))
         r0_, tile_, nb_ = (e.i64(a) for a in args[6:])
         b = builder
-        wrow = b.mul(nb_, e.const(32))
-        xq_t = e.gep(xq_p, b.mul(tile_, b.mul(wrow, e.const(W))))
-        xd_t = e.gep(xd_p, b.mul(tile_, b.mul(nb_, e.const(W))))
-        w_rows = _row_ptrs(e, wq_p, r0_, wrow, rows)
-        d_rows = _row_ptrs(e, wd_p, r0_, nb_, rows)
+        xq_t, xd_t, w_rows, d_rows = _q0_float_operands(e, wq_p, wd_p, xq_p, xd_p, r0_, tile_, nb_)
         s_rows = _row_ptrs(e, s_p, e.const(0), b.mul(nb_, e.const(W)), rows)
         with cgutils.for_range(b, nb_) as loop:
             blk = loop.index
@@ -199,11 +205,7 @@ def q0_blocks_tile(typingctx, wq, wd, xq, xd, res, r0, tile, nb):
         wq_p, wd_p, xq_p, xd_p, res_p = (e.ptr(context, ty, a) for ty, a in zip(signature.args[:5], args[:5]))
         r0_, tile_, nb_ = (e.i64(a) for a in args[5:])
         b = builder
-        wrow = b.mul(nb_, e.const(32))
-        xq_t = e.gep(xq_p, b.mul(tile_, b.mul(wrow, e.const(W))))
-        xd_t = e.gep(xd_p, b.mul(tile_, b.mul(nb_, e.const(W))))
-        w_rows = _row_ptrs(e, wq_p, r0_, wrow, rows)
-        d_rows = _row_ptrs(e, wd_p, r0_, nb_, rows)
+        xq_t, xd_t, w_rows, d_rows = _q0_float_operands(e, wq_p, wd_p, xq_p, xd_p, r0_, tile_, nb_)
         accs = [e.acc() for _ in range(rows)]
         with cgutils.for_range(b, nb_) as loop:
             blk = loop.index
