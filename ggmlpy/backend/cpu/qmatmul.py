@@ -129,6 +129,13 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
     return out
 
 
+# rows of G per BLAS call in mul_mat_qt: 1.3-1.5x faster than gemm's 16 on the shapes of a
+# Gemma 3 window (bench/RESULTS.md, eighth session), and still fixed (a row's result is the
+# same for any thread count and any ubatch of a multiple of 64 rows). Only backward passes
+# take this product, and their gradients sum over the ubatch's tokens anyway.
+BACKWARD_SLICE_ROWS = 64
+
+
 def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: Scratch | None = None,
                bf16: bool = False) -> np.ndarray:
     """out[n, k] = sum_m g[n, m] * W[m, k]  (g: (N, M) float32, out: (N, K) float32), from
@@ -141,7 +148,7 @@ def mul_mat_qt(w: QuantMatrix, g: np.ndarray, out: np.ndarray, scratch: Scratch 
     for r0 in range(0, w.m, t):
         r1 = min(w.m, r0 + t)
         tile = w.dequantize_rows(r0, r1, tile_buf)
-        matmul(g[:, r0:r1], tile, out, accumulate=r0 > 0)
+        matmul(g[:, r0:r1], tile, out, accumulate=r0 > 0, slice_rows=BACKWARD_SLICE_ROWS)
     if w.m == 0:
         out[...] = 0
     return out
