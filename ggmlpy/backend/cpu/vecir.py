@@ -10,7 +10,8 @@ float32 operations, in the same order, as the numba reference loops in qexact.py
 
 Data layout: the activations are column-major for 16-wide loads, xq[e, n] (element e of
 column n), with a column count padded to a multiple of 16; the matrix rows a task unpacks
-are row-major floats.
+are row-major floats. Q5_0/Q8_0 in ggml's order put both sides' elements lane-major
+(qexact._at), so a lane's chain reads contiguous runs.
 """
 from __future__ import annotations
 
