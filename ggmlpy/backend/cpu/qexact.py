@@ -34,8 +34,9 @@ from ...quants.kquants import scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
 from .simd import fma_f32, hsum8
-from .vecir import (BLOCK_ROWS, Q0_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_lanes_tile, q0_tile2_vnni, q4_k_gemv_tile,
-                    q4_k_row_vnni, q4_k_tile, q5_0_row_vnni, q6_k_gemv_tile, q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
+from .vecir import (BLOCK_ROWS, Q0_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_lanes_tile,
+                    q0_tile2_vnni, q4_k_gemv_tile, q4_k_row_vnni, q4_k_tile, q5_0_row_vnni, q6_k_gemv_tile,
+                    q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
 
 QK = 32
 ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with every column tile)
@@ -405,6 +406,22 @@ def _q0_gemm(buf, offs, block_bytes, is_q8, blocks, xq, xd, out):
                 else:
                     q0_lanes_tile(wq, wd, xq, xd, sbuf, res, r, tile, nb)
                 _store_tile(out, res, Q0_ROWS, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(2 * W, dtype=np.float32)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd)
+        for tile in range(xq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
+                q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
+                _store_tile(out, res, 2, m0 + r, tile * W, m_rows, n_cols)
 
 
 @njit(parallel=True, cache=True)
