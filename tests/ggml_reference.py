@@ -162,6 +162,19 @@ def mul_mat_q0(w, dw, x):
     return hsum8(acc)
 
 
+def mul_mat_q0_blocks(w, dw, x):
+    """The block-sum order of the fused output layer's Q5_0/Q8_0 logits (qexact's
+    block_sums): per block the exact integer sum of 32 products, acc = fma(d_w * d_x, sum,
+    acc) in block order. Arguments as mul_mat_q0's; returns (N, M)."""
+    xq, dx = quantize_q8_0(x)
+    n, m, nb = x.shape[0], w.shape[0], dw.shape[1]
+    sums = np.einsum("mbe,nbe->nmb", w.reshape(m, nb, 32), xq.reshape(n, nb, 32))
+    acc = np.zeros((n, m), F32)
+    for b in range(nb):
+        acc = fma((dw[None, :, b] * dx[:, None, b]).astype(F32), sums[:, :, b].astype(F32), acc)
+    return acc
+
+
 def mul_mat_q4_k(rows, x):
     """ggml's repacked Q4_K: columns in groups of 4 by ggml_gemm_q4_K_8x8_q8_K (per 64-element
     chunk), the rest by its gemv (per super-block)."""

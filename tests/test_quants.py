@@ -364,23 +364,13 @@ def test_block_sums_products(type, n):
         np.testing.assert_array_equal(part, out[i0:i0 + len(part)])
 
 
-def _q0_block_integers(q: np.ndarray, rows: int, block_bytes: int, values: np.ndarray):
-    """(scales (rows, nb) float32, integers (rows, nb, 32) int64) of Q5_0/Q8_0 rows, given
-    their dequantized values (integer = value / scale)."""
-    blocks = q.reshape(rows, -1, block_bytes)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    v = values.reshape(rows, d.shape[1], 32)
-    ints = np.rint(np.divide(v, d[..., None], out=np.zeros_like(v), where=d[..., None] != 0)).astype(np.int64)
-    return d, ints
-
-
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "float"])
 @pytest.mark.parametrize("type", [T.Q5_0, T.Q8_0], ids=ids)
 def test_block_sums_bits(type, vnni, monkeypatch):
     """Both block-sum kernels' float arithmetic (AVX512-VNNI's, and the float32 one other CPUs
-    run), bit for bit: per block, the exact integer sum s_b, then acc = fma(d_w * d_x, s_b,
-    acc) in block order (float32; the fma as the exact product rounded once with the sum, in
-    float64 then float32)."""
+    run), bit for bit: per block, the exact integer sum, then acc = fma(d_w * d_x, sum, acc)
+    in block order (ggml_reference.mul_mat_q0_blocks)."""
+    from ggml_reference import decode_q5_0, decode_q8_0, mul_mat_q0_blocks
     from ggmlpy.backend.cpu import qexact
     from ggmlpy.backend.cpu.plan import Scratch
     if vnni and not qexact.VNNI:
@@ -388,20 +378,13 @@ def test_block_sums_bits(type, vnni, monkeypatch):
     monkeypatch.setattr(qexact, "VNNI", vnni)
     rng = np.random.default_rng(7 + int(type))
     k, m, n = 192, 37, 35  # partial row groups and a partial column tile
-    q, w = quantized_weights(rng, type, (m, k))
+    q, _ = quantized_weights(rng, type, (m, k))
     x = rng.standard_normal((n, k)).astype(np.float32) * 3
     qm = qmatmul.QuantMatrix.from_bytes(type, q, k)
     out = np.empty((n, m), np.float32)
     qexact.mul_mat(type, qm.buf, qm.offs, x, out, Scratch(), block_sums=True)
-    dw, iw = _q0_block_integers(q, m, qexact.Q0_BLOCK_BYTES[type], w)
-    xq = Q.quantize(x, T.Q8_0)
-    dx, ix = _q0_block_integers(xq, n, 34, Q.dequantize(xq, T.Q8_0))
-    acc = np.zeros((n, m), np.float32)
-    for b in range(k // 32):
-        isum = ix[:, b] @ iw[:, b].T  # (n, m), exact
-        s = (dx[:, b, None] * dw[None, :, b]).astype(np.float32)
-        acc = (s.astype(np.float64) * isum + acc).astype(np.float32)
-    np.testing.assert_array_equal(out, acc)
+    decode = decode_q5_0 if type == T.Q5_0 else decode_q8_0
+    np.testing.assert_array_equal(out, mul_mat_q0_blocks(*decode(q.reshape(m, -1)), x))
 
 
 @pytest.mark.parametrize("b_layout", ["contig", "perm", "trans"])

@@ -129,7 +129,7 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
     return out
 
 
-# rows of G per BLAS call in mul_mat_qt: 1.3-1.5x faster than gemm's 16 on the shapes of a
+# rows of G per BLAS call in mul_mat_qt: 1.24-1.28x faster than gemm's 16 on the shapes of a
 # Gemma 3 window (bench/RESULTS.md, eighth session), and still fixed (a row's result is the
 # same for any thread count and any ubatch of a multiple of 64 rows). Only backward passes
 # take this product, and their gradients sum over the ubatch's tokens anyway.

@@ -140,7 +140,8 @@ def q0_lanes_tile(typingctx, wq, wd, xq, xd, sbuf, res, r0, tile, nb):
 
     One lane at a time: the lanes' chains are independent, so running them one after another
     changes no bit, and only 3 rows x 16 columns of chains are live at once (in registers on
-    AVX2; all 8 lanes at once spill on every step, 1.15x slower). wq (rows, 32 nb) the rows'
+    AVX2; all 8 lanes of 2 rows at once spilled on every step: 1.45x slower, bench/RESULTS.md,
+    eighth session). wq (rows, 32 nb) the rows'
     integers and xq (tiles, 32 nb, 16) the columns', both lane-major (qexact._at: lane j of
     every block is one run of 4 nb), wd (rows, nb), xd (tiles, nb, 16); sbuf (3 nb 16,)
     takes the scale products d_w d_x, computed once for the 8 lanes; res (48,)."""
@@ -195,7 +196,7 @@ def q0_blocks_tile(typingctx, wq, wd, xq, xd, res, r0, tile, nb):
     """q0_blocks_vnni's numbers in float32 vector code, for CPUs without AVX512-VNNI: per
     block of 32, each row's integer sum with 16 columns whole (32 products of integers, exact
     in float32), then acc = fma(d_w * d_x, isum, acc) over the blocks in order. One float
-    multiply-add per 32 products where ggml's 8 lanes take 8 (q0_lanes_tile), 1.5x faster.
+    multiply-add per 32 products where ggml's 8 lanes take 8 (q0_lanes_tile), 1.2x faster.
     Operands as q0_lanes_tile's, but in natural order (a block's 32 elements together);
     res (48,)."""
     sig = types.void(wq, wd, xq, xd, res, r0, tile, nb)
