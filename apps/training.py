@@ -147,7 +147,7 @@ class TrainingArgs:
                                          grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint,
                                          backward_bf16=self.backward_bf16, **policy)
         except ValueError as e:
-            raise InputError(first_error(e)) from None
+            raise InputError(str(e)) from None
 
 
 
@@ -180,14 +180,6 @@ def check_writable(path: Path) -> None:
         raise InputError(f"cannot write {path}: directory {parent} does not exist or is not writable")
 
 
-def first_error(e: ValueError) -> str:
-    errors = getattr(e, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        return f"{'.'.join(str(x) for x in first.get('loc', ()))}: {first['msg']}".lstrip(": ")
-    return str(e)
-
-
 def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, lora_out: Path | None,
           tool: str) -> Context:
     """Train `model` on `data` and save the result (the adapter to `lora_out` when params
@@ -213,7 +205,7 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         f"{', gradient checkpointing' if params.grad_checkpoint else ''}")
     n_threads = args.threads or default_threads()
     if n_batch > args.ctx_size:  # several windows per step: the context holds the step, windows stay -c long
-        params = params.model_copy(update={"n_ctx_train": args.ctx_size})
+        params = params.replace(n_ctx_train=args.ctx_size)
     ctx = Context(model, n_ctx=max(args.ctx_size, n_batch), n_batch=n_batch, n_ubatch=args.ubatch_size,
                   n_threads=n_threads)
     if comm.size > 1:

@@ -1,13 +1,16 @@
 """Quantized MUL_MAT against the float32 BLAS product of the same shape.
 
     python bench/quant_matmul.py [--threads 2] [--rows 640] [--k 2048] [--types Q4_K,Q6_K,Q8_0,Q5_0]
+                                 [--cols 1,8,64,512] [--reps 7]
 
-The weight has `rows` rows of `k` elements (gemma3-270m's ffn_down is 640 x 2048); it is
-multiplied with N = 1, 8, 64, 512 activation columns through a graph on a reused
+The weight has `rows` rows of `k` elements (gemma3-270m's ffn_down is 640 x 2048; its output
+layer, in chunks, --rows 8192 --k 640 --cols 256); it is
+multiplied with N = --cols activation columns through a graph on a reused
 CpuBackend, and the transposed product (dx = dy @ W) is timed on the array-level API in
 float32 and with bf16 dot products (bf16dot.py, what training uses for it where the CPU has
 AVX512-BF16). For Q5_0 and Q8_0, qexact's block-sum product (the fused output layer's logits)
-is timed against the same kernels in ggml's order. Medians of several runs, milliseconds.
+is timed against the same kernels in ggml's order. Each pair is timed alternately, run for
+run (the machine's noise falls on both); medians, milliseconds.
 """
 from __future__ import annotations
 
@@ -25,14 +28,16 @@ from ggmlpy.backend.cpu import CpuBackend, qexact, qmatmul
 from ggmlpy.backend.cpu.plan import Scratch
 
 
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
+def _alternated_ms(a, b, reps: int) -> tuple[float, float]:
+    """Medians of `reps` runs of a and b, taken in turn (after one warm-up run of each)."""
+    a(), b()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for fn, out in ((a, times[0]), (b, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
 def main() -> None:
@@ -41,6 +46,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=640)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q5_0")
+    ap.add_argument("--cols", default="1,8,64,512", help="activation columns N, comma-separated")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     backend = CpuBackend(args.threads)
@@ -56,24 +62,23 @@ def main() -> None:
         q = quants.quantize(w, w_type)
         w32 = quants.dequantize(q, w_type)
         wm = qmatmul.QuantMatrix.from_bytes(w_type, q, args.k)
-        for n in (1, 8, 64, 512):
+        for n in (int(c) for c in args.cols.split(",")):
             x = rng.standard_normal((n, args.k)).astype(np.float32)
             gq = gg.new_graph(gg.mul_mat(ctx := gg.Context(), ctx.from_numpy(q, w_type), ctx.from_numpy(x)))
             gf = gg.new_graph(gg.mul_mat(ctx2 := gg.Context(), ctx2.from_numpy(w32), ctx2.from_numpy(x)))
             gg.compute(gq, backend)
             gg.compute(gf, backend)
-            tq = _median_ms(lambda: backend.compute(gq), args.reps)
-            tf = _median_ms(lambda: backend.compute(gf), args.reps)
+            tq, tf = _alternated_ms(lambda: backend.compute(gq), lambda: backend.compute(gf), args.reps)
             dy = rng.standard_normal((n, args.rows)).astype(np.float32)
             dx = np.empty((n, args.k), np.float32)
-            tt = _median_ms(lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch), args.reps)
-            tb = _median_ms(lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch, bf16=True), args.reps)
+            tt, tb = _alternated_ms(lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch),
+                                    lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch, bf16=True), args.reps)
             line = f"{name:6} {n:5d} {tq:10.2f} {tf:9.2f} {tq / tf:6.2f} {tt:11.2f} {tb:7.2f} {tb / tt:6.2f}"
             if qexact.block_sums(w_type):
                 out = np.empty((n, args.rows), np.float32)
-                ts = _median_ms(lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch), args.reps)
-                tk = _median_ms(lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch, block_sums=True),
-                                args.reps)
+                ts, tk = _alternated_ms(lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch),
+                                        lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch,
+                                                               block_sums=True), args.reps)
                 line += f" {tk:7.2f} {tk / ts:6.2f}"
             print(line)
 

@@ -19,7 +19,7 @@ One mechanism serves any model, from a linear regression to a language model:
   zeroed at the start of each optimizer step, accumulated over `opt_period` evaluations
   and applied by `OptContext.step`, which refuses a step whose losses are not finite.
 
-Optimizer hyper-parameters are pydantic models (`AdamW`, `SGD`), validated once, here.
+Optimizer hyper-parameters are checked records (`AdamW`, `SGD`; params.py), defined once, here.
 """
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Annotated, Any, Literal, Protocol, TextIO
+from typing import Any, Literal, Protocol, TextIO
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from . import ops as O
 from . import ops_train as OT
@@ -42,6 +41,7 @@ from .backward import build_backward_expand
 from .context import Context
 from .distributed import as_communicator
 from .graph import Graph, new_graph
+from .params import Params, param
 from .tensor import Flag, Tensor
 from .types import GGMLType, traits
 
@@ -98,33 +98,30 @@ class Dataset:
 
 
 # ---- optimizer hyper-parameters (the one definition) ------------------------------------------------
-class AdamW(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class AdamW(Params):
     """AdamW with decoupled weight decay (`wd`, a fraction of alpha per step)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["adamw"] = "adamw"
-    alpha: float = Field(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
-    beta1: float = Field(0.9, ge=0, le=1)
-    beta2: float = Field(0.999, ge=0, le=1)
-    eps: float = Field(1e-8, ge=0)
-    wd: float = Field(0.0, ge=0, le=1)
+    alpha: float = param(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
+    beta1: float = param(0.9, ge=0, le=1)
+    beta2: float = param(0.999, ge=0, le=1)
+    eps: float = param(1e-8, ge=0)
+    wd: float = param(0.0, ge=0, le=1)
 
 
-class SGD(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class SGD(Params):
     """Plain SGD with decoupled weight decay; keeps no state."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["sgd"] = "sgd"
-    alpha: float = Field(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
-    wd: float = Field(0.0, ge=0, le=1)
-
-
-OptimizerParams = Annotated[AdamW | SGD, Field(discriminator="kind")]
+    alpha: float = param(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
+    wd: float = param(0.0, ge=0, le=1)
 
 
 def with_alpha(pars: AdamW | SGD, alpha: float) -> AdamW | SGD:
-    """The same optimizer with another learning rate (validated, unlike model_copy)."""
-    return type(pars)(**{**pars.model_dump(), "alpha": alpha})
+    """The same optimizer with another learning rate."""
+    return pars.replace(alpha=alpha)
 
 
 class LossType(Enum):
@@ -168,7 +165,7 @@ class Result:
         self.losses: list[float] = []
         self.counts: list[int] = []  # datapoints counted in each batch's loss
         self.steps: list[float] = []
-        self.preds: list[int] = []
+        self._preds: list[np.ndarray] = []  # each batch's, as int32 (a run predicts millions of tokens)
         self.ncorrect = 0
         self.loss_per_datapoint = False
 
@@ -208,7 +205,7 @@ class Result:
         if ncorrect is None:
             self.ncorrect = -1
             return
-        self.preds.extend(int(i) for i in preds)
+        self._preds.append(np.array(preds, dtype=np.int32).reshape(-1))
         if self.ncorrect >= 0:
             self.ncorrect += ncorrect
 
@@ -221,8 +218,13 @@ class Result:
         self.ndata += other.ndata
         self.losses.extend(other.losses)
         self.counts.extend(other.counts)
-        self.preds.extend(other.preds)
+        self._preds.extend(other._preds)
         self.ncorrect = -1 if min(self.ncorrect, other.ncorrect) < 0 else self.ncorrect + other.ncorrect
+
+    @property
+    def preds(self) -> np.ndarray:
+        """The prediction (argmax class) of every counted datapoint, in order (ggml_opt_result_pred)."""
+        return np.concatenate(self._preds) if self._preds else np.zeros(0, dtype=np.int32)
 
     def to_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of a pass in progress (per-datapoint predictions are not kept)."""

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
 
 from ggmlpy.opt import Dataset, FitPosition, Result
 
@@ -56,6 +55,7 @@ class Checkpoint:
 
 def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
     """Write `ckpt` to `path` atomically (SaveError with one line when it cannot)."""
+    from gguf import GGUFWriter  # imported when used: see save.py
     writer = GGUFWriter(None, _ARCH)
     writer.add_type("checkpoint")
     digest = hashlib.blake2b(digest_size=16)
@@ -86,6 +86,7 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read and verify a checkpoint; InputError with one line when it is missing, not a
     checkpoint, truncated or corrupt."""
+    from gguf import GGUFReader
     path = Path(path)
     if not path.is_file():
         raise InputError(f"checkpoint not found: {path}")

@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
 
 from ggmlpy import GGMLType, Tensor
 
@@ -101,6 +100,7 @@ class LoraAdapter:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the adapter in llama.cpp's GGUF LoRA format, atomically."""
+        from gguf import GGUFWriter  # imported when used: see save.py
         dest = Path(path)
         writer = GGUFWriter(None, self.arch)
         writer.add_type("adapter")

@@ -7,6 +7,9 @@ original order with their current type and shape, from the bytes the model holds
 (so weights changed in memory, e.g. by training, are saved). The file goes to a temporary
 file in the destination's directory, is fsynced, then renamed over the destination: a
 reader never sees a half-written file and a failed save leaves any previous file intact.
+
+gguf is imported when a file is written, not with this module: importing it (with yaml and
+the rest of its package) costs a training process 3 MB, and a run saves once, at its end.
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValue, GGUFValueType, GGUFWriter
 
 from ggmlpy import Tensor, row_size
 
@@ -41,6 +43,7 @@ def _raw(text: str) -> bytes:
 def _gguf_value(key: str, mv: MetaValue) -> GGUFValue:
     """A metadata value with its exact GGUF type, for gguf's writer; strings go as bytes, so a
     vocabulary's tokens are copied as they are even where not valid UTF-8."""
+    from gguf import GGUFValue, GGUFValueType
     vtype = GGUFValueType(int(mv.type))
     if vtype == GGUFValueType.STRING:
         return GGUFValue(_raw(mv.value), vtype, None)
@@ -74,6 +77,7 @@ def _nested_item(key: str, item: Any) -> list:
 
 def _infer_value(key: str, value: Any, existing: MetaValue | None) -> GGUFValue:
     """A caller's metadata value, typed like the key it overrides, or inferred for a new key."""
+    from gguf import GGUFValue, GGUFValueType
     if isinstance(value, GGUFValue):
         return value
     if existing is not None:
@@ -111,6 +115,8 @@ def _tensor_bytes(t: Tensor) -> np.ndarray:
 
 
 def _fill_writer(writer: GGUFWriter, model: Model, metadata: Mapping[str, Any] | None) -> None:
+    from gguf import GGMLQuantizationType
+
     source = model.file  # a GGUFFile, or the in-memory description of a model built in Python
     overrides = dict(metadata or {})
     # GGUFWriter puts general.architecture first; keep the source's order instead
@@ -150,6 +156,7 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
     written from its current in-memory bytes. Raises `SaveError` with one clear line
     (the destination is then untouched: a previous file there stays as it was).
     """
+    from gguf import GGUFWriter
     dest = Path(path)
     writer = GGUFWriter(None, str(model.file.get("general.architecture", "")))
     _fill_writer(writer, model, metadata)

@@ -182,10 +182,10 @@ class Trainer:
         p = self.params
         return {"kind": "lora" if p.lora else "full", "optimizer_kind": p.optimizer.kind,
                 "n_ctx": self.n_ctx, "n_batch": self.n_batch * self.comm.size,  # tokens per step, all ranks
-                "lora": p.lora.model_dump(mode="json", exclude={"seed"}) if p.lora else None,
+                "lora": p.lora.as_dict(exclude=("seed",)) if p.lora else None,
                 "trained": [[n, list(t.ne)] for n, t in self.trained.items()],
-                "optimizer": p.optimizer.model_dump(mode="json", exclude={"alpha"}),
-                "schedule": p.schedule.model_dump(mode="json"), "grad_clip": p.grad_clip,
+                "optimizer": p.optimizer.as_dict(exclude=("alpha",)),
+                "schedule": p.schedule.as_dict(), "grad_clip": p.grad_clip,
                 "window_bos": p.window_bos, "shuffle_seed": shuffle_seed, "n_ubatch": self.n_ubatch}
 
     @property

@@ -1,4 +1,4 @@
-"""Training parameters (pydantic models), parameter filters and llamapy's training policy.
+"""Training parameters (checked records: ggmlpy/params.py), parameter filters and llamapy's training policy.
 
 A parameter filter decides, per model tensor, whether it trains. Built-ins: every F32
 tensor, tensors whose names match a pattern, and LoRA adapter tensors. Learning-rate
@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from dataclasses import dataclass
 
 from ggmlpy import GGMLType, Tensor, traits
 from ggmlpy.opt import SGD, AdamW, with_alpha
+from ggmlpy.params import Params, param
 
 from .lora import DEFAULT_MODULES as DEFAULT_LORA_MODULES
 
@@ -52,7 +53,8 @@ def param_filter_lora(name: str, tensor: Tensor) -> bool:
     return name.endswith((".lora_a", ".lora_b"))
 
 
-class LRSchedule(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class LRSchedule(Params):
     """The learning rate of every optimizer step, as a closed form of the step.
 
     `kind`:
@@ -66,18 +68,18 @@ class LRSchedule(BaseModel):
     `warmup` > 0: the first `warmup` steps ramp linearly, lr0 * (step + 1) / warmup.
     """
 
-    lr0: float = Field(DEFAULT_LR, gt=0)
-    lr_min: float = Field(0.0, ge=0)
+    lr0: float = param(DEFAULT_LR, gt=0)
+    lr_min: float = param(0.0, ge=0)
     decay_epochs: float = -1.0
-    half_life: float | None = Field(None, gt=0)
-    halvings: int | None = Field(None, ge=0)
-    epochs: int = Field(2, ge=1)
+    half_life: float | None = param(None, gt=0)
+    halvings: int | None = param(None, ge=0)
+    epochs: int = param(2, ge=1)
     kind: Literal["constant", "exp", "cosine"] = "exp"
-    warmup: int = Field(0, ge=0)
-    cos_restart: int | None = Field(None, ge=1)
+    warmup: int = param(0, ge=0)
+    cos_restart: int | None = param(None, ge=1)
 
-    @model_validator(mode="after")
-    def _one_kind_of_decay(self) -> "LRSchedule":
+    def check(self) -> None:
+        """One kind of decay at a time."""
         if self.half_life is not None and self.lr_min > 0:
             raise ValueError("choose either halving (-lr-half) or decay to a minimum (-lr-min), not both")
         if self.kind != "exp" and (self.half_life is not None or self.decay_epochs > 0):
@@ -86,7 +88,6 @@ class LRSchedule(BaseModel):
             raise ValueError("--cos-restart needs --lr-schedule cosine")
         if self.lr_min > self.lr0:
             raise ValueError(f"-lr-min {self.lr_min:g} is above the learning rate {self.lr0:g}")
-        return self
 
     def lr(self, epoch: int) -> float:
         """The exp schedule's rate in `epoch` (0-based)."""
@@ -122,32 +123,32 @@ class LRSchedule(BaseModel):
         return self.lr_min + (self.lr0 - self.lr_min) * 0.5 * (1.0 + math.cos(math.pi * t / period))
 
 
-class LoraParams(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class LoraParams(Params):
     """A LoRA adapter to create and train instead of the weights (opt_init attaches it)."""
 
-    rank: int = Field(ge=1)
+    rank: int = param(ge=1)
     alpha: float | None = None  # None: the rank (scale 1)
     modules: tuple[str, ...] = DEFAULT_LORA_MODULES
     seed: int = 0
 
 
-class TrainParams(BaseModel):
+@dataclass(kw_only=True)
+class TrainParams(Params):
     """What Context.opt_init needs. n_ctx_train 0 means the context's n_ctx."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    n_ctx_train: int = Field(0, ge=0)
-    optimizer: Annotated[AdamW | SGD, Field(discriminator="kind")] = Field(default_factory=AdamW)
-    schedule: LRSchedule = Field(default_factory=LRSchedule)
+    n_ctx_train: int = param(0, ge=0)
+    optimizer: AdamW | SGD = param(default_factory=AdamW)
+    schedule: LRSchedule = param(default_factory=LRSchedule)
     param_filter: ParamFilter = param_filter_all
     lora: LoraParams | None = None
     window_bos: bool = False  # training windows start with BOS (see dataset.text_windows)
-    grad_clip: float | None = Field(None, gt=0)  # global gradient L2 norm limit (PyTorch's clip_grad_norm_)
+    grad_clip: float | None = param(None, gt=0)  # global gradient L2 norm limit (PyTorch's clip_grad_norm_)
     # gradient checkpointing: keep the residual stream at layer boundaries and recompute
     # each segment's forward during the backward pass (same gradients, less memory, more time);
     # grad_checkpoint_every k keeps every k-th boundary (None: the k with the smallest planned peak)
     grad_checkpoint: bool = False
-    grad_checkpoint_every: int | None = Field(None, ge=1)
+    grad_checkpoint_every: int | None = param(None, ge=1)
     # the backward pass's products through frozen quantized weights (and the fused output
     # layer's, when quantized) on bf16-rounded operands with float32 sums (gg.Prec.BF16): about
     # twice float32's speed on AVX512-BF16, each product within 2^-8 of its value, about as
@@ -155,24 +156,15 @@ class TrainParams(BaseModel):
     # None: bf16 where the CPU has AVX512-BF16 (elsewhere it would be no faster)
     backward_bf16: bool | None = None
 
-    @field_validator("optimizer")
-    @classmethod
-    def _rate_from_schedule(cls, optimizer: AdamW | SGD) -> AdamW | SGD:
-        if "alpha" in optimizer.model_fields_set:
+    def check(self) -> None:
+        """The schedule sets the rate; a checkpoint stride needs checkpointing; an adapter is
+        what trains (unless the caller's filter says otherwise)."""
+        if "alpha" in self.optimizer.fields_set:
             raise ValueError("set the learning rate with schedule=LRSchedule(lr0=...), not the optimizer's alpha")
-        return optimizer
-
-    @model_validator(mode="after")
-    def _checkpoint_stride_needs_checkpointing(self) -> "TrainParams":
         if self.grad_checkpoint_every is not None and not self.grad_checkpoint:
             raise ValueError("grad_checkpoint_every needs grad_checkpoint=True")
-        return self
-
-    @model_validator(mode="after")
-    def _lora_trains_adapters(self) -> "TrainParams":
         if self.lora is not None and self.param_filter is param_filter_all:
             self.param_filter = param_filter_lora
-        return self
 
     def optimizer_params(self, step: int, steps_per_epoch: int) -> AdamW | SGD:
         """The optimizer's hyper-parameters at optimizer step `step` (0-based) of this schedule."""
@@ -191,8 +183,8 @@ class TrainParams(BaseModel):
             lora_rank = DEFAULT_QUANTIZED_RANK
         lora = LoraParams(rank=lora_rank, alpha=lora_alpha, modules=modules, seed=seed) if lora_rank else None
         schedule = fields.pop("schedule", None) or LRSchedule()
-        if "lr0" not in schedule.model_fields_set:
-            schedule = LRSchedule(**{**schedule.model_dump(exclude_unset=True),
+        if "lr0" not in schedule.fields_set:
+            schedule = LRSchedule(**{**schedule.as_dict(only_set=True),
                                      "lr0": DEFAULT_LORA_LR if lora else DEFAULT_LR})
         bos = model.arch.bos_in_every_window if window_bos is None else window_bos
         return cls(schedule=schedule, lora=lora, window_bos=bos, **fields)

@@ -87,9 +87,10 @@ class WeightRows:
             self.tile = SLICE_COLS  # the float product's column tiles
 
     def chunk(self, n_rows: int) -> int:
-        """Classes per chunk: whole tiles, about CHUNK_BYTES for the larger block."""
+        """Classes per chunk: whole tiles, about CHUNK_BYTES for the larger block, and no more
+        tiles than the classes fill (a small output layer is one chunk of its own size)."""
         per = CHUNK_BYTES // (4 * max(n_rows, self.k, 1))
-        return max(self.tile, per // self.tile * self.tile)
+        return min(max(self.tile, per // self.tile * self.tile), -(-self.m // self.tile) * self.tile)
 
     def round_activations(self, x: np.ndarray) -> None:
         """x (rows, K, C-contiguous) rounded in place as ggml rounds a product's activations

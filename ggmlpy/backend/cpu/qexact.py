@@ -396,7 +396,7 @@ def _q0_gemm(buf, offs, block_bytes, is_q8, blocks, xq, xd, out):
         m0 = task * group
         wq = np.empty((group, nb * QK), dtype=np.float32)
         wd = np.empty((group, nb), dtype=np.float32)
-        sbuf = np.empty(Q0_ROWS * nb * W, dtype=np.float32)
+        sbuf = np.empty(0 if blocks else Q0_ROWS * nb * W, dtype=np.float32)  # q0_lanes_tile's lane sums
         res = np.empty(Q0_ROWS * W, dtype=np.float32)
         _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, not blocks)
         for tile in range(xq.shape[0]):
