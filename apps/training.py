@@ -147,7 +147,7 @@ class TrainingArgs:
                                          grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint,
                                          backward_bf16=self.backward_bf16, **policy)
         except ValueError as e:
-            raise InputError(str(e)) from None
+            raise InputError(_in_flags(str(e))) from None
 
 
 
@@ -178,6 +178,20 @@ def check_writable(path: Path) -> None:
         raise InputError(f"cannot write {path}: it is a directory")
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise InputError(f"cannot write {path}: directory {parent} does not exist or is not writable")
+
+
+# the flag that sets each checked field (ggmlpy/params.py names the field in its errors)
+_FLAG_OF_FIELD = {"LRSchedule.lr0": "-lr", "LRSchedule.lr_min": "-lr-min", "LRSchedule.decay_epochs": "-decay-epochs",
+                  "LRSchedule.half_life": "-lr-half", "LRSchedule.halvings": "-lr-halvings",
+                  "LRSchedule.epochs": "--epochs", "LRSchedule.kind": "--lr-schedule", "LRSchedule.warmup": "--warmup",
+                  "LRSchedule.cos_restart": "--cos-restart", "AdamW.wd": "-wd", "SGD.wd": "-wd",
+                  "TrainParams.grad_clip": "--grad-clip"}
+
+
+def _in_flags(message: str) -> str:
+    """A parameter error as the command line's user knows it: the flag, not the field."""
+    field = message.split(" ", 1)[0]
+    return _FLAG_OF_FIELD[field] + message[len(field):] if field in _FLAG_OF_FIELD else message
 
 
 def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, lora_out: Path | None,

@@ -251,6 +251,10 @@ def test_finetune_cli_bad_input(stories, slice_path, tmp_path):
                     r"^error: cannot write .*does not exist or is not writable")
     _one_error_line(finetune("-m", str(stories), "-f", str(slice_path), "-opt", "lion", "-o", str(out)),
                     r"^error: unknown optimizer 'lion'")
+    for flags, message in ((("-lr", "-1"), "-lr must be > 0, not -1.0"), (("-wd", "2"), "-wd must be <= 1, not 2.0"),
+                           (("--grad-clip", "0"), "--grad-clip must be > 0")):  # the flag the user gave, named
+        _one_error_line(finetune("-m", str(stories), "-f", str(slice_path), *flags, "-o", str(out)),
+                        "^error: " + re.escape(message))
     assert not out.exists()
 
 
