@@ -29,8 +29,8 @@ from numba import njit, prange
 
 from ...half import f16_bits_to_f32, f32_to_f16_bits
 from .kernels import alibi_slope
-from .simd import expf, expf_avx512, fma_f32, reduce16, vec_dot_f16, vec_dot_f32
-from .vecir import attn_scores_4x64, attn_values_4x64
+from .simd import expf, expf_avx512, fma_f32, reduce16
+from .vecir import attn_scores_4x64, attn_values_4x64, vec_dot_f16_row, vec_dot_f32_row
 
 F32 = np.float32
 Q_TILE = 64   # ggml_fa_tile_config::Q: rows from which ggml uses the tiled kernel
@@ -192,7 +192,6 @@ def flash_attn_one_chunk(q, k, v, mask, dst, scale, max_bias, softcap, has_mask,
         for d in range(dk):  # Q as the vec_dot type of K: half for an F16 cache
             qv[d] = _half(q[i3, h, iq, d]) if half_k else q[i3, h, iq, d]
         vkq = np.zeros(dv, dtype=np.float32)  # float32 values; halves when V is F16
-        acc = np.empty(64, dtype=np.float32)
         mx = F32(-np.inf)
         sm = F32(0.0)
         for ic in range(n_kv):
@@ -200,7 +199,7 @@ def flash_attn_one_chunk(q, k, v, mask, dst, scale, max_bias, softcap, has_mask,
             if mv == -np.inf:
                 continue
             kc = k[k3, ic, hk]
-            s = vec_dot_f16(kc, qv, dk, acc) if half_k else vec_dot_f32(kc, qv, dk, acc)
+            s = vec_dot_f16_row(kc, qv, dk) if half_k else vec_dot_f32_row(kc, qv, dk)  # kc, qv contiguous
             s = _score_post(s, sc, cap) + mv
             ms = F32(1.0)
             vs = F32(1.0)
