@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from typing import Literal
-
 from dataclasses import dataclass
+from typing import Literal
 
 from ggmlpy import GGMLType, Tensor, traits
 from ggmlpy.opt import SGD, AdamW, with_alpha
