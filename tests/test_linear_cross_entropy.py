@@ -253,3 +253,20 @@ def test_memory_is_a_chunk_not_the_logits(monkeypatch):
     assert max(t.nelements() for t in graph.nodes if t.op != gg.Op.NONE) < n_classes
     chunk = linear_ce.WeightRows(w).chunk(n)
     assert max(b.nbytes for b in backend.scratch._buffers.values()) <= 4 * chunk * max(n, k) < n_classes * n / 2
+
+
+def test_a_small_output_layer_plans_no_more_than_its_classes():
+    """512 classes (stories260K's vocabulary) x 128 rows, forward only (a validation pass):
+    one chunk of the classes, and no scratch block sized for a larger vocabulary (it was
+    8 MB here, made resident by numpy's huge pages)."""
+    rng = np.random.default_rng(2)
+    n_classes, k, n = 512, 64, 128
+    ctx = gg.Context()
+    w = ctx.from_numpy((rng.standard_normal((n_classes, k)) * 0.1).astype(np.float32))
+    x = ctx.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+    ids, wts, _, _ = labels(ctx, rng, (n,), n_classes)
+    loss, pred = gg.linear_cross_entropy_loss(ctx, w, x, ids, wts)
+    backend = gg.CpuBackend(1)
+    gg.compute(gg.new_graph(loss, pred), backend)
+    assert linear_ce.WeightRows(w).chunk(n) == n_classes  # whole tiles of 32, no more
+    assert max(b.nbytes for b in backend.scratch._buffers.values()) <= 4 * n_classes * n
