@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ggmlpy.params import ParamError
 from llamapy.context import Context, validation_windows
 from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
@@ -146,8 +148,10 @@ class TrainingArgs:
             return TrainParams.for_model(model, seed=self.seed, schedule=schedule, optimizer=opt,
                                          grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint,
                                          backward_bf16=self.backward_bf16, **policy)
+        except ParamError as e:
+            raise InputError(_as_flag(e)) from None
         except ValueError as e:
-            raise InputError(_in_flags(str(e))) from None
+            raise InputError(str(e)) from None
 
 
 
@@ -180,18 +184,22 @@ def check_writable(path: Path) -> None:
         raise InputError(f"cannot write {path}: directory {parent} does not exist or is not writable")
 
 
-# the flag that sets each checked field (ggmlpy/params.py names the field in its errors)
-_FLAG_OF_FIELD = {"LRSchedule.lr0": "-lr", "LRSchedule.lr_min": "-lr-min", "LRSchedule.decay_epochs": "-decay-epochs",
-                  "LRSchedule.half_life": "-lr-half", "LRSchedule.halvings": "-lr-halvings",
-                  "LRSchedule.epochs": "--epochs", "LRSchedule.kind": "--lr-schedule", "LRSchedule.warmup": "--warmup",
-                  "LRSchedule.cos_restart": "--cos-restart", "AdamW.wd": "-wd", "SGD.wd": "-wd",
-                  "TrainParams.grad_clip": "--grad-clip"}
+# the TrainingArgs field whose flag sets each checked record field (ParamError.field)
+_ARG_OF_FIELD = {"LRSchedule.lr0": "lr", "LRSchedule.lr_min": "lr_min", "LRSchedule.decay_epochs": "decay_epochs",
+                 "LRSchedule.half_life": "lr_half", "LRSchedule.halvings": "lr_halvings", "LRSchedule.epochs": "epochs",
+                 "LRSchedule.kind": "lr_schedule", "LRSchedule.warmup": "warmup", "LRSchedule.cos_restart": "cos_restart",
+                 "AdamW.wd": "wd", "SGD.wd": "wd", "TrainParams.grad_clip": "grad_clip"}
 
 
-def _in_flags(message: str) -> str:
+def _as_flag(e: ParamError) -> str:
     """A parameter error as the command line's user knows it: the flag, not the field."""
-    field = message.split(" ", 1)[0]
-    return _FLAG_OF_FIELD[field] + message[len(field):] if field in _FLAG_OF_FIELD else message
+    arg = _ARG_OF_FIELD.get(e.field)
+    if arg is None:
+        return str(e)
+    option = typing.get_args(next(f for f in fields(TrainingArgs) if f.name == arg).metadata["option"])[1]
+    # in an Annotated alias typer keeps the first name as the option's default
+    flag = next(d for d in (option.default, *option.param_decls) if isinstance(d, str) and d.startswith("-"))
+    return flag + str(e)[len(e.field):]
 
 
 def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, lora_out: Path | None,

@@ -65,7 +65,9 @@ def main() -> None:
         for n in (int(c) for c in args.cols.split(",")):
             x = rng.standard_normal((n, args.k)).astype(np.float32)
             gq = gg.new_graph(gg.mul_mat(ctx := gg.Context(), ctx.from_numpy(q, w_type), ctx.from_numpy(x)))
-            gf = gg.new_graph(gg.mul_mat(ctx2 := gg.Context(), ctx2.from_numpy(w32), ctx2.from_numpy(x)))
+            # Prec.BLAS: sgemm, as training's F32 products (by default an F32 MUL_MAT sums in ggml's order)
+            gf = gg.new_graph(gg.set_prec(gg.mul_mat(ctx2 := gg.Context(), ctx2.from_numpy(w32), ctx2.from_numpy(x)),
+                                          gg.Prec.BLAS))
             gg.compute(gq, backend)
             gg.compute(gf, backend)
             tq, tf = _alternated_ms(lambda: backend.compute(gq), lambda: backend.compute(gf), args.reps)

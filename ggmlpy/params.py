@@ -5,7 +5,7 @@ are keyword-only dataclasses deriving from `Params`. A field's annotation says w
 accepts (bool, int, float, str, a Literal, `X | None`, `tuple[str, ...]`, a callable, another
 Params class or a union of them told apart by their `kind` field), `param(default, ge=, gt=,
 le=)` adds bounds, and a class's `check()` adds what ties fields together. A bad value raises
-one ValueError naming the class and field. Numbers are converted (an int where a float is
+one ParamError (a ValueError) naming the class and field. Numbers are converted (an int where a float is
 expected), a dict becomes a nested record, anything else is refused.
 
 Why not pydantic, which did this before: importing it and building these few schemas cost a
@@ -21,9 +21,22 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-__all__ = ["Params", "param"]
+__all__ = ["ParamError", "Params", "param"]
 
 _BOUNDS = {"ge": (lambda v, b: v >= b, ">="), "gt": (lambda v, b: v > b, ">"), "le": (lambda v, b: v <= b, "<=")}
+
+
+class ParamError(ValueError):
+    """A value a record refuses. `field` names it ("AdamW.wd"); the message starts with that
+    name (a command line can put the flag that set the field in its place)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _refused(where: str, expected: str, value: Any) -> ParamError:
+    return ParamError(where, f"{where} must be {expected}, not {value!r}")
 
 
 def param(default: Any = dataclasses.MISSING, *, default_factory: collections.abc.Callable[[], Any] | None = None,
@@ -50,7 +63,7 @@ class Params:
             for key, bound in f.metadata.items():
                 ok, sign = _BOUNDS[key]
                 if value is not None and not ok(value, bound):
-                    raise ValueError(f"{type(self).__name__}.{f.name} must be {sign} {bound:g}, not {value!r}")
+                    raise _refused(f"{type(self).__name__}.{f.name}", f"{sign} {bound:g}", value)
             object.__setattr__(self, f.name, value)
         self.check()
 
@@ -94,7 +107,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _convert(value: Any, hint: Any, where: str) -> Any:
-    """`value` as `hint` says, or ValueError."""
+    """`value` as `hint` says, or ParamError."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
@@ -104,50 +117,51 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         if len(records) > 1 and isinstance(value, dict):  # a union of records: the one whose kind it names
             by_kind = {_hints(r)["kind"].__args__[0]: r for r in records}
             if value.get("kind") not in by_kind:
-                raise ValueError(f"{where}: kind must be one of {', '.join(map(repr, by_kind))}, not {value.get('kind')!r}")
+                raise ParamError(where, f"{where}: kind must be one of {', '.join(map(repr, by_kind))}, "
+                                        f"not {value.get('kind')!r}")
             return by_kind[value["kind"]](**value)
         errors = []
         for option in options:
             try:
                 return _convert(value, option, where)
-            except ValueError as e:
+            except ParamError as e:
                 errors.append(e)
         raise errors[0]
     if origin is Literal:
         if value not in args:
-            raise ValueError(f"{where} must be one of {', '.join(map(repr, args))}, not {value!r}")
+            raise _refused(where, f"one of {', '.join(map(repr, args))}", value)
         return value
     if origin is tuple:
         if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            raise ValueError(f"{where} must be a sequence, not {value!r}")
+            raise _refused(where, "a sequence", value)
         return tuple(_convert(v, args[0], where) for v in value)
     if origin is collections.abc.Callable:
         if not callable(value):
-            raise ValueError(f"{where} must be callable, not {value!r}")
+            raise _refused(where, "callable", value)
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{where} must be True or False, not {value!r}")
+            raise _refused(where, "True or False", value)
         return value
     if hint is int:
         whole = isinstance(value, numbers.Integral) or isinstance(value, numbers.Real) and float(value).is_integer()
         if isinstance(value, bool) or not whole:
-            raise ValueError(f"{where} must be a whole number, not {value!r}")
+            raise _refused(where, "a whole number", value)
         return int(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{where} must be a number, not {value!r}")
+            raise _refused(where, "a number", value)
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ValueError(f"{where} must be a string, not {value!r}")
+            raise _refused(where, "a string", value)
         return value
     if isinstance(hint, type) and issubclass(hint, Params):
         if isinstance(value, dict):
             return hint(**value)
         if not isinstance(value, hint):
-            raise ValueError(f"{where} must be a {hint.__name__}, not {value!r}")
+            raise _refused(where, f"a {hint.__name__}", value)
         return value
     if isinstance(hint, type) and not isinstance(value, hint):
-        raise ValueError(f"{where} must be a {hint.__name__}, not {value!r}")
+        raise _refused(where, f"a {hint.__name__}", value)
     return value

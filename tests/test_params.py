@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from ggmlpy.opt import SGD, AdamW, with_alpha
+from ggmlpy.params import ParamError
 from llamapy.train_params import LoraParams, LRSchedule, TrainParams, param_filter_all, param_filter_lora
 
 
@@ -26,8 +27,9 @@ from llamapy.train_params import LoraParams, LRSchedule, TrainParams, param_filt
     (lambda: TrainParams(window_bos=1), "TrainParams.window_bos must be True or False"),
 ])
 def test_a_bad_value_is_one_clear_error(make, message):
-    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(")):
+    with pytest.raises(ParamError, match="^" + message.replace("(", r"\(")) as info:
         make()
+    assert info.value.field == message.split(" ")[0].rstrip(":")  # what a command line maps to its flag
 
 
 def test_an_unknown_field_is_refused():

@@ -410,6 +410,10 @@ def _q0_gemm(buf, offs, block_bytes, is_q8, blocks, xq, xd, out):
 
 @njit(parallel=True, cache=True)
 def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
+    """_q0_gemm in ggml's order with AVX512-VNNI (q0_tile2_vnni, 2 rows a step). It and
+    _q0_blocks_gemm_vnni stay two drivers, unlike _q0_gemm: one with a `blocks` flag made the
+    row step a run-time value and the block-sum product 1.4x slower (bench/RESULTS.md,
+    fifth session)."""
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
     for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
