@@ -28,12 +28,14 @@ def job():
     return _COMM
 
 
-def fail(message: str, code: int = 1) -> None:
-    """One line and a non-zero exit; under MPI it names the rank and ends every rank."""
-    if _COMM is not None and _COMM.size > 1:
+def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
+    """One line and a non-zero exit. Under MPI, an error of one rank names the rank and ends
+    every rank; one that every rank meets at the same point (`every_rank`) is rank 0's line,
+    and each rank exits by itself."""
+    if _COMM is not None and _COMM.size > 1 and not every_rank:
         from llamapy.distributed import abort_job
         abort_job(_COMM, message, code)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    log(f"error: {message}")
     raise SystemExit(code)
 
 
@@ -44,7 +46,7 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
             job()  # under an MPI launcher: find the other ranks before anything is printed
             main()
         except LlamapyError as e:
-            fail(str(e))
+            fail(str(e), every_rank=e.on_every_rank)
         except KeyboardInterrupt as e:
             fail(str(e) or "interrupted", 130)
         except MemoryError:

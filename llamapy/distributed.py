@@ -22,8 +22,8 @@ from ggmlpy.distributed import Communicator, MPIComm, Solo, as_communicator
 
 from .errors import InputError, LlamapyError
 
-__all__ = ["Communicator", "DistributedError", "Solo", "abort_job", "any_rank", "as_communicator",
-           "check_same_weights", "launched_ranks", "oversubscription_warning", "world"]
+__all__ = ["Communicator", "DistributedError", "Solo", "WeightsDiffer", "abort_job", "any_rank",
+           "as_communicator", "check_same_weights", "launched_ranks", "oversubscription_warning", "world"]
 
 # what MPI launchers put in every rank's environment: MPICH/Hydra (PMI), Open MPI, PMIx
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
@@ -31,6 +31,12 @@ _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNR
 
 class DistributedError(LlamapyError):
     """The ranks of a run disagree (different weights), or MPI is missing."""
+
+
+class WeightsDiffer(DistributedError):
+    """Some rank's weights differ from rank 0's (found by a collective check on every rank)."""
+
+    on_every_rank = True
 
 
 def launched_ranks() -> int:
@@ -68,14 +74,14 @@ def weights_digest(tensors) -> str:
 
 
 def check_same_weights(comm: Communicator, tensors, when: str) -> None:
-    """Stop the run (DistributedError) when some rank's weights differ from rank 0's."""
+    """Stop the run (WeightsDiffer, on every rank) when some rank's weights differ from rank 0's."""
     if comm.size == 1:
         return
     digests = comm.allgather(weights_digest(tensors))
     odd = [r for r, d in enumerate(digests) if d != digests[0]]
     if odd:
-        raise DistributedError(f"the weights of rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} "
-                               f"differ from rank 0's {when}: the run cannot continue")
+        raise WeightsDiffer(f"the weights of rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} "
+                            f"differ from rank 0's {when}: the run cannot continue")
 
 
 def oversubscription_warning(comm: Communicator, n_threads: int) -> str | None:

@@ -8,6 +8,10 @@ so every message must stand on its own ("what is wrong with which input").
 class LlamapyError(Exception):
     """Base of all user-facing errors (bad files, unsupported models, bad arguments)."""
 
+    # True for an error that every rank of a distributed run meets at the same point (a
+    # collective check): the ranks stop together, rank 0 says why, and nothing need abort
+    on_every_rank = False
+
 
 class ModelLoadError(LlamapyError):
     """The model file is missing, not GGUF, truncated, or otherwise unreadable."""
@@ -31,3 +35,5 @@ class SaveError(LlamapyError):
 
 class TrainingInterrupted(KeyboardInterrupt):
     """A run stopped on request (Ctrl-C) after writing its checkpoint; the message says where."""
+
+    on_every_rank = True  # the request is shared: every rank stops after the same step

@@ -38,10 +38,9 @@ def fit(lctx, dataset, **kwargs) -> list[EpochResult]:
         return _fit(lctx, dataset, **kwargs)
     try:
         return _fit(lctx, dataset, **kwargs)
-    except TrainingInterrupted:
-        raise  # every rank stops after the same step (the request is shared)
     except BaseException as e:  # noqa: BLE001 - any failure of one rank must end all of them
-        abort_job(comm, str(e) or type(e).__name__)
+        if not getattr(e, "on_every_rank", False):  # a shared stop or check ends every rank by itself
+            abort_job(comm, str(e) or type(e).__name__)
         raise
 
 

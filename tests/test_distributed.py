@@ -152,6 +152,32 @@ def test_killing_one_rank_ends_the_job(text, tmp_path):
     assert not (tmp_path / "never.gguf").exists()
 
 
+def test_ctrl_c_stops_every_rank_after_the_same_step_in_one_line(text, tmp_path):
+    """The launcher passes Ctrl-C to the ranks; they share the request, stop after the same
+    step and exit by themselves: rank 0 writes the checkpoint and says where, once."""
+    big = tmp_path / "long.txt"
+    big.write_text(shared_path("data", "tinystories_sample.txt").read_text(encoding="utf-8")[:400_000])
+    ckpt = tmp_path / "run.ckpt"
+    cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "apps.finetune",
+           *common_args(big, tmp_path, "-b", "64", "--epochs", "5", "--checkpoint-out", str(ckpt),
+                        "-o", str(tmp_path / "never.gguf"))]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=ENV)
+    try:
+        deadline = time.time() + 60
+        while len(rank_pids(job.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        time.sleep(6)  # into training
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 130, err
+    assert err.count("error: interrupted after") == 1 and "rank 1" not in err and "Traceback" not in err
+    assert f"resume from the checkpoint with --checkpoint-in {ckpt}" in err
+    assert ckpt.exists() and not (tmp_path / "never.gguf").exists()
+
+
 def run_script(tmp_path, body: str, ranks: int = 2) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(f"""
