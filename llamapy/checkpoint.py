@@ -29,8 +29,9 @@ import numpy as np
 from ggmlpy.opt import Dataset, FitPosition, Result
 
 from .dataset import PackedWindows
-from .errors import InputError
-from .gguf_file import GGUFFile
+from .errors import InputError, LlamapyError
+from .gguf_file import GGUFFile, MetaValue, ValueType
+from .gguf_writer import array_out
 from .save import write_atomically
 
 VERSION = 1
@@ -55,18 +56,16 @@ class Checkpoint:
 
 def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
     """Write `ckpt` to `path` atomically (SaveError with one line when it cannot)."""
-    from gguf import GGUFWriter  # imported when used: see save.py
-    writer = GGUFWriter(None, _ARCH)
-    writer.add_type("checkpoint")
     digest = hashlib.blake2b(digest_size=16)
     arrays: list[tuple[str, np.ndarray]] = [(f"param.{n}", a) for n, a in ckpt.tensors.items()]
     arrays += [(n, a) for n, a in ckpt.optimizer.items() if n != "opt.n_steps"]
     arrays.append(("data.permutation", ckpt.permutation.astype(np.int64)))
+    tensors = []
     for name, a in arrays:
-        a = np.ascontiguousarray(a)
+        t = array_out(name, a)
         digest.update(name.encode())
-        digest.update(a.view(np.uint8).reshape(-1))
-        writer.add_tensor(name, a)
+        digest.update(t.data)
+        tensors.append(t)
     meta = {
         "version": VERSION,
         "n_steps": int(np.asarray(ckpt.optimizer.get("opt.n_steps", [0])).reshape(-1)[0]),
@@ -77,43 +76,40 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
         "model_fingerprint": ckpt.model_fingerprint,
         "data_fingerprint": ckpt.data_fingerprint,
     }
-    for key, value in meta.items():
-        writer.add_string(PREFIX + key, json.dumps(value, sort_keys=True))
-    writer.add_string(PREFIX + "checksum", digest.hexdigest())
-    return write_atomically(writer, Path(path), "checkpoint")
+    strings = {"general.architecture": _ARCH, "general.type": "checkpoint"}
+    strings.update((PREFIX + key, json.dumps(value, sort_keys=True)) for key, value in meta.items())
+    strings[PREFIX + "checksum"] = digest.hexdigest()
+    return write_atomically({k: MetaValue(ValueType.STRING, None, v) for k, v in strings.items()}, tensors,
+                            Path(path), "checkpoint")
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read and verify a checkpoint; InputError with one line when it is missing, not a
     checkpoint, truncated or corrupt."""
-    from gguf import GGUFReader
     path = Path(path)
     if not path.is_file():
         raise InputError(f"checkpoint not found: {path}")
     try:
-        reader = GGUFReader(path)
-        meta = {k[len(PREFIX):]: json.loads(str(bytes(f.parts[f.data[0]]), "utf-8"))
-                for k, f in reader.fields.items() if k.startswith(PREFIX) and k != PREFIX + "checksum"}
-        checksum_field = reader.fields.get(PREFIX + "checksum")
-        checksum = str(bytes(checksum_field.parts[checksum_field.data[0]]), "utf-8") if checksum_field else None
-        tensors = {t.name: t for t in reader.tensors}
-    except Exception as e:  # gguf raises assorted errors on a truncated or foreign file
+        f = GGUFFile(path)
+    except LlamapyError as e:
         raise InputError(f"{path}: not a readable checkpoint (truncated or corrupt: {e})") from None
+    try:
+        meta = {k[len(PREFIX):]: json.loads(v.value) for k, v in f.metadata.items()
+                if k.startswith(PREFIX) and k != PREFIX + "checksum"}
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{path}: checkpoint is corrupt ({e})") from None
+    checksum = f.get(PREFIX + "checksum")
     if "version" not in meta or checksum is None:
         raise InputError(f"{path}: not a llamapy checkpoint")
     if meta["version"] != VERSION:
         raise InputError(f"{path}: checkpoint version {meta['version']} is not supported (this llamapy writes {VERSION})")
     digest = hashlib.blake2b(digest_size=16)
     arrays: dict[str, np.ndarray] = {}
-    try:
-        for name, t in tensors.items():
-            # the reader gives numpy shape of the tensor (ggml order reversed); copy off the map
-            a = np.array(t.data).reshape([int(x) for x in reversed(t.shape.tolist())])
-            digest.update(name.encode())
-            digest.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
-            arrays[name] = a
-    except Exception as e:
-        raise InputError(f"{path}: checkpoint is truncated or corrupt ({e})") from None
+    for name, t in f.tensors.items():
+        a = t.numpy().reshape(t.ne[:f.tensor_n_dims[name]][::-1])  # a copy off the map, in its saved shape
+        digest.update(name.encode())
+        digest.update(a.view(np.uint8).reshape(-1))
+        arrays[name] = a
     if digest.hexdigest() != checksum:
         raise InputError(f"{path}: checkpoint is corrupt (checksum mismatch)")
     epoch, ibatch, shuffled = meta["position"]

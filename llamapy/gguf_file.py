@@ -4,7 +4,8 @@ The header and key/value section are parsed here rather than by `gguf.GGUFReader
 which builds a numpy view for every string of a token list (12-17 s for a 262,144-token
 vocabulary); this reader decodes the same section in a fraction of a second. The
 `gguf` package's reader is still available as `GGUFFile.reader`, built on first use.
-Saving copies the metadata decoded here (strings keep their bytes via surrogateescape).
+Saving (gguf_writer.py) writes the metadata decoded here back with the same types (strings
+keep their bytes via surrogateescape).
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class MetaValue:
     """One metadata value: its type, the element type of an array, and the decoded value.
 
     Scalars are Python numbers, booleans or strings; numeric arrays are numpy arrays;
-    string arrays are lists of str (bytes that are not UTF-8 kept via surrogateescape).
+    string arrays are lists of str (bytes that are not UTF-8 kept via surrogateescape);
+    arrays of arrays are lists of MetaValue (each inner array keeps its own item type).
     """
 
     type: ValueType
@@ -114,7 +116,7 @@ class _Parser:
             if sub == ValueType.STRING:
                 return MetaValue(vtype, sub, self.string_array(n))
             if sub == ValueType.ARRAY:
-                return MetaValue(vtype, sub, [self.value(ValueType.ARRAY).value for _ in range(n)])
+                return MetaValue(vtype, sub, [self.value(ValueType.ARRAY) for _ in range(n)])
             dtype = np.dtype(_NUMPY[sub]).newbyteorder("<")
             self.need(n * dtype.itemsize)
             arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).copy()

@@ -18,7 +18,8 @@ import numpy as np
 from ggmlpy import GGMLType, Tensor
 
 from .errors import InputError, ModelLoadError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, MetaValue, ValueType
+from .gguf_writer import array_out
 from .model import Model
 from .save import write_atomically
 
@@ -100,15 +101,12 @@ class LoraAdapter:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the adapter in llama.cpp's GGUF LoRA format, atomically."""
-        from gguf import GGUFWriter  # imported when used: see save.py
-        dest = Path(path)
-        writer = GGUFWriter(None, self.arch)
-        writer.add_type("adapter")
-        writer.add_string("adapter.type", "lora")
-        writer.add_float32("adapter.lora.alpha", self.alpha)
-        for name, t in self.named_tensors().items():
-            writer.add_tensor(name, np.ascontiguousarray(t.array()[0, 0]))
-        return write_atomically(writer, dest, "LoRA adapter")
+        meta = {"general.architecture": MetaValue(ValueType.STRING, None, self.arch),
+                "general.type": MetaValue(ValueType.STRING, None, "adapter"),
+                "adapter.type": MetaValue(ValueType.STRING, None, "lora"),
+                "adapter.lora.alpha": MetaValue(ValueType.FLOAT32, None, float(self.alpha))}
+        tensors = [array_out(name, t.array()[0, 0]) for name, t in self.named_tensors().items()]
+        return write_atomically(meta, tensors, Path(path), "LoRA adapter")
 
 
 def _tensor(values: np.ndarray, name: str) -> Tensor:

@@ -72,3 +72,44 @@ def kill_after(ctx, n_steps: int) -> None:
         if ctx.trainer.n_steps == n_steps:
             raise Killed
     ctx.trainer.opt.step = dying_step
+
+
+class DiskFillsUp:
+    """A file whose disk is full after `room` more bytes: a write that does not fit fails
+    with ENOSPC, as on a real full disk (what got written before it stays in the file)."""
+
+    def __init__(self, file, room: int) -> None:
+        self.file, self.room, self.writes = file, room, 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        if n > self.room:
+            raise OSError(28, "No space left on device")
+        self.room -= n
+        self.writes += 1
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+@pytest.fixture
+def disk_full_after(monkeypatch):
+    """disk_full_after(room): files llamapy writes through os.fdopen (models, adapters,
+    checkpoints) meet a full disk after `room` bytes; returns the list of those files."""
+    real_fdopen = os.fdopen
+    opened: list[DiskFillsUp] = []
+
+    def fill_up(room: int) -> list[DiskFillsUp]:
+        def fdopen(fd, *args, **kwargs):
+            opened.append(DiskFillsUp(real_fdopen(fd, *args, **kwargs), room))
+            return opened[-1]
+        monkeypatch.setattr(os, "fdopen", fdopen)
+        return opened
+    return fill_up

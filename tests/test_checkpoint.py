@@ -178,19 +178,16 @@ def test_bad_checkpoints_are_refused(stories_path, text, tmp_path):
             fit(fresh_context(stories_path, "adamw"), text, **kw)
 
 
-def test_a_full_disk_keeps_the_previous_checkpoint(stories_path, text, tmp_path, monkeypatch):
+def test_a_full_disk_keeps_the_previous_checkpoint(stories_path, text, tmp_path, disk_full_after):
     ckpt = tmp_path / "c.gguf"
     run = fresh_context(stories_path, "adamw")
     ds = token_windows(run.model.vocab.tokenize(text), N_CTX)
     run.opt_fit(ds, epochs=1, val_split=0.2, seed=11, silent=True, checkpoint=ckpt)
     before = ckpt.read_bytes()
-    import gguf
-
-    def no_space(self, *args, **kwargs):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", no_space)
+    files = disk_full_after(len(before) // 2)
     with pytest.raises(SaveError, match="No space left on device"):
         run.opt_fit(ds, epochs=1, val_split=0.2, seed=11, silent=True, checkpoint=ckpt)
+    assert files and files[-1].writes > 2  # it failed midway through the tensors
     assert ckpt.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["c.gguf"]  # no temp file left behind
 
