@@ -184,26 +184,9 @@ def read_gguf_header(data: np.ndarray, path: Path) -> tuple[int, dict[str, MetaV
 
 
 def metadata_from_reader(reader) -> dict[str, MetaValue]:
-    """The same metadata dictionary from a `gguf.GGUFReader` (for callers that hold one)."""
-    meta: dict[str, MetaValue] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or not field.types:
-            continue
-        vtype = ValueType(int(field.types[0]))
-        if vtype == ValueType.ARRAY:
-            sub = ValueType(int(field.types[1])) if len(field.types) > 1 else ValueType.UINT8
-            if sub == ValueType.STRING:
-                value: Any = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-            elif sub == ValueType.ARRAY:
-                value = field.contents()
-            else:
-                value = np.array([field.parts[i][0] for i in field.data], dtype=_NUMPY[sub])
-            meta[key] = MetaValue(vtype, sub, value)
-        elif vtype == ValueType.STRING:
-            meta[key] = MetaValue(vtype, None, bytes(field.parts[field.data[0]]).decode("utf-8", "surrogateescape"))
-        else:
-            meta[key] = MetaValue(vtype, None, field.parts[field.data[0]][0].item())
-    return meta
+    """The same metadata dictionary from a `gguf.GGUFReader` (for callers that hold one),
+    parsed from the bytes it maps, so both sources give identical values."""
+    return read_gguf_header(np.asarray(reader.data), Path(getattr(reader.data, "filename", None) or "<gguf>"))[1]
 
 
 class GGUFMetadata:
