@@ -11,9 +11,14 @@ it, and outside an MPI launcher, everything is one process as before.
 """
 from __future__ import annotations
 
+import array
+import fcntl
 import hashlib
 import os
+import stat
 import sys
+import termios
+import time
 from typing import Any
 
 import numpy as np
@@ -105,5 +110,27 @@ def abort_job(comm: Communicator, message: str, code: int = 1) -> None:
     """Print one line (naming the rank) and end every rank of the job: a rank that fails
     alone must not leave the others waiting in a reduction."""
     print(f"error: rank {comm.rank}: {message}", file=sys.stderr, flush=True)
+    wait_until_read(sys.stderr)
     comm.abort(code)
+
+
+def wait_until_read(stream, timeout: float = 2.0) -> None:
+    """Wait, at most `timeout` s, until the launcher has read what this rank wrote to
+    `stream` when that is a pipe. MPICH's Hydra proxy watches a rank's output pipe and its
+    PMI socket together: when the line and the abort are both pending it can pass the abort
+    on first, and the launcher then ends the job without the line (seen in CI: an empty
+    stderr). Once the pipe is empty the line is ahead of the abort."""
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        unread = array.array("i", [0])
+        deadline = time.monotonic() + timeout
+        while True:
+            fcntl.ioctl(fd, termios.FIONREAD, unread, True)
+            if unread[0] == 0 or time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+    except (OSError, ValueError, AttributeError):  # not a file (a caller's StringIO), or closed
+        return
 

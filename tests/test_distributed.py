@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -208,6 +209,30 @@ def test_an_error_on_one_rank_ends_every_rank_in_one_line(tmp_path):
     assert time.time() - t0 < 60
     assert r.returncode != 0 and "finished" not in r.stdout
     assert "error: rank 1: No space left on device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_failing_rank_aborts_only_once_its_line_is_read():
+    """MPI_Abort must not overtake the rank's error line in the launcher: abort_job waits
+    until the launcher has read the pipe (here a thread that reads after 0.3 s), and gives
+    up after its timeout when nobody reads."""
+    from llamapy.distributed import wait_until_read
+    r, w = os.pipe()
+    with os.fdopen(r, "rb") as pipe_out, os.fdopen(w, "w") as err:
+        err.write("error: rank 1: boom\n")
+        err.flush()
+        got = []
+        reader = threading.Timer(0.3, lambda: got.append(os.read(pipe_out.fileno(), 100)))
+        reader.start()
+        t0 = time.monotonic()
+        wait_until_read(err)
+        waited = time.monotonic() - t0
+        reader.join()
+        assert got == [b"error: rank 1: boom\n"] and 0.25 <= waited < 1.5
+        err.write("unread\n")
+        err.flush()
+        t0 = time.monotonic()
+        wait_until_read(err, timeout=0.2)
+        assert 0.15 <= time.monotonic() - t0 < 1.0
 
 
 def test_ranks_with_different_weights_are_stopped(tmp_path):
