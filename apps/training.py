@@ -263,7 +263,7 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
             log(f"saved the last good weights to {where}")
         raise InputError(str(e)) from None
     except TrainingInterrupted as e:  # click would swallow a KeyboardInterrupt's message
-        fail(str(e), 130, every_rank=True)
+        fail(str(e), 130, every_rank=e.on_every_rank)
     elapsed = time.perf_counter() - start
     n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
     timing = ctx.trainer.timing

@@ -14,6 +14,8 @@ Measures, each in a fresh process (peak RSS is that run's):
         training tokens/s and peak RSS
   gen   batch-1 generation in process on stories260K (llama-bench's tg32: 32 single-token
         decodes into an empty context, best of 5 after a warm-up): tokens/s
+  save  save_model_to_file of Gemma 3 270M Q4_K_M as loaded (the whole file, its 262,144-token
+        vocabulary included), best of 3: MB/s written
 Prints every run and, per measure, the median of each side and their ratio.
 """
 from __future__ import annotations
@@ -51,6 +53,22 @@ print(f"tg32 = {best:.1f} tokens/s", file=sys.stderr)
 """
 
 
+SAVE = """
+import os, sys, time
+from llamapy import load_model, save_model_to_file
+from llamapy.defaults import default_model_path
+model = load_model(default_model_path())
+out = os.path.join(sys.argv[1], "saved.gguf")
+times = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    save_model_to_file(model, out)
+    times.append(time.perf_counter() - t0)
+best = min(times)
+print(f"save = {os.path.getsize(out) / 1e6 / best:.1f} MB/s ({best:.2f} s)", file=sys.stderr)
+"""
+
+
 def run(checkout: Path, argv: list[str]) -> tuple[str, float]:
     """Run `python argv` from `checkout`; its stderr and peak RSS in MB."""
     r, mb = peak_rss_mb([sys.executable, *argv], checkout)
@@ -60,7 +78,7 @@ def run(checkout: Path, argv: list[str]) -> tuple[str, float]:
 
 
 def measures(tmp: Path, threads: int) -> dict[str, tuple[list[str], str]]:
-    """name -> (python's arguments, regex of the tokens/s figure in stderr)."""
+    """name -> (python's arguments, regex of the figure in stderr: tokens/s, or MB/s for save)."""
     text = tmp / "stories51k.txt"
     text.write_text((SHARED / "data" / "tinystories_sample.txt").read_text()[:51_000])
     t = ["-t", str(threads)]
@@ -73,6 +91,7 @@ def measures(tmp: Path, threads: int) -> dict[str, tuple[list[str], str]]:
                  r"training: (\d+) tokens/s"),
         "main": (["-m", "apps.finetune", "--lora-out", str(tmp / "main.gguf"), *t], r"training: (\d+) tokens/s"),
         "gen": (["-c", GEN, str(STORIES), str(threads)], r"tg32 = ([0-9.]+) tokens/s"),
+        "save": (["-c", SAVE, str(tmp)], r"save = ([0-9.]+) MB/s"),
     }
 
 
@@ -89,6 +108,7 @@ def main() -> None:
         table = measures(Path(tmp), args.threads)
         for name in args.only.split(","):
             cmd, pattern = table[name]
+            unit = pattern.rsplit(" ", 1)[1]  # what the figure counts: tokens/s, MB/s
             for checkout in sides.values() if not args.no_warmup else ():  # warm both sides' numba caches
                 run(checkout, cmd)
             got: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
@@ -97,10 +117,10 @@ def main() -> None:
                     err, rss = run(checkout, cmd)
                     tps = float(re.search(pattern, err).group(1))
                     got[side].append((tps, rss))
-                    print(f"{name} run {i + 1} {side}: {tps:,.0f} tokens/s, peak RSS {rss:,.0f} MB", flush=True)
+                    print(f"{name} run {i + 1} {side}: {tps:,.1f} {unit}, peak RSS {rss:,.0f} MB", flush=True)
             med = {side: (statistics.median(x for x, _ in v), statistics.median(r for _, r in v)) for side, v in got.items()}
             (a_tps, a_rss), (b_tps, b_rss) = med.values()
-            print(f"{name}: median A {a_tps:,.0f} tokens/s {a_rss:,.0f} MB | B {b_tps:,.0f} tokens/s {b_rss:,.0f} MB | "
+            print(f"{name}: median A {a_tps:,.1f} {unit} {a_rss:,.0f} MB | B {b_tps:,.1f} {unit} {b_rss:,.0f} MB | "
                   f"A/B speed {a_tps / b_tps:.3f}, memory {a_rss / b_rss:.3f}", flush=True)
 
 

@@ -133,4 +133,3 @@ def wait_until_read(stream, timeout: float = 2.0) -> None:
             time.sleep(0.001)
     except (OSError, ValueError, AttributeError):  # not a file (a caller's StringIO), or closed
         return
-

@@ -9,13 +9,14 @@ process never imports the `gguf` package (3 MB of modules, yaml among them) to s
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from ggmlpy import GGMLType
+from ggmlpy.types import TYPE_TRAITS
 
 from .gguf_file import _NUMPY, GGUF_DEFAULT_ALIGNMENT, MetaValue, ValueType
 
@@ -37,9 +38,8 @@ class TensorOut:
     data: np.ndarray  # uint8, contiguous
 
 
-_TYPE_OF_DTYPE = {np.dtype(np.float32): GGMLType.F32, np.dtype(np.float16): GGMLType.F16,
-                  np.dtype(np.float64): GGMLType.F64, np.dtype(np.int8): GGMLType.I8, np.dtype(np.int16): GGMLType.I16,
-                  np.dtype(np.int32): GGMLType.I32, np.dtype(np.int64): GGMLType.I64}
+# the tensor type of a numpy array: ggmlpy's element types (BF16's uint16 is a bit pattern, not a value)
+_TYPE_OF_DTYPE = {tr.np_dtype: t for t, tr in TYPE_TRAITS.items() if tr.np_dtype is not None and t != GGMLType.BF16}
 
 
 def array_out(name: str, values: np.ndarray) -> TensorOut:
@@ -60,41 +60,28 @@ def _string(text: str | bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _array_items(sub: ValueType, items: Any) -> bytes:
-    if sub == ValueType.STRING:
-        return b"".join(_string(s) for s in items)
-    if sub == ValueType.ARRAY:
-        return b"".join(_nested(item) for item in items)
-    return np.asarray(items, dtype=np.dtype(_NUMPY[sub]).newbyteorder("<")).tobytes()
+_STRINGS_PER_CHUNK = 4096
 
 
-def _nested(item: Any) -> bytes:
-    """An inner array of a nested one, with its own item type: a MetaValue as read, or a
-    numpy array (its dtype) or a list of strings given by a caller."""
-    if isinstance(item, MetaValue):
-        sub, values = ValueType(item.sub_type), item.value
-    elif isinstance(item, np.ndarray):
-        sub = next((v for v, dtype in _NUMPY.items() if np.dtype(dtype) == item.dtype), None)
-        if sub is None:
-            raise ValueError(f"an array of {item.dtype} has no GGUF item type")
-        values = item
-    elif all(isinstance(s, (str, bytes)) for s in item):
-        sub, values = ValueType.STRING, item
-    else:
-        raise ValueError("an inner array must be read from GGUF, a numpy array or a list of strings")
-    return struct.pack("<IQ", sub, len(values)) + _array_items(sub, values)
-
-
-def encode_value(mv: MetaValue) -> bytes:
-    """A metadata value as stored after its key: type tag, then the value."""
-    vtype = ValueType(mv.type)
-    tag = struct.pack("<I", vtype)
+def _value_chunks(vtype: ValueType, value: Any, sub: ValueType | None = None) -> Iterator[bytes]:
+    """A metadata value's bytes after its type tag, in pieces: a vocabulary's 262,144 strings
+    go to the file a chunk at a time, never joined whole in memory."""
     if vtype == ValueType.STRING:
-        return tag + _string(mv.value)
-    if vtype == ValueType.ARRAY:
-        sub = ValueType(mv.sub_type)
-        return tag + struct.pack("<IQ", sub, len(mv.value)) + _array_items(sub, mv.value)
-    return tag + struct.pack(_SCALAR_FORMAT[vtype], mv.value)
+        yield _string(value)
+    elif vtype != ValueType.ARRAY:
+        yield struct.pack(_SCALAR_FORMAT[vtype], value)
+    else:
+        yield struct.pack("<IQ", sub, len(value))
+        if sub == ValueType.STRING:  # a few thousand at a time: few writes, little memory
+            for i in range(0, len(value), _STRINGS_PER_CHUNK):
+                yield b"".join(map(_string, value[i:i + _STRINGS_PER_CHUNK]))
+        elif sub == ValueType.ARRAY:  # inner arrays as the reader gives them, each with its own item type
+            for item in value:
+                if not isinstance(item, MetaValue) or item.type != ValueType.ARRAY:
+                    raise ValueError("the items of an array of arrays must be MetaValue arrays")
+                yield from _value_chunks(ValueType.ARRAY, item.value, ValueType(item.sub_type))
+        else:
+            yield np.asarray(value, dtype=np.dtype(_NUMPY[sub]).newbyteorder("<")).tobytes()
 
 
 def _padding(n: int, alignment: int) -> int:
@@ -108,19 +95,27 @@ def write_gguf(out: BinaryIO, metadata: Mapping[str, MetaValue], tensors: Sequen
         else GGUF_DEFAULT_ALIGNMENT
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"general.alignment = {alignment} is not a power of two")
-    parts = [b"GGUF", struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(metadata))]
+    written = 0
+
+    def put(chunk: bytes) -> None:
+        nonlocal written
+        out.write(chunk)
+        written += len(chunk)
+
+    put(b"GGUF" + struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(metadata)))
     for key, mv in metadata.items():
+        put(_string(key) + struct.pack("<I", mv.type))
         try:
-            parts += [_string(key), encode_value(mv)]
+            sub = None if mv.sub_type is None else ValueType(mv.sub_type)
+            for chunk in _value_chunks(ValueType(mv.type), mv.value, sub):
+                put(chunk)
         except (ValueError, TypeError, OverflowError, struct.error) as e:
             raise ValueError(f"metadata {key!r}: {e}") from None
     offset = 0
     for t in tensors:
-        parts += [_string(t.name), struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.type, offset)]
+        put(_string(t.name) + struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.type, offset))
         offset += t.data.nbytes + _padding(t.data.nbytes, alignment)
-    header = b"".join(parts)
-    out.write(header)
-    out.write(bytes(_padding(len(header), alignment)))
+    out.write(bytes(_padding(written, alignment)))
     for t in tensors:
         out.write(memoryview(t.data).cast("B"))
         out.write(bytes(_padding(t.data.nbytes, alignment)))

@@ -124,21 +124,30 @@ def rank_pids(root: int) -> set[int]:
     return found
 
 
-def test_killing_one_rank_ends_the_job(text, tmp_path):
+def start_long_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, set[int]]:
+    """A two-rank finetune long enough to interrupt (5 epochs of 400 KB), some seconds into
+    training: the launcher and its two ranks' pids."""
     big = tmp_path / "long.txt"
     big.write_text(shared_path("data", "tinystories_sample.txt").read_text(encoding="utf-8")[:400_000])
     cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "apps.finetune",
-           *common_args(big, tmp_path, "-b", "64", "--epochs", "5", "-o", str(tmp_path / "never.gguf"))]
+           *common_args(big, tmp_path, "-b", "64", "--epochs", "5", "-o", str(tmp_path / "never.gguf"), *extra)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=ENV)
+    ranks: set[int] = set()
+    deadline = time.time() + 60
+    while len(ranks) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+        ranks = rank_pids(job.pid)
+    if len(ranks) < 2:
+        job.kill()
+        pytest.fail("the two ranks did not start")
+    time.sleep(5)  # well into training
+    assert job.poll() is None
+    return job, ranks
+
+
+def test_killing_one_rank_ends_the_job(tmp_path):
+    job, ranks = start_long_run(tmp_path)
     try:
-        ranks: set[int] = set()
-        deadline = time.time() + 60
-        while len(ranks) < 2 and time.time() < deadline:
-            time.sleep(0.5)
-            ranks = rank_pids(job.pid)
-        assert len(ranks) == 2, "the two ranks did not start"
-        time.sleep(4)  # well into training
-        assert job.poll() is None
         os.kill(max(ranks), signal.SIGKILL)
         t0 = time.time()
         out, err = job.communicate(timeout=30)
@@ -153,21 +162,12 @@ def test_killing_one_rank_ends_the_job(text, tmp_path):
     assert not (tmp_path / "never.gguf").exists()
 
 
-def test_ctrl_c_stops_every_rank_after_the_same_step_in_one_line(text, tmp_path):
+def test_ctrl_c_stops_every_rank_after_the_same_step_in_one_line(tmp_path):
     """The launcher passes Ctrl-C to the ranks; they share the request, stop after the same
     step and exit by themselves: rank 0 writes the checkpoint and says where, once."""
-    big = tmp_path / "long.txt"
-    big.write_text(shared_path("data", "tinystories_sample.txt").read_text(encoding="utf-8")[:400_000])
     ckpt = tmp_path / "run.ckpt"
-    cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "apps.finetune",
-           *common_args(big, tmp_path, "-b", "64", "--epochs", "5", "--checkpoint-out", str(ckpt),
-                        "-o", str(tmp_path / "never.gguf"))]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=ENV)
+    job, _ = start_long_run(tmp_path, "--checkpoint-out", str(ckpt))
     try:
-        deadline = time.time() + 60
-        while len(rank_pids(job.pid)) < 2 and time.time() < deadline:
-            time.sleep(0.5)
-        time.sleep(6)  # into training
         job.send_signal(signal.SIGINT)
         out, err = job.communicate(timeout=60)
     finally:
