@@ -83,13 +83,13 @@ def measures(tmp: Path, threads: int) -> dict[str, tuple[list[str], str]]:
     text.write_text((SHARED / "data" / "tinystories_sample.txt").read_text()[:51_000])
     t = ["-t", str(threads)]
     return {
-        "ppl": (["-m", "apps.perplexity", "-m", str(STORIES), "-f", str(SHARED / "data" / "wiki.test.raw"),
+        "ppl": (["-m", "llamapy.cli.perplexity", "-m", str(STORIES), "-f", str(SHARED / "data" / "wiki.test.raw"),
                  "-c", "128", *t], r"= ([0-9.]+) tokens/s"),
-        "ft": (["-m", "apps.finetune", "-m", str(STORIES), "-f", str(text), "--epochs", "1", "-c", "128", "-b", "128",
+        "ft": (["-m", "llamapy.cli.finetune", "-m", str(STORIES), "-f", str(text), "--epochs", "1", "-c", "128", "-b", "128",
                 "-ub", "128", "-o", str(tmp / "ft.gguf"), *t], r"training: (\d+) tokens/s"),
-        "lora": (["-m", "apps.finetune", "--demo-chars", "4000", "--epochs", "1", "--lora-out", str(tmp / "ad.gguf"), *t],
+        "lora": (["-m", "llamapy.cli.finetune", "--demo-chars", "4000", "--epochs", "1", "--lora-out", str(tmp / "ad.gguf"), *t],
                  r"training: (\d+) tokens/s"),
-        "main": (["-m", "apps.finetune", "--lora-out", str(tmp / "main.gguf"), *t], r"training: (\d+) tokens/s"),
+        "main": (["-m", "llamapy.cli.finetune", "--lora-out", str(tmp / "main.gguf"), *t], r"training: (\d+) tokens/s"),
         "gen": (["-c", GEN, str(STORIES), str(threads)], r"tg32 = ([0-9.]+) tokens/s"),
         "save": (["-c", SAVE, str(tmp)], r"save = ([0-9.]+) MB/s"),
     }

@@ -57,7 +57,7 @@ def main() -> None:
     common = ["-m", os.path.abspath(args.model), "-p", args.prompt, "-n", str(args.n), "--temp", "0", "-t", str(args.t)]
     sides = {
         "llama.cpp": [f"{args.llama_cpp}/llama-completion", *common, "-no-cnv", *([] if args.warmup else ["--no-warmup"])],
-        "llamapy": [sys.executable, "-m", "apps.cli", *common],
+        "llamapy": [sys.executable, "-m", "llamapy.cli.completion", *common],
     }
     # `python -m` imports from its working directory first: each checkout runs in its own
     here = str(Path(__file__).resolve().parents[1])

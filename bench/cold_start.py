@@ -29,9 +29,9 @@ SHARED = Path(os.environ.get("LLAMAPY_SHARED", REPO.parent / "shared"))
 def commands(threads: int) -> dict[str, list[str]]:
     py = sys.executable
     return {
-        "ppl": [py, "-m", "apps.perplexity", "-m", str(SHARED / "models/stories260K.gguf"),
+        "ppl": [py, "-m", "llamapy.cli.perplexity", "-m", str(SHARED / "models/stories260K.gguf"),
                 "-f", str(SHARED / "data/wiki.test.raw"), "-c", "128", "--chunks", "16", "-t", str(threads)],
-        "lora": [py, "-m", "apps.finetune", "--demo-chars", "3000", "--epochs", "1", "-t", str(threads),
+        "lora": [py, "-m", "llamapy.cli.finetune", "--demo-chars", "3000", "--epochs", "1", "-t", str(threads),
                  "--lora-out", "{tmp}/adapter.gguf"],
     }
 

@@ -1,7 +1,7 @@
 """Where a cold start goes: numba compile time per kernel during one run of a command, with
 an empty numba cache (a fresh NUMBA_CACHE_DIR).
 
-    python bench/compile_profile.py apps.perplexity -m ../shared/models/stories260K.gguf \
+    python bench/compile_profile.py llamapy.cli.perplexity -m ../shared/models/stories260K.gguf \
         -f ../shared/data/wiki.test.raw --chunks 16 -t 1
 
 Listens to numba's "numba:compile" events and sums CPU seconds (process time, less

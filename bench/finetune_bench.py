@@ -58,7 +58,7 @@ def main() -> None:
         for label, flags in CONFIGS:
             best = None
             for _ in range(args.repeat):
-                cmd = [sys.executable, "-m", "apps.finetune", "-m", str(SHARED / "models" / "stories260K.gguf"),
+                cmd = [sys.executable, "-m", "llamapy.cli.finetune", "-m", str(SHARED / "models" / "stories260K.gguf"),
                        "-f", str(text_path), "--epochs", str(args.epochs), "-t", str(args.threads),
                        "-o", str(Path(tmp) / "out.gguf"), *flags]
                 r, rss = peak_rss_mb(cmd)

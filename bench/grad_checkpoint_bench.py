@@ -94,7 +94,7 @@ def main() -> None:
                 for extra in ([], ["--grad-checkpoint"]):
                     if extra and args.without_only:
                         continue
-                    cmd = [sys.executable, "-m", "apps.finetune", *flags, "-t", str(args.threads),
+                    cmd = [sys.executable, "-m", "llamapy.cli.finetune", *flags, "-t", str(args.threads),
                            "-o", str(Path(tmp) / "out.gguf"), "--lora-out", str(Path(tmp) / "lora.gguf"), *extra]
                     r, rss = peak_rss_mb(cmd, args.root)
                     if r.returncode:

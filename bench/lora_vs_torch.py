@@ -271,7 +271,7 @@ def llamapy_half(args) -> None:
         return history
 
     llamapy.context.Context.opt_fit = recording_fit
-    from apps import finetune
+    from llamapy.cli import finetune
     argv = ["llamapy-finetune", "-t", str(args.threads), "--lora-out", args.out_prefix + ".lora.gguf"]
     if args.model_given:
         argv += ["-m", args.model]
@@ -299,8 +299,8 @@ def llamapy_half(args) -> None:
 # ================================================================================================
 def prepare(args, work: Path) -> tuple[dict, Path]:
     """The windows, window orders and initial LoRA A, with llamapy's code, for both halves."""
-    from apps.finetune import DEFAULT_CTX
-    from apps.training import TrainingArgs
+    from llamapy.cli.finetune import DEFAULT_CTX
+    from llamapy.cli.training import TrainingArgs
     from llamapy.context import validation_windows
     from llamapy.dataset import text_windows
     from llamapy.defaults import default_model_path, demo_corpus

@@ -28,7 +28,7 @@ SHARED = Path(os.environ.get("LLAMAPY_SHARED", ROOT.parent / "shared"))
 
 
 def run(ranks: int, threads: int, args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "apps.finetune", *args, "-t", str(threads)]
+    cmd = [sys.executable, "-m", "llamapy.cli.finetune", *args, "-t", str(threads)]
     if ranks > 1:
         cmd = [shutil.which("mpirun"), "-n", str(ranks), *cmd]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})

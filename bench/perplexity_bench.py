@@ -23,7 +23,7 @@ TEXT = SHARED / "data" / "wiki.test.raw"
 
 def run(args: list[str], env: dict[str, str]) -> tuple[float, str]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "apps.perplexity", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", *args], capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(proc.stderr)

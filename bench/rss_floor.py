@@ -50,7 +50,7 @@ def main() -> None:
         text.write_bytes((SHARED / "data/tinystories_sample.txt").read_bytes()[:51_000])
         floor_py = Path(tmp) / "floor.py"  # a file, so that numba can cache its kernels
         floor_py.write_text(FLOOR)
-        ft = [sys.executable, "-m", "apps.finetune", "-m", str(SHARED / "models/stories260K.gguf"), "-f", str(text),
+        ft = [sys.executable, "-m", "llamapy.cli.finetune", "-m", str(SHARED / "models/stories260K.gguf"), "-f", str(text),
               "--epochs", "1", "-c", "128", "-b", "128", "-ub", "128", "-t", str(args.threads),
               "-o", str(Path(tmp) / "out.gguf")]
         subprocess.run([sys.executable, str(floor_py)], check=True, cwd=tmp)  # warm both numba caches

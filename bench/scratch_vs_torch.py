@@ -305,7 +305,7 @@ def _weight_diff(path_a: str, path_b: str, path_init: str) -> tuple[float, str]:
 
 
 def _perplexity(model_path: str, text_path: str, n_ctx: int, threads: int) -> tuple[float, float]:
-    r = subprocess.run([sys.executable, "-m", "apps.perplexity", "-m", model_path, "-f", text_path, "-c", str(n_ctx),
+    r = subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", "-m", model_path, "-f", text_path, "-c", str(n_ctx),
                         "-t", str(threads)], capture_output=True, text=True, cwd=ROOT)
     hit = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", r.stderr)
     if r.returncode or not hit:

@@ -17,7 +17,7 @@ Steps, each timed:
 2. a LoRA SFT run on train.jsonl: the prompts rendered with the same template and masked
    (loss on the answer and its <end_of_turn> only), samples packed into -c windows -- by the
    command a user runs, `llamapy-finetune -m MODEL --data DIR --chat-template gemma ...`
-   (run here as `python -m apps.finetune` from this checkout), or, with --python-api, by the
+   (run here as `python -m llamapy.cli.finetune` from this checkout), or, with --python-api, by the
    same steps through the Python API (llamapy.dataset.load_samples, Context.opt_fit);
 3. the same generation with the adapter attached.
 
@@ -197,7 +197,7 @@ def finetune_cli(args, model_path: Path, adapter_path: Path) -> list[str]:
              "--lora-out", str(adapter_path)]
     print("$ llamapy-finetune " + shlex.join(flags), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    r = subprocess.run([sys.executable, "-m", "apps.finetune", *flags], cwd=ROOT, env=env)
+    r = subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *flags], cwd=ROOT, env=env)
     if r.returncode:
         raise SystemExit(f"llamapy-finetune failed (exit {r.returncode})")
     return flags

@@ -63,7 +63,7 @@ def test_perplexity_matches_llama_cpp(name, n_ubatch, wiki_tokens):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_text_matches_llama_cpp(name):
-    r = subprocess.run([sys.executable, "-m", "apps.cli", "-m", str(model_path(name)), "-p", "Once upon a time",
+    r = subprocess.run([sys.executable, "-m", "llamapy.cli.completion", "-m", str(model_path(name)), "-p", "Once upon a time",
                         "-n", "32", "--temp", "0", "-s", "1", "-t", "2"], capture_output=True, text=True, cwd=REPO_ROOT,
                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert r.returncode == 0, r.stderr
@@ -124,7 +124,7 @@ def test_refusal_is_one_line_from_the_cli(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    r = subprocess.run([sys.executable, "-m", "apps.perplexity", "-m", str(out), "-f",
+    r = subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", "-m", str(out), "-f",
                         str(shared_path("data", "wiki.test.raw")), "-c", "128", "--chunks", "2"],
                        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert r.returncode != 0 and "Traceback" not in r.stderr

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import llamapy
-from apps.cli import Generator, TextStream
+from llamapy.cli.completion import Generator, TextStream
 from llamapy.chat import ChatTemplate
 from llamapy.sampling import default_chain
 
@@ -25,7 +25,7 @@ USER = ["Tell me about a cat.", "And then what happened?"]
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apps.cli", *args], input=stdin, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llamapy.cli.completion", *args], input=stdin, capture_output=True, text=True,
                           timeout=300)
 
 
@@ -88,7 +88,7 @@ def _read_until(fd: int, marker: bytes, timeout: float) -> bytes:
 def test_conversation_in_a_terminal(stories_path):
     """Typed at a terminal: a prompt, an answer, the next prompt, /exit ends it cleanly."""
     master, slave = os.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "-m", str(stories_path), "-cnv", "-n", "8", "--temp", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "llamapy.cli.completion", "-m", str(stories_path), "-cnv", "-n", "8", "--temp", "0",
                              "-t", "1", "-c", "512"], stdin=slave, stdout=slave, stderr=subprocess.PIPE)
     os.close(slave)
     try:

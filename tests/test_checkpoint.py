@@ -194,7 +194,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(stories_path, text, tmp_path,
 
 # ---- through the command line: a real SIGKILL and a Ctrl-C -------------------------------------
 def finetune_cmd(stories_path: Path, text: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "apps.finetune", "-m", str(stories_path), "-f", str(text), "-c", "32",
+    return [sys.executable, "-m", "llamapy.cli.finetune", "-m", str(stories_path), "-f", str(text), "-c", "32",
             "-b", "64", "--epochs", "3", "-lr", "1e-3", "--lr-schedule", "cosine", "--warmup", "2",
             "--grad-clip", "1", "--seed", "5", "-t", "2", "-o", str(out), *extra]
 

@@ -9,7 +9,7 @@ import pytest
 
 
 def run_perplexity(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apps.perplexity", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", *args], capture_output=True, text=True, timeout=300)
 
 
 def assert_one_clear_line(proc: subprocess.CompletedProcess, expected: str) -> None:

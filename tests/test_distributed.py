@@ -36,7 +36,7 @@ def text(tmp_path_factory):
 
 
 def finetune(ranks: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "apps.finetune", *args]
+    cmd = [sys.executable, "-m", "llamapy.cli.finetune", *args]
     if ranks > 1:
         cmd = [MPIRUN, "-n", str(ranks), *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=ENV, timeout=timeout)
@@ -129,7 +129,7 @@ def start_long_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, set[int]]:
     training: the launcher and its two ranks' pids."""
     big = tmp_path / "long.txt"
     big.write_text(shared_path("data", "tinystories_sample.txt").read_text(encoding="utf-8")[:400_000])
-    cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "apps.finetune",
+    cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "llamapy.cli.finetune",
            *common_args(big, tmp_path, "-b", "64", "--epochs", "5", "-o", str(tmp_path / "never.gguf"), *extra)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=ENV)
     ranks: set[int] = set()

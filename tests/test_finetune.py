@@ -205,7 +205,7 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, stories_path):
 
 # ---- the command line ------------------------------------------------------------------------
 def finetune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apps.finetune", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *args], capture_output=True, text=True,
                           cwd=cwd or REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 

@@ -242,7 +242,7 @@ def test_gemma3_perplexity_matches_llama_cpp(gemma3_path, flash_attn, golden_fil
     t0 = time.perf_counter()
     # the peak of the command's own processes (this test process's RUSAGE_CHILDREN would
     # also hold every earlier child's, e.g. compile-ahead forks of a large test process)
-    run, peak_mb = peak_rss_mb([sys.executable, "-m", "apps.perplexity", "-m", str(gemma3_path), "-f", str(wiki),
+    run, peak_mb = peak_rss_mb([sys.executable, "-m", "llamapy.cli.perplexity", "-m", str(gemma3_path), "-f", str(wiki),
                                 "-c", "512", "-b", "512", "--chunks", "20", "-fa", flash_attn, "-t", "2"], REPO_ROOT)
     seconds = time.perf_counter() - t0
     assert run.returncode == 0, run.stderr
@@ -262,7 +262,7 @@ GREEDY = json.loads((REPO_ROOT / "tests" / "data" / "llama_cpp_gemma3_greedy.jso
 def test_gemma3_greedy_matches_llama_cpp(gemma3_path, run):
     """llamapy-cli's greedy text (prompt and 64 tokens) is llama-completion's (flash attention,
     F16 cache: both tools' defaults)."""
-    proc = subprocess.run([sys.executable, "-m", "apps.cli", "-m", str(gemma3_path), "-p", run["prompt"],
+    proc = subprocess.run([sys.executable, "-m", "llamapy.cli.completion", "-m", str(gemma3_path), "-p", run["prompt"],
                            "-n", str(GREEDY["n_predict"]), "--temp", "0", "-s", "1", "-t", "1"],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr

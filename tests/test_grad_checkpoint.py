@@ -124,7 +124,7 @@ def test_an_architecture_without_layer_boundaries_is_refused_in_one_line(stories
 
 
 def finetune(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apps.finetune", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *args], capture_output=True, text=True,
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=600)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-PACKAGES = ("ggmlpy", "llamapy", "apps")
+PACKAGES = ("ggmlpy", "llamapy")
 MODULES = sorted(p for pkg in PACKAGES for p in (REPO_ROOT / pkg).rglob("*.py"))
 
 

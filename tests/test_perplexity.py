@@ -62,7 +62,7 @@ def test_too_short_text_is_an_input_error(stories):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apps.perplexity", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", *args], capture_output=True, text=True,
                           timeout=1800)
 
 

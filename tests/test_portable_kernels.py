@@ -36,7 +36,7 @@ def test_the_kernels_follow_numbas_target(tmp_path, extra, vnni):
 def test_gemma3_greedy_without_avx512_is_llama_cpps(gemma3_path, tmp_path):
     greedy = json.loads((REPO_ROOT / "tests" / "data" / "llama_cpp_gemma3_greedy.json").read_text(encoding="utf-8"))
     run = greedy["runs"][0]
-    proc = subprocess.run([sys.executable, "-m", "apps.cli", "-m", str(gemma3_path), "-p", run["prompt"],
+    proc = subprocess.run([sys.executable, "-m", "llamapy.cli.completion", "-m", str(gemma3_path), "-p", run["prompt"],
                            "-n", str(greedy["n_predict"]), "--temp", "0", "-s", "1", "-t", "1"],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=1800, env=_env(tmp_path, **HASWELL))
     assert proc.returncode == 0, proc.stderr

@@ -435,7 +435,7 @@ def test_state_errors(model, tiny_random_path):
 def run_cli(*args: str):
     import subprocess
     import sys
-    return subprocess.run([sys.executable, "-m", "apps.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "llamapy.cli.completion", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("bs", [[], ["-bs"]])

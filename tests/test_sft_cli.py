@@ -54,7 +54,7 @@ def data_dir(tmp_path):
 
 
 def finetune(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apps.finetune", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_finetune_on_a_data_dir_validates_every_n_steps_and_tests_at_the_end(stories_path, data_dir, tmp_path):

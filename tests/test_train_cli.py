@@ -28,7 +28,7 @@ def test_train_from_scratch_end_to_end(stories_path, wiki_path, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(wiki_path.read_text()[:5000])
     out = tmp_path / "new.gguf"
-    run = run_app("apps.train", "--vocab-model", str(stories_path), "-f", str(text), *SHAPE, "--epochs", "2",
+    run = run_app("llamapy.cli.train", "--vocab-model", str(stories_path), "-f", str(text), *SHAPE, "--epochs", "2",
                   "--seed", "4", "--warmup", "3", "--lr-schedule", "cosine", "--grad-clip", "1", "-o", str(out),
                   "--predict", "12", "-p", "The game")
     assert run.returncode == 0, run.stderr
@@ -50,13 +50,13 @@ def test_train_from_scratch_end_to_end(stories_path, wiki_path, tmp_path):
 ])
 def test_shapes_that_cannot_be_built_fail_in_one_line(stories_path, wiki_path, tmp_path, shape, message):
     out = tmp_path / "new.gguf"
-    run = run_app("apps.train", "--vocab-model", str(stories_path), "-f", str(wiki_path), "--embd", "32", "--ff", "64",
+    run = run_app("llamapy.cli.train", "--vocab-model", str(stories_path), "-f", str(wiki_path), "--embd", "32", "--ff", "64",
                   "-c", "32", *shape, "-o", str(out))
     assert run.returncode == 1 and not out.exists()
     assert run.stderr.strip().splitlines() == [f"error: {message}" + run.stderr.strip().split(message, 1)[1]]
 
 
-@pytest.mark.parametrize("module", ["apps.finetune", "apps.train"])
+@pytest.mark.parametrize("module", ["llamapy.cli.finetune", "llamapy.cli.train"])
 def test_help_lists_the_training_flags_with_defaults(module):
     run = run_app(module, "--help")
     assert run.returncode == 0

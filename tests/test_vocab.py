@@ -341,7 +341,7 @@ def test_cli_reports_unsupported_tokenizer_in_one_line(tmp_path: Path, model: st
     path = write_gguf(tmp_path / "vocab.gguf", model, BYTE_LEVEL_TOKENS, pre=pre, merges=["a b"])
     text = tmp_path / "text.txt"
     text.write_text("Hello world", encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "apps.perplexity", "-m", str(path), "-f", str(text)],
+    proc = subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", "-m", str(path), "-f", str(text)],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: unsupported "), proc.stderr
