@@ -27,10 +27,12 @@ MAX_CACHED_GRAPHS = 8
 
 
 def validation_windows(ndata: int, val_split: float) -> int:
-    """Windows held out for validation: the fraction rounded, but at least one when asked for any."""
+    """Windows held out for validation, as llama-finetune splits: the training windows are
+    the first int(ndata * (1 - val_split)), so at least one validates when asked for any
+    (two of the 28 windows of the README's main job, for a spread)."""
     if val_split <= 0 or ndata < 2:
         return 0
-    return max(1, int(round(ndata * val_split)))
+    return max(1, ndata - int(np.float32(ndata) * (np.float32(1.0) - np.float32(val_split))))  # in float, as ggml
 
 
 class Context:

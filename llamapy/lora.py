@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -129,11 +130,13 @@ _ROW_FALLBACK = {GGMLType.Q2_K: GGMLType.Q4_0, GGMLType.Q3_K: GGMLType.Q4_0, GGM
                  GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
 
 
-def merge_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]], outtype: GGMLType | None = None) -> list[str]:
+def merge_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]],
+                   outtype: GGMLType | Literal["auto"] | None = None) -> list[str]:
     """Add each adapter's scaled B A into the model's weights, in memory (llama.cpp's
-    export-lora). Merged tensors are stored as `outtype` (their own type when None);
-    quantized ones are dequantized, merged in float32 and quantized again. Returns the
-    names of the merged tensors."""
+    export-lora). Merged tensors are stored as `outtype`: their own type when None
+    (quantized ones are dequantized, merged in float32 and quantized again), llama.cpp's
+    choice with "auto" (F32 stays F32, any other type becomes F16). Returns the names of
+    the merged tensors."""
     from ggmlpy import convert, quants, traits
     names = list(dict.fromkeys(n for adapter, _ in adapters for n in adapter.tensors))
     for name in names:
@@ -146,7 +149,10 @@ def merge_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]], outt
             if name in adapter.tensors:
                 a, b = adapter.tensors[name]
                 values = values + np.float32(scale * adapter.scale_for(name)) * (b.array()[0, 0] @ a.array()[0, 0])
-        target = GGMLType(outtype if outtype is not None else w.type)
+        if outtype == "auto":
+            target = GGMLType.F32 if w.type == GGMLType.F32 else GGMLType.F16
+        else:
+            target = GGMLType(outtype if outtype is not None else w.type)
         if traits(target).is_quantized and w.ne[0] % traits(target).blck_size:
             target = _ROW_FALLBACK.get(target, GGMLType.F16)
         if traits(target).is_quantized:

@@ -78,9 +78,11 @@ def _batch_layout(n_seq: int, lo: int, hi: int, first: int) -> tuple[np.ndarray,
 def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512,
                n_chunks: int = -1, n_threads: int | None = None,
                on_chunk: Callable[[int, int, float], None] | None = None, adapters=(),
-               **context_args) -> PerplexityResult:
-    """Score `tokens` (already tokenized with BOS); `on_chunk(i, n_chunk, running_ppl)` reports progress.
-    `adapters`: (LoraAdapter, scale) pairs applied to the model."""
+               on_pass: Callable[[int, int], None] | None = None, **context_args) -> PerplexityResult:
+    """Score `tokens` (already tokenized with BOS); `on_chunk(i, n_chunk, running_ppl)` reports
+    each chunk, `on_pass(n_done, n_chunk)` each pass (the chunks one decode scores together:
+    the time between passes is what an ETA can use). `adapters`: (LoraAdapter, scale) pairs
+    applied to the model."""
     tokens = np.asarray(tokens, dtype=np.int32)
     if n_ctx < 4:
         raise InputError(f"context size {n_ctx} is too small for perplexity")
@@ -129,4 +131,6 @@ def perplexity(model: Model, tokens: Sequence[int], n_ctx: int, n_batch: int = 2
             result.running.append(result.ppl)
             if on_chunk:
                 on_chunk(result.n_chunks, n_chunk, result.ppl)
+        if on_pass:
+            on_pass(result.n_chunks, n_chunk)
     return result

@@ -5,16 +5,9 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
 
 from llamapy.errors import InputError, LlamapyError
 
-
-# the flag that chooses a chat template (llamapy-cli's chats, the training commands' samples)
-ChatTemplateOption = Annotated[Optional[str], typer.Option(
-    "--chat-template", help="built-in template name or Jinja file (default: the model's)")]
 
 _COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
 
@@ -35,7 +28,10 @@ def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
     if _COMM is not None and _COMM.size > 1 and not every_rank:
         from llamapy.distributed import abort_job
         abort_job(_COMM, message, code)
-    log(f"error: {message}")
+    if _COMM is None or _COMM.rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if _Log.file is not None:
+            print(f"error: {message}", file=_Log.file, flush=True)
     raise SystemExit(code)
 
 
@@ -65,15 +61,35 @@ def read_text(path: Path) -> str:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
 
 
+def random_seed() -> int:
+    """llama.cpp's `--seed -1`: a random seed, printed so that the run can be repeated."""
+    import secrets
+    seed = secrets.randbelow(2**31)
+    log(f"seed: {seed} (random: --seed {seed} repeats this run)")
+    return seed
+
+
 def default_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
 def note_first_run() -> None:
-    """On the first run after installing, say why the first graphs take long."""
-    from ggmlpy.backend.cpu import kernels_cached
-    if not kernels_cached():
-        log("first run after install: compiling the numba kernels (tens of seconds, once: they are cached)")
+    """Say why the run is slow when numba really compiles (the first run after installing)."""
+    from ggmlpy.backend.cpu import on_first_compile
+    on_first_compile(lambda: log("compiling numba kernels (the first run after installing: tens of seconds, "
+                                 "once: they are cached)"))
+
+
+KV_TYPES = ("f16", "f32")
+
+
+def kv_cache_types(type_k: str, type_v: str) -> tuple:
+    """-ctk / -ctv: the KV cache types llamapy has (llama.cpp also quantizes the cache)."""
+    from ggmlpy import GGMLType
+    for flag, value in (("-ctk", type_k), ("-ctv", type_v)):
+        if value.lower() not in KV_TYPES:
+            raise InputError(f"{flag} {value}: the KV cache can be {' or '.join(KV_TYPES)}")
+    return GGMLType[type_k.upper()], GGMLType[type_v.upper()]
 
 
 def chat_template_for(model, choice: str | None):
@@ -84,48 +100,78 @@ def chat_template_for(model, choice: str | None):
     return template
 
 
-def log(message: str) -> None:
-    """A progress line (rank 0's only, under MPI)."""
-    if _COMM is None or _COMM.rank == 0:
-        print(message, file=sys.stderr, flush=True)
+class _Log:
+    """Where log lines go (the logging flags of every tool: -v, -lv, --log-disable, --log-file)."""
+
+    level = INFO = 3
+    file = None
 
 
-PAIR_SEP = "\x1f"
+ERROR, WARNING, INFO, DEBUG = 1, 2, 3, 4
 
 
-def join_pairs(argv: list[str], flag: str) -> list[str]:
-    """`FLAG A B` -> `FLAG A<sep>B`, for llama.cpp options that take two values
-    (`--lora-scaled FILE SCALE`); split them back with `split_pair`."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == flag and i + 2 < len(argv) + 0 and not argv[i + 2].startswith("--"):
-            out += [flag, argv[i + 1] + PAIR_SEP + argv[i + 2]]
-            i += 3
-        else:
-            out.append(argv[i])
-            i += 1
-    return out
-
-
-def split_pair(value: str, flag: str) -> tuple[str, str]:
-    if PAIR_SEP not in value:
-        raise InputError(f"{flag} needs two values, e.g. {flag} adapter.gguf 0.5")
-    a, b = value.split(PAIR_SEP, 1)
-    return a, b
-
-
-def load_adapters(model, paths=(), scaled=()) -> list:
-    """(LoraAdapter, scale) pairs from `--lora FILE` and `--lora-scaled FILE SCALE` options,
-    each announced on stderr."""
-    from llamapy.lora import LoraAdapter
-    pairs = [(str(p), "1") for p in paths or []] + [split_pair(item, "--lora-scaled") for item in scaled or []]
-    out = []
-    for path, scale in pairs:
+def configure_logging(verbose: bool = False, verbosity: int | None = None, log_disable: bool = False,
+                      log_file: Path | None = None) -> None:
+    """llama.cpp's logging flags: -lv N shows lines up to level N, -v everything,
+    --log-disable nothing (errors still print), --log-file a copy of every line shown."""
+    _Log.level = 0 if log_disable else DEBUG if verbose else verbosity if verbosity is not None else INFO
+    if log_file is not None:
         try:
-            value = float(scale)
-        except ValueError:
-            raise InputError(f"--lora-scaled {path}: scale {scale!r} is not a number") from None
+            _Log.file = open(log_file, "a", encoding="utf-8")  # noqa: SIM115 -- kept open for the run
+        except OSError as e:
+            raise InputError(f"--log-file {log_file}: {e.strerror}") from None
+
+
+def log(message: str, level: int = INFO) -> None:
+    """A progress line on stderr (rank 0's only, under MPI), if the log level shows it."""
+    if level > _Log.level or (_COMM is not None and _COMM.rank != 0):
+        return
+    print(message, file=sys.stderr, flush=True)
+    if _Log.file is not None:
+        print(message, file=_Log.file, flush=True)
+
+
+def warn(message: str) -> None:
+    log(f"warning: {message}", WARNING)
+
+
+def debug(message: str) -> None:
+    log(message, DEBUG)
+
+
+def progress_stream():
+    """Where progress bars go: stderr, or nowhere when log lines are off."""
+    return sys.stderr if _Log.level >= INFO else None
+
+
+def adapter_list(lora: list[str] | None, lora_scaled: list[str] | None) -> list[tuple[str, float]]:
+    """(path, scale) pairs from llama.cpp's `--lora FNAME[,FNAME...]` and
+    `--lora-scaled FNAME:SCALE[,FNAME:SCALE...]` (each repeatable)."""
+    pairs = [(path, 1.0) for item in lora or [] for path in _csv(item)]
+    for item in lora_scaled or []:
+        for entry in _csv(item):
+            path, sep, scale = entry.rpartition(":")
+            try:
+                pairs.append((path, float(scale)) if sep and path else _bad_scaled(entry))
+            except ValueError:
+                _bad_scaled(entry)
+    return pairs
+
+
+def _bad_scaled(entry: str):
+    raise InputError(f"--lora-scaled {entry}: expected FNAME:SCALE, e.g. --lora-scaled adapter.gguf:0.5")
+
+
+def _csv(item: str) -> list[str]:
+    return [part.strip() for part in item.split(",") if part.strip()]
+
+
+def load_adapters(model, lora: list[str] | None = None, lora_scaled: list[str] | None = None) -> list:
+    """(LoraAdapter, scale) pairs from the --lora and --lora-scaled flags, each announced on stderr."""
+    from llamapy.lora import LoraAdapter
+    out = []
+    for path, scale in adapter_list(lora, lora_scaled):
         adapter = LoraAdapter.load(path, model)
-        log(f"lora: {path} (rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices) x {value:g}")
-        out.append((adapter, value))
+        log(f"lora: {path} (rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices) x {scale:g}")
+        out.append((adapter, scale))
     return out

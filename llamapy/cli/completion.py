@@ -10,23 +10,23 @@ are decoded."""
 from __future__ import annotations
 
 import codecs
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import typer
-
 from llamapy import Batch, Context, load_model
 from llamapy.chat import ChatTemplate
 from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
-from llamapy.sampling import DEFAULT_SEED, default_chain
+from llamapy.samples import unescape
+from llamapy.sampling import default_chain
 
-from .common import (ChatTemplateOption, chat_template_for, default_threads, guarded, join_pairs, load_adapters,
-                     log, note_first_run)
-
-cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+from . import flags as F
+from .args import CHAT, GENERATION, Tool, flag
+from .common import (chat_template_for, default_threads, kv_cache_types, load_adapters, log, random_seed,
+                     read_text, warn)
 
 EXIT_COMMANDS = ("/exit", "/quit")
 
@@ -121,53 +121,81 @@ def print_perf(gen: Generator, t_load: float, t_total: float) -> None:
     log(f"llama_perf_context_print:    graphs reused = {gen.ctx.n_graphs_reused:10d}")
 
 
-@cli.command()
-def run(
-    model: Annotated[Optional[Path], typer.Option("-m", "--model", help="GGUF model file (default: Gemma 3 270M Q4_K_M)")] = None,
-    prompt: Annotated[str, typer.Option("-p", "--prompt", help="prompt to continue (with -cnv or --chat: the first user message)")] = "",
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate, per turn in a chat (-1: until end of text or context)")] = -1,
-    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="context size (0: the model's)")] = 4096,
-    batch_size: Annotated[int, typer.Option("-b", "--batch-size", help="prompt tokens per decode")] = 2048,
-    ubatch_size: Annotated[int, typer.Option("-ub", "--ubatch-size", help="tokens computed at once")] = 512,
-    threads: Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads")] = None,
-    temp: Annotated[float, typer.Option("--temp", help="temperature (<= 0: greedy)")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="top-k (0: off)")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="top-p (1.0: off)")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="min-p (0.0: off)")] = 0.05,
-    typical_p: Annotated[float, typer.Option("--typical", help="locally typical p (1.0: off)")] = 1.0,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="repeat penalty (1.0: off)")] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="tokens the penalties look back")] = 64,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
-    dynatemp_range: Annotated[float, typer.Option("--dynatemp-range", help="dynamic temperature range")] = 0.0,
-    dynatemp_exp: Annotated[float, typer.Option("--dynatemp-exp")] = 1.0,
-    seed: Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1: random)")] = -1,
-    backend_sampling: Annotated[bool, typer.Option("-bs", "--backend-sampling", help="sample inside the model graph")] = False,
-    lora: Annotated[Optional[list[Path]], typer.Option("--lora", help="LoRA adapter (repeatable)")] = None,
-    lora_scaled: Annotated[Optional[list[str]], typer.Option("--lora-scaled", help="FILE SCALE: LoRA adapter and its scale (repeatable)")] = None,
-    display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt")] = True,
-    conversation: Annotated[bool, typer.Option("-cnv", "--conversation", help="chat turn by turn through the chat template (stdin; /exit or Ctrl-D ends)")] = False,
-    chat: Annotated[bool, typer.Option("--chat", "-st", "--single-turn", help="answer the -p message as a chat turn, then exit")] = False,
-    system_prompt: Annotated[Optional[str], typer.Option("-sys", "--system-prompt", help="system message of the chat")] = None,
-    chat_template: ChatTemplateOption = None,
-) -> None:
-    """Generate text continuing PROMPT with MODEL, or chat with it (-cnv, --chat)."""
+tool = Tool("llamapy-cli", llama_cpp=["completion", "cli"])
+
+DisplayPrompt = Annotated[bool, flag("--display-prompt/--no-display-prompt", group=GENERATION,
+                                     help="echo the prompt before the text")]
+VerbosePrompt = Annotated[bool, flag("--verbose-prompt", group=GENERATION, show_default=False,
+                                     help="print the prompt's tokens before generating")]
+ReversePrompt = Annotated[Optional[list[str]], flag("-r", "--reverse-prompt", metavar="PROMPT", group=GENERATION,
+                                                    show_default=False,
+                                                    help="stop generating at PROMPT (repeatable); in a chat, the "
+                                                         "answer ends there")]
+Special = Annotated[bool, flag("-sp", "--special", group=GENERATION, show_default=False,
+                               help="print special tokens (such as <end_of_turn>) as text")]
+Conversation = Annotated[bool, flag("-cnv", "--conversation/-no-cnv", "--no-conversation", group=CHAT,
+                                    show_default=False,
+                                    help="chat turn by turn through the chat template (stdin; /exit or Ctrl-D ends)")]
+SingleTurn = Annotated[bool, flag("-st", "--single-turn", "--chat", group=CHAT, show_default=False,
+                                  help="answer the -p message as one chat turn, then exit")]
+SystemPrompt = Annotated[Optional[str], flag("-sys", "--system-prompt", metavar="PROMPT", group=CHAT,
+                                             show_default=False, help="the chat's system message")]
+SystemPromptFile = Annotated[Optional[Path], flag("-sysf", "--system-prompt-file", metavar="FNAME", group=CHAT,
+                                                  show_default=False, help="read the system message from this file")]
+
+
+@tool.command
+def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile = None, escape: F.Escape = False,
+        n_predict: F.NPredict = -1, ctx_size: F.CtxSize = 0, batch_size: F.BatchSize = 2048,
+        ubatch_size: F.UbatchSize = 512, threads: F.Threads = None, flash_attn: F.FlashAttn = "auto",
+        cache_type_k: F.CacheTypeK = "f16", cache_type_v: F.CacheTypeV = "f16",
+        temp: F.Temp = 0.8, top_k: F.TopK = 40, top_p: F.TopP = 0.95, min_p: F.MinP = 0.05, typical_p: F.Typical = 1.0,
+        repeat_penalty: F.RepeatPenalty = 1.0, repeat_last_n: F.RepeatLastN = 64,
+        frequency_penalty: F.FrequencyPenalty = 0.0, presence_penalty: F.PresencePenalty = 0.0,
+        dynatemp_range: F.DynatempRange = 0.0, dynatemp_exp: F.DynatempExp = 1.0, seed: F.Seed = -1,
+        logit_bias: F.LogitBias = None, ignore_eos: F.IgnoreEos = False, backend_sampling: F.BackendSampling = False,
+        lora: F.Lora = None, lora_scaled: F.LoraScaled = None, display_prompt: DisplayPrompt = True,
+        verbose_prompt: VerbosePrompt = False, reverse_prompt: ReversePrompt = None, special: Special = False,
+        conversation: Conversation = False, chat: SingleTurn = False, system_prompt: SystemPrompt = None,
+        system_prompt_file: SystemPromptFile = None, chat_template: F.ChatTemplate = None,
+        chat_template_file: F.ChatTemplateFile = None) -> None:
+    """Generate text continuing PROMPT with MODEL, as llama-completion, or chat with it (-cnv, -st)."""
     t_start = time.perf_counter()
+    if file is not None:
+        if prompt:
+            raise InputError("give the prompt with -p or with -f, not both")
+        prompt = read_text(file)
+    if escape:
+        prompt = unescape(prompt)
+    if system_prompt_file is not None:
+        if system_prompt is not None:
+            raise InputError("give the system message with -sys or with -sysf, not both")
+        system_prompt = read_text(system_prompt_file)
+    if chat_template_file is not None:
+        if chat_template is not None:
+            raise InputError("give the chat template with --chat-template or --chat-template-file, not both")
+        chat_template = str(chat_template_file)
     if chat and not prompt:
-        raise InputError("--chat answers the -p message: give one (or use -cnv to type them)")
+        raise InputError("-st answers the -p message: give one (or use -cnv to type them)")
+    if flash_attn not in ("on", "off", "auto"):
+        raise InputError(f"-fa must be on, off or auto, not {flash_attn!r}")
+    type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
+    seed = random_seed() if seed == -1 else seed
     m = load_model(model or default_model_path(log))
-    note_first_run()
-    ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads())
+    if ctx_size > m.hparams.n_ctx_train:
+        warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({ctx_size} specified)")
+    ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads(),
+                  flash_attn=flash_attn != "off", type_k=type_k, type_v=type_v)
     for adapter, scale in load_adapters(m, lora, lora_scaled):
         ctx.attach_lora(adapter, scale)
     template = None
     if conversation or chat:
         template = chat_template_for(m, chat_template)
     elif system_prompt is not None or chat_template is not None:
-        raise InputError("-sys and --chat-template are for chats: add -cnv (interactive) or --chat (one turn)")
+        raise InputError("-sys and --chat-template are for chats: add -cnv (interactive) or -st (one turn)")
     t_load = time.perf_counter() - t_start
     vocab = m.vocab
-    chain = default_chain(vocab.n_tokens, seed=DEFAULT_SEED if seed < 0 else seed, temp=temp, top_k=top_k, top_p=top_p,
+    chain = default_chain(vocab.n_tokens, seed=seed, logit_bias=parse_logit_bias(logit_bias, vocab), temp=temp, top_k=top_k, top_p=top_p,
                           min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                           freq_penalty=frequency_penalty, presence_penalty=presence_penalty,
                           dynatemp_range=dynatemp_range, dynatemp_exp=dynatemp_exp)
@@ -182,6 +210,20 @@ def run(
     else:
         complete(gen, prompt, n_predict, display_prompt)
     print_perf(gen, t_load, time.perf_counter() - t_start)
+
+
+def parse_logit_bias(items: list[str] | None, vocab) -> dict[int, float]:
+    """llama.cpp's `-l TOKEN_ID(+/-)BIAS`: `15043+1`, `15043-1`, `15043-inf`."""
+    biases: dict[int, float] = {}
+    for item in items or []:
+        m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|[0-9.]+(?:e[+-]?\d+)?)\s*", item, re.IGNORECASE)
+        if m is None:
+            raise InputError(f"-l {item}: expected TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf")
+        token = int(m.group(1))
+        if not 0 <= token < vocab.n_tokens:
+            raise InputError(f"-l {item}: token {token} is not in the vocabulary (0..{vocab.n_tokens - 1})")
+        biases[token] = float(m.group(2) + m.group(3))
+    return biases
 
 
 def complete(gen: Generator, prompt: str, n_predict: int, display_prompt: bool) -> None:
@@ -261,9 +303,7 @@ def read_message() -> str | None:
         return None if text in EXIT_COMMANDS else text
 
 
-def main() -> None:
-    sys.argv[1:] = join_pairs(sys.argv[1:], "--lora-scaled")
-    guarded(cli)()
+main = tool.main
 
 if __name__ == "__main__":
     main()

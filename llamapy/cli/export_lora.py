@@ -2,12 +2,9 @@
 (llama.cpp's export-lora: W' = W + scale * alpha / r * B A per adapted matrix)."""
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
+from typing import Annotated
 
 from ggmlpy import GGMLType
 from llamapy.errors import InputError
@@ -15,26 +12,33 @@ from llamapy.lora import merge_adapters
 from llamapy.model import load_model
 from llamapy.save import save_model_to_file
 
-from .common import guarded, join_pairs, load_adapters, log
+from . import flags as F
+from .args import OUTPUT, Tool, flag
+from .common import adapter_list, load_adapters, log
 
-cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+tool = Tool("llamapy-export-lora", llama_cpp=["export-lora"])
 
-OUTTYPES = {"f16": GGMLType.F16, "f32": GGMLType.F32, "q8_0": GGMLType.Q8_0, "q4_k": GGMLType.Q4_K, "same": None}
+# llama.cpp's export-lora writes a merged matrix as F32 if the base's is F32, else as F16 ("auto")
+OUTTYPES = {"auto": "auto", "same": None, "f16": GGMLType.F16, "f32": GGMLType.F32, "q8_0": GGMLType.Q8_0,
+            "q4_k": GGMLType.Q4_K}
+
+Output = Annotated[Path, flag("-o", "--output", "--output-file", metavar="FNAME", group=OUTPUT,
+                              help="the merged GGUF to write")]
+OutType = Annotated[str, flag("--outtype", metavar="TYPE", group=OUTPUT,
+                              help="type of the merged matrices: auto (llama.cpp's: F32 stays F32, others become F16), "
+                                   "same (each keeps its type, quantized ones are quantized again), f16, f32, q8_0, "
+                                   "q4_k")]
 
 
-@cli.command()
-def run(
-    model: Annotated[Path, typer.Option("-m", "--model", help="base GGUF model")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="merged GGUF to write")],
-    lora: Annotated[Optional[list[Path]], typer.Option("--lora", help="LoRA adapter (repeatable)")] = None,
-    lora_scaled: Annotated[Optional[list[str]], typer.Option("--lora-scaled", help="FILE SCALE (repeatable)")] = None,
-    outtype: Annotated[str, typer.Option("--outtype", help="f16|f32|q8_0|q4_k|same: type of the merged matrices")] = "same",
-) -> None:
+@tool.command
+def run(model: F.Model, lora: F.Lora = None, lora_scaled: F.LoraScaled = None,
+        output: Output = Path("ggml-lora-merged-f16.gguf"), outtype: OutType = "auto",
+        threads: F.Threads = None) -> None:
     """Merge the adapters into MODEL and write the result to -o."""
     if outtype.lower() not in OUTTYPES:
         raise InputError(f"unknown --outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
-    if not lora and not lora_scaled:
-        raise InputError("give at least one adapter with --lora FILE or --lora-scaled FILE SCALE")
+    if not adapter_list(lora, lora_scaled):
+        raise InputError("give at least one adapter with --lora FNAME or --lora-scaled FNAME:SCALE")
     t0 = time.perf_counter()
     m = load_model(model)
     log(f"model: {m.path.name}: {m.describe()}")
@@ -44,10 +48,7 @@ def run(
     log(f"export-lora: merged {len(merged)} matrices, wrote {output} in {time.perf_counter() - t0:.1f} s")
 
 
-def main() -> None:
-    sys.argv[1:] = join_pairs(sys.argv[1:], "--lora-scaled")
-    guarded(cli)()
-
+main = tool.main
 
 if __name__ == "__main__":
     main()

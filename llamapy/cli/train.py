@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import typer
-
 from llamapy.batch import Batch
 from llamapy.context import Context
 from llamapy.errors import InputError
@@ -19,44 +17,50 @@ from llamapy.from_scratch import new_model
 from llamapy.sampling.samplers import default_chain
 
 from . import training as T
-from .common import guarded, job, log, note_first_run
+from .args import MODEL_SHAPE, OUTPUT, Tool, flag
+from .common import job, log
 
-cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+tool = Tool("llamapy-train", llama_cpp=["finetune"])
 
 DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model starts far from any minimum)
 
+VocabModel = Annotated[Path, flag("--vocab-model", metavar="FNAME", group=MODEL_SHAPE,
+                                  help="GGUF model whose tokenizer (and chat template) the new model takes")]
+Arch = Annotated[str, flag("--arch", metavar="NAME", group=MODEL_SHAPE, help="llama, qwen2, qwen3 or gemma3")]
+Embd = Annotated[int, flag("--embd", metavar="N", group=MODEL_SHAPE, help="embedding width")]
+Head = Annotated[int, flag("--head", metavar="N", group=MODEL_SHAPE, help="attention heads")]
+HeadKv = Annotated[Optional[int], flag("--head-kv", metavar="N", group=MODEL_SHAPE, show_default=False,
+                                       help="key/value heads (default: --head)")]
+Layer = Annotated[int, flag("--layer", metavar="N", group=MODEL_SHAPE, help="layers")]
+Ff = Annotated[Optional[int], flag("--ff", metavar="N", group=MODEL_SHAPE, show_default=False,
+                                   help="feed-forward width (default: llama's 8/3 x embd, rounded up to 32)")]
+RopeFreqBase = Annotated[float, flag("--rope-freq-base", metavar="N", group=MODEL_SHAPE, help="RoPE base frequency")]
+RmsEps = Annotated[float, flag("--rms-eps", metavar="N", group=MODEL_SHAPE, help="RMS norm epsilon")]
+Output = Annotated[Path, flag("-o", "--output", "--output-file", "--model-out", metavar="FNAME", group=OUTPUT,
+                              help="where to write the trained model")]
+Predict = Annotated[int, flag("--predict", metavar="N", group=OUTPUT,
+                              help="after training, print a sampled continuation of N tokens")]
+Prompt = Annotated[Optional[str], flag("-p", "--prompt", metavar="PROMPT", group=OUTPUT, show_default=False,
+                                       help="what --predict continues (default: the text's first words)")]
 
-@cli.command()
-@T.with_training_flags(ctx_size=128)
-def run(
-    vocab_model: Annotated[Path, typer.Option("--vocab-model", help="GGUF model whose tokenizer the new model takes")],
-    file: T.File = None,
-    arch: Annotated[str, typer.Option("--arch", help="llama, qwen2, qwen3 or gemma3")] = "llama",
-    embd: Annotated[int, typer.Option("--embd", help="embedding width")] = 256,
-    head: Annotated[int, typer.Option("--head", help="attention heads")] = 8,
-    head_kv: Annotated[Optional[int], typer.Option("--head-kv", help="key/value heads (default --head)")] = None,
-    layer: Annotated[int, typer.Option("--layer", help="layers")] = 16,
-    ff: Annotated[Optional[int], typer.Option("--ff", help="feed-forward width (default: llama's 8/3 x embd, rounded up to 32)")] = None,
-    rope_freq_base: Annotated[float, typer.Option("--rope-freq-base", help="RoPE base frequency")] = 10000.0,
-    rms_eps: Annotated[float, typer.Option("--rms-eps", help="RMS norm epsilon")] = 1e-5,
-    output: Annotated[Path, typer.Option("-o", "--output", "--model-out", help="where to write the trained model")] = Path("trained-model.gguf"),
-    predict: Annotated[int, typer.Option("--predict", help="after training, print a sampled continuation of N tokens")] = 0,
-    prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="what --predict continues (default: the text's first words)")] = None,
-    *, args: T.TrainingArgs,
-) -> None:
-    """Train a new model on the text in FILE; writes it to -o. The seed (--seed) initialises
-    the weights and shuffles the windows."""
+
+@tool.command(ctx_size=128)
+def run(vocab_model: VocabModel, file: T.File = None, arch: Arch = "llama", embd: Embd = 256, head: Head = 8,
+        head_kv: HeadKv = None, layer: Layer = 16, ff: Ff = None, rope_freq_base: RopeFreqBase = 10000.0,
+        rms_eps: RmsEps = 1e-5, output: Output = Path("trained-model.gguf"), predict: Predict = 0,
+        prompt: Prompt = None, args: T.TrainingArgs = None) -> None:
+    """Train a new model on the text in FILE and write it to -o. The seed (--seed) initialises
+    the weights (and shuffles the windows with --shuffle)."""
     args.check()
     if file is None and args.data is None:
         raise InputError("give the text to train on with -f FILE (or samples with --data DIR)")
     m = new_model(arch, vocab_model, n_embd=embd, n_head=head, n_head_kv=head_kv, n_layer=layer,
                   n_ff=ff or _llama_ff(embd), n_ctx_train=args.ctx_size, rope_freq_base=rope_freq_base, rms_eps=rms_eps,
                   seed=args.seed)
-    note_first_run()
     log(f"model: new {m.describe()} ({m.n_params:,} parameters), vocabulary of {vocab_model.name}")
     params = args.train_params(m, DEFAULT_LR)
     data = args.load_data(m, params.window_bos, file)
-    ctx = T.train(m, params, data, args, output, None, "train")
+    ctx = T.train(m, params, data, args, output, "train")
     if predict > 0 and job().rank == 0:
         if prompt is None:
             first = data.train.data[0][data.train.data[0] != m.vocab.bos_id][:8]
@@ -91,10 +95,7 @@ def _llama_ff(n_embd: int) -> int:
     return -(-(8 * n_embd // 3) // 32) * 32
 
 
-def main() -> None:
-    sys.argv[1:] = T.bare_lr_half(sys.argv[1:])
-    guarded(cli)()
-
+main = tool.main
 
 if __name__ == "__main__":
     main()

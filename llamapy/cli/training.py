@@ -4,18 +4,13 @@ run itself: windows, Context.opt_fit with checkpoints, timing lines, saving, the
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import os
 import time
 import typing
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Any, Optional
-
-import typer
+from typing import Annotated, Optional
 
 from ggmlpy.params import ParamError
 from llamapy.context import Context, validation_windows
@@ -25,94 +20,141 @@ from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import DEFAULT_LORA_MODULES, SGD, AdamW, LRSchedule, TrainParams, has_quantized_matrices
 
-from .common import ChatTemplateOption, default_threads, fail, job, log
+from .args import CHECKPOINTS, DATA, OUTPUT, SCHEDULE, TRAINING, flag, flag_field
+from .common import default_threads, fail, job, log, random_seed, warn
+from .flags import ChatTemplate
 from .training_data import DataOptions, TrainingData, load_training_data
 
-# ---- the shared flags -------------------------------------------------------------------------
-File = Annotated[Optional[Path], typer.Option("-f", "--file", "--train-data", help="text to train on")]
-CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", "--ctx", help="tokens per training window")]
-BatchSize = Annotated[Optional[int], typer.Option("-b", "--batch-size", help="tokens per optimizer step (whole windows; default -c)")]
-UbatchSize = Annotated[int, typer.Option("-ub", "--ubatch-size", help="tokens computed at once")]
-Lr = Annotated[Optional[float], typer.Option("-lr", "--learning-rate", help="learning rate (default 1e-5 for a full finetune, 3e-4 for LoRA, 1e-3 from scratch)")]
-LrMin = Annotated[float, typer.Option("-lr-min", help="the exp schedule decays, the cosine one falls, to this rate")]
-DecayEpochs = Annotated[float, typer.Option("-decay-epochs", help="epochs over which -lr-min is reached (exp schedule)")]
-LrHalf = Annotated[Optional[float], typer.Option("-lr-half", help="halve the learning rate every HALFLIFE epochs (1 if bare)")]
-LrHalvings = Annotated[Optional[int], typer.Option("-lr-halvings", help="halve at most N times")]
-LrSchedule = Annotated[str, typer.Option("--lr-schedule", help="constant, exp (-lr-min/-lr-half decays) or cosine (to -lr-min)")]
-Warmup = Annotated[int, typer.Option("--warmup", help="optimizer steps of linear warmup")]
-CosRestart = Annotated[Optional[int], typer.Option("--cos-restart", help="restart the cosine every N epochs")]
-GradClip = Annotated[Optional[float], typer.Option("--grad-clip", help="clip the global gradient L2 norm to this (off by default)")]
-GradCheckpoint = Annotated[bool, typer.Option("--grad-checkpoint", help="keep the activations only at layer boundaries and recompute the rest during the backward pass: less memory, same gradients, more time")]
-BackwardBf16 = Annotated[Optional[bool], typer.Option("--backward-bf16/--backward-f32", help="the backward pass's products through frozen quantized weights on bf16-rounded operands (about twice as fast, each product within 2^-8) or in float32 (default: bf16 where the CPU has AVX512-BF16)")]
-WeightDecay = Annotated[float, typer.Option("-wd", "--weight-decay", help="decoupled weight decay")]
-OptimizerName = Annotated[str, typer.Option("-opt", "--optimizer", help="adamw or sgd")]
-ValSplit = Annotated[float, typer.Option("-val-split", "--val-split", help="fraction of windows held out")]
-Epochs = Annotated[int, typer.Option("--epochs", "-epochs", help="passes over the training windows")]
-Seed = Annotated[int, typer.Option("--seed", "-s", help="seed for shuffling the training windows each epoch")]
-Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="CPU threads")]
-Plot = Annotated[Optional[Path], typer.Option("--plot", help="write the loss curves to this PNG")]
-CheckpointOut = Annotated[Optional[Path], typer.Option("--checkpoint-out", help="write a checkpoint here every --save-every steps, at each epoch's end and on Ctrl-C")]
-SaveEvery = Annotated[Optional[int], typer.Option("--save-every", help="optimizer steps between checkpoints (default: only at epoch ends and on Ctrl-C)")]
-CheckpointIn = Annotated[Optional[Path], typer.Option("--checkpoint-in", help="resume from this checkpoint")]
-ForceResume = Annotated[bool, typer.Option("--force-resume", help="resume even from a checkpoint of another model or text")]
-Data = Annotated[Optional[Path], typer.Option("--data", help="directory of train.jsonl (and valid.jsonl, test.jsonl)")]
-DataFormat = Annotated[Optional[str], typer.Option("--data-format", help="text, completions or chat (default: detected per file)")]
-MaskPrompt = Annotated[bool, typer.Option("--mask-prompt/--no-mask-prompt", help="learn only the answers of chat and prompt/completion samples")]
-SampleStart = Annotated[Optional[str], typer.Option("--sample-start", help="cut a text into samples at each occurrence of this string")]
-IncludeSampleStart = Annotated[bool, typer.Option("--include-sample-start", help="keep the --sample-start string at the start of each sample")]
-Escape = Annotated[bool, typer.Option("--escape", help="read \\n, \\t, ... in --sample-start as escapes")]
-Truncate = Annotated[bool, typer.Option("--truncate/--no-truncate", help="cut samples longer than -c (--no-truncate: refuse them)")]
-ValFile = Annotated[Optional[Path], typer.Option("--val-file", help="validate on this file instead of -val-split")]
-StepsPerEval = Annotated[Optional[int], typer.Option("--steps-per-eval", help="validate also every N optimizer steps")]
-
-
-def flag(option: Any, default: Any) -> Any:
-    """A TrainingArgs field: its command-line option (a typed alias above) and its default."""
-    return field(default=default, metadata={"option": option})
+# ---- the shared flags (llama-finetune's names where it has the flag) ---------------------------
+File = Annotated[Optional[Path], flag("-f", "--file", "--train-data", metavar="FNAME", group=DATA, show_default=False,
+                                      help="text to train on, or a .jsonl file of samples")]
+WindowSize = Annotated[int, flag("-c", "--ctx-size", "--ctx", metavar="N", env="LLAMA_ARG_CTX_SIZE", group=TRAINING,
+                                 help="tokens per training window (windows overlap by half)")]
+BatchSize = Annotated[Optional[int], flag("-b", "--batch-size", metavar="N", env="LLAMA_ARG_BATCH", group=TRAINING,
+                                          show_default=False,
+                                          help="tokens per optimizer step, whole windows (default: -c)")]
+UbatchSize = Annotated[int, flag("-ub", "--ubatch-size", metavar="N", env="LLAMA_ARG_UBATCH", group=TRAINING,
+                                 help="tokens computed at once (memory against speed; the gradients stay exact)")]
+Epochs = Annotated[int, flag("-epochs", "--epochs", metavar="N", group=TRAINING, help="passes over the training windows")]
+OptimizerName = Annotated[str, flag("-opt", "--optimizer", metavar="adamw|sgd", group=TRAINING, help="the optimizer")]
+WeightDecay = Annotated[float, flag("-wd", "--weight-decay", metavar="WD", group=TRAINING, help="decoupled weight decay")]
+GradClip = Annotated[Optional[float], flag("--grad-clip", metavar="NORM", group=TRAINING, show_default=False,
+                                           help="clip the global gradient L2 norm to NORM (default: off)")]
+GradCheckpoint = Annotated[bool, flag("--grad-checkpoint", group=TRAINING, show_default=False,
+                                      help="keep the activations only at layer boundaries and recompute the rest in "
+                                           "the backward pass: less memory, same gradients, more time")]
+BackwardBf16 = Annotated[Optional[bool], flag("--backward-bf16/--backward-f32", group=TRAINING, show_default=False,
+                                              help="the backward pass's products through frozen quantized weights on "
+                                                   "bf16 operands (about twice as fast, each product within 2^-8) or "
+                                                   "in float32 (default: bf16 where the CPU has AVX512-BF16)")]
+Seed = Annotated[int, flag("-s", "--seed", metavar="SEED", group=TRAINING,
+                           help="seed of the LoRA or new weights' initialisation and of --shuffle "
+                                "(-1: a random one, printed)")]
+Shuffle = Annotated[bool, flag("--shuffle", group=TRAINING, show_default=False,
+                               help="shuffle the training windows at every epoch (llama-finetune never does)")]
+Threads = Annotated[Optional[int], flag("-t", "--threads", metavar="N", env="LLAMA_ARG_THREADS", show_default=False,
+                                        help="CPU threads (default: the cores, at most 4)")]
+Plot = Annotated[Optional[Path], flag("--plot", metavar="PNG", group=OUTPUT, show_default=False,
+                                      help="write the loss curves to this PNG")]
+Lr = Annotated[Optional[float], flag("-lr", "--learning-rate", metavar="ALPHA", group=SCHEDULE, show_default=False,
+                                     help="learning rate (default: 1e-5 for a full finetune, 3e-4 for LoRA, 1e-3 "
+                                          "from scratch)")]
+LrMin = Annotated[float, flag("-lr-min", "--learning-rate-min", metavar="ALPHA", group=SCHEDULE,
+                              help="the exp schedule decays, the cosine one falls, to this rate")]
+DecayEpochs = Annotated[float, flag("-decay-epochs", "--learning-rate-decay-epochs", metavar="N", group=SCHEDULE,
+                                    help="epochs over which -lr-min is reached (exp schedule; -1: all)")]
+LrHalf = Annotated[Optional[float], flag("-lr-half", metavar="[HALFLIFE]", group=SCHEDULE, bare="1",
+                                         show_default=False,
+                                         help="halve the learning rate every HALFLIFE epochs (1 when bare)")]
+LrHalvings = Annotated[Optional[int], flag("-lr-halvings", metavar="N", group=SCHEDULE, show_default=False,
+                                           help="halve at most N times")]
+LrSchedule = Annotated[str, flag("--lr-schedule", metavar="constant|exp|cosine", group=SCHEDULE,
+                                 help="constant, exp (-lr-min/-lr-half decays) or cosine (down to -lr-min)")]
+Warmup = Annotated[int, flag("--warmup", metavar="STEPS", group=SCHEDULE, help="optimizer steps of linear warmup")]
+CosRestart = Annotated[Optional[int], flag("--cos-restart", metavar="EPOCHS", group=SCHEDULE, show_default=False,
+                                           help="restart the cosine every EPOCHS epochs")]
+ValSplit = Annotated[float, flag("-val-split", "--val-split", metavar="FRACTION", group=DATA,
+                                 help="fraction of the windows held out for validation (llama.cpp's rule: the last "
+                                      "ndata - int(ndata * (1 - FRACTION)) windows)")]
+Data = Annotated[Optional[Path], flag("--data", metavar="DIR", group=DATA, show_default=False,
+                                      help="directory of train.jsonl (and valid.jsonl, test.jsonl)")]
+DataFormat = Annotated[Optional[str], flag("--data-format", metavar="text|completions|chat", group=DATA,
+                                           show_default=False, help="the samples' format (default: seen per file)")]
+MaskPrompt = Annotated[bool, flag("--mask-prompt/--no-mask-prompt", group=DATA,
+                                  help="learn only the answers of chat and prompt/completion samples")]
+SampleStart = Annotated[Optional[str], flag("--sample-start", metavar="STRING", group=DATA, show_default=False,
+                                            help="cut a text into samples at each occurrence of STRING")]
+IncludeSampleStart = Annotated[bool, flag("--include-sample-start", group=DATA, show_default=False,
+                                          help="keep the --sample-start string at the start of each sample")]
+Escape = Annotated[bool, flag("-e", "--escape/--no-escape", group=DATA, show_default=False,
+                              help="read \\n, \\t and the like in --sample-start as escapes")]
+Truncate = Annotated[bool, flag("--truncate/--no-truncate", group=DATA,
+                                help="cut samples longer than -c (--no-truncate: refuse them)")]
+ValFile = Annotated[Optional[Path], flag("--val-file", metavar="FNAME", group=DATA, show_default=False,
+                                         help="validate on this file instead of -val-split")]
+StepsPerEval = Annotated[Optional[int], flag("--steps-per-eval", metavar="N", group=DATA, show_default=False,
+                                             help="validate also every N optimizer steps")]
+CheckpointOut = Annotated[Optional[Path], flag("--checkpoint-out", metavar="FNAME", group=CHECKPOINTS,
+                                               show_default=False,
+                                               help="write a checkpoint here every --save-every steps, at each "
+                                                    "epoch's end and on Ctrl-C")]
+SaveEvery = Annotated[Optional[int], flag("--save-every", metavar="STEPS", group=CHECKPOINTS, show_default=False,
+                                          help="optimizer steps between checkpoints (default: at epoch ends and "
+                                               "on Ctrl-C only)")]
+CheckpointIn = Annotated[Optional[Path], flag("--checkpoint-in", metavar="FNAME", group=CHECKPOINTS,
+                                              show_default=False, help="resume from this checkpoint")]
+ForceResume = Annotated[bool, flag("--force-resume", group=CHECKPOINTS, show_default=False,
+                                   help="resume even from a checkpoint of another model or text")]
 
 
 @dataclass
 class TrainingArgs:
-    """The shared flags' values (a command gets them as its `args` parameter); each field
-    declares its option and its default (which a command may change) once."""
+    """The shared flags' values (a command gets them as a parameter annotated with this class);
+    each field declares its flag and its default once."""
 
-    ctx_size: int = flag(CtxSize, 256)
-    batch_size: int | None = flag(BatchSize, None)
-    ubatch_size: int = flag(UbatchSize, 512)
-    lr: float | None = flag(Lr, None)
-    lr_min: float = flag(LrMin, 0.0)
-    decay_epochs: float = flag(DecayEpochs, -1.0)
-    lr_half: float | None = flag(LrHalf, None)
-    lr_halvings: int | None = flag(LrHalvings, None)
-    lr_schedule: str = flag(LrSchedule, "exp")
-    warmup: int = flag(Warmup, 0)
-    cos_restart: int | None = flag(CosRestart, None)
-    grad_clip: float | None = flag(GradClip, None)
-    grad_checkpoint: bool = flag(GradCheckpoint, False)
-    backward_bf16: bool | None = flag(BackwardBf16, None)
-    wd: float = flag(WeightDecay, 0.0)
-    optimizer: str = flag(OptimizerName, "adamw")
-    val_split: float = flag(ValSplit, 0.05)
-    epochs: int = flag(Epochs, 2)
-    seed: int = flag(Seed, 0)
-    threads: int | None = flag(Threads, None)
-    plot: Path | None = flag(Plot, None)
-    checkpoint_out: Path | None = flag(CheckpointOut, None)
-    save_every: int | None = flag(SaveEvery, None)
-    checkpoint_in: Path | None = flag(CheckpointIn, None)
-    force_resume: bool = flag(ForceResume, False)
-    data: Path | None = flag(Data, None)
-    data_format: str | None = flag(DataFormat, None)
-    chat_template: str | None = flag(ChatTemplateOption, None)
-    mask_prompt: bool = flag(MaskPrompt, True)
-    sample_start: str | None = flag(SampleStart, None)
-    include_sample_start: bool = flag(IncludeSampleStart, False)
-    escape: bool = flag(Escape, False)
-    truncate: bool = flag(Truncate, True)
-    val_file: Path | None = flag(ValFile, None)
-    steps_per_eval: int | None = flag(StepsPerEval, None)
+    ctx_size: int = flag_field(WindowSize, 256)
+    batch_size: int | None = flag_field(BatchSize, None)
+    ubatch_size: int = flag_field(UbatchSize, 512)
+    epochs: int = flag_field(Epochs, 2)
+    optimizer: str = flag_field(OptimizerName, "adamw")
+    wd: float = flag_field(WeightDecay, 0.0)
+    grad_clip: float | None = flag_field(GradClip, None)
+    grad_checkpoint: bool = flag_field(GradCheckpoint, False)
+    backward_bf16: bool | None = flag_field(BackwardBf16, None)
+    seed: int = flag_field(Seed, 0)
+    shuffle: bool = flag_field(Shuffle, False)
+    threads: int | None = flag_field(Threads, None)
+    lr: float | None = flag_field(Lr, None)
+    lr_min: float = flag_field(LrMin, 0.0)
+    decay_epochs: float = flag_field(DecayEpochs, -1.0)
+    lr_half: float | None = flag_field(LrHalf, None)
+    lr_halvings: int | None = flag_field(LrHalvings, None)
+    lr_schedule: str = flag_field(LrSchedule, "exp")
+    warmup: int = flag_field(Warmup, 0)
+    cos_restart: int | None = flag_field(CosRestart, None)
+    val_split: float = flag_field(ValSplit, 0.05)
+    data: Path | None = flag_field(Data, None)
+    data_format: str | None = flag_field(DataFormat, None)
+    chat_template: str | None = flag_field(ChatTemplate, None)
+    mask_prompt: bool = flag_field(MaskPrompt, True)
+    sample_start: str | None = flag_field(SampleStart, None)
+    include_sample_start: bool = flag_field(IncludeSampleStart, False)
+    escape: bool = flag_field(Escape, False)
+    truncate: bool = flag_field(Truncate, True)
+    val_file: Path | None = flag_field(ValFile, None)
+    steps_per_eval: int | None = flag_field(StepsPerEval, None)
+    checkpoint_out: Path | None = flag_field(CheckpointOut, None)
+    save_every: int | None = flag_field(SaveEvery, None)
+    checkpoint_in: Path | None = flag_field(CheckpointIn, None)
+    force_resume: bool = flag_field(ForceResume, False)
+    plot: Path | None = flag_field(Plot, None)
 
     def check(self) -> None:
+        """What the flags' types cannot say; `--seed -1` becomes a random seed, printed."""
+        if self.seed == -1:
+            self.seed = random_seed()
+        elif self.seed < 0:
+            raise InputError(f"--seed must be >= 0, or -1 for a random one, not {self.seed}")
         if self.optimizer.lower() not in ("adamw", "sgd"):
             raise InputError(f"unknown optimizer {self.optimizer!r}: use adamw or sgd")
         if self.lr_schedule not in ("constant", "exp", "cosine"):
@@ -156,26 +198,6 @@ class TrainingArgs:
 
 
 
-def with_training_flags(**defaults: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a typer command the shared training flags after its own (`defaults` overrides
-    some defaults); the command receives their values as `args: TrainingArgs`."""
-    def wrap(command: Callable[..., None]) -> Callable[..., None]:
-        signature = inspect.signature(command, eval_str=True)
-        own = [p for name, p in signature.parameters.items() if name != "args"]
-        shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.metadata["option"],
-                                    default=defaults.get(f.name, f.default))
-                  for f in fields(TrainingArgs)]
-
-        @functools.wraps(command)
-        def with_flags(**values: Any) -> None:
-            args = TrainingArgs(**{f.name: values.pop(f.name) for f in fields(TrainingArgs)})
-            command(args=args, **values)
-        with_flags.__signature__ = signature.replace(parameters=own + shared)
-        with_flags.__annotations__ = {p.name: p.annotation for p in own + shared}
-        return with_flags
-    return wrap
-
-
 def check_writable(path: Path) -> None:
     parent = path.resolve().parent
     if path.is_dir():
@@ -202,14 +224,13 @@ def _as_flag(e: ParamError) -> str:
     return flag + str(e)[len(e.field):]
 
 
-def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, lora_out: Path | None,
-          tool: str) -> Context:
-    """Train `model` on `data` and save the result (the adapter to `lora_out` when params
-    train one, else the model to `output`); returns the context (for a sample)."""
+def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, tool: str) -> Context:
+    """Train `model` on `data` and save the result to `output` (the adapter when params train
+    one, else the model); returns the context (for a sample)."""
     args.check()
     comm = job()
     main_rank = comm.rank == 0
-    for path in ([lora_out] if params.lora else [output]) + [p for p in (args.plot, args.checkpoint_out) if p]:
+    for path in [output] + [p for p in (args.plot, args.checkpoint_out) if p]:
         check_writable(path)
     dataset = data.train
     n_batch = args.batch_size or args.ctx_size
@@ -253,13 +274,14 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
             f"({', '.join(params.lora.modules)})")
     start = time.perf_counter()
     try:
-        history = ctx.opt_fit(dataset, epochs=args.epochs, val_split=args.val_split, seed=args.seed,
+        history = ctx.opt_fit(dataset, epochs=args.epochs, val_split=args.val_split,
+                              seed=args.seed if args.shuffle else None,
                               checkpoint=args.checkpoint_out, save_every=args.save_every,
                               resume=args.checkpoint_in, force_resume=args.force_resume, val_data=data.val,
                               eval_every=args.steps_per_eval)
     except TrainingDivergedError as e:
         if main_rank:
-            where = adapter.save(lora_out) if adapter else save_model_to_file(model, output)
+            where = adapter.save(output) if adapter else save_model_to_file(model, output)
             log(f"saved the last good weights to {where}")
         raise InputError(str(e)) from None
     except TrainingInterrupted as e:  # click would swallow a KeyboardInterrupt's message
@@ -282,8 +304,8 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     if not main_rank:
         return ctx
     if adapter:
-        adapter.save(lora_out)
-        log(f"{tool}: saved the LoRA adapter to {lora_out}")
+        adapter.save(output)
+        log(f"{tool}: saved the LoRA adapter to {output}")
     else:
         save_model_to_file(model, output)
         log(f"{tool}: saved the trained model to {output}")
@@ -327,23 +349,3 @@ def plot_history(history, path: Path) -> None:
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
     plt.close(fig)
-
-
-def bare_lr_half(argv: list[str]) -> list[str]:
-    """`-lr-half` may come without a value (halve every epoch): give it one for the parser."""
-    out = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        if arg == "-lr-half":
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is None or not _is_number(nxt):
-                out.append("1")
-    return out
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False

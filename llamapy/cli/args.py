@@ -1,0 +1,284 @@
+"""The one argument layer of the command-line tools: llama.cpp's flag conventions on typer.
+
+A flag is declared once, as a typed alias made by `flag()`: its names (llama.cpp's, short
+forms first), its help group, its help text, and its environment variable where llama.cpp
+has one (`LLAMA_ARG_CTX_SIZE`). A tool's command is a typer function whose parameters use
+those aliases, with the tool's own default; flags several tools share travel as a dataclass
+of such fields (`TrainingArgs`) that `Tool.command` spreads into the signature.
+
+What typer alone would get wrong for llama.cpp users, `Tool.main` settles before click
+parses: click splits an undeclared `-ngl` into `-n gl`, so every token that looks like a
+flag must be one the tool declares, one of llama.cpp's flags this runtime notes or refuses
+(`llama_cpp.py`), or it is refused by name; flags whose value may be left out (`-lr-half`)
+get their bare value; click's multi-line usage errors become one line. Every tool has `-h`,
+`--version`, `-v`, `-lv N`, `--log-disable` and `--log-file`, and prints its help grouped by
+purpose, in plain text that wraps instead of truncating at any width.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+import typer.core
+
+from llamapy.errors import InputError
+
+from . import common
+from .llama_cpp import LlamaCppFlag, llama_cpp_flags
+
+# help groups, in the order --help shows them
+COMMON = "Common"
+GENERATION = "Generation"
+SAMPLING = "Sampling"
+CHAT = "Chat"
+PERPLEXITY = "Perplexity"
+TRAINING = "Training"
+SCHEDULE = "Learning rate"
+LORA = "LoRA"
+DATA = "Data"
+CHECKPOINTS = "Checkpoints"
+MODEL_SHAPE = "New model"
+OUTPUT = "Output"
+LOGGING = "Logging"
+GROUPS = (COMMON, GENERATION, SAMPLING, CHAT, PERPLEXITY, TRAINING, SCHEDULE, LORA, DATA, CHECKPOINTS, MODEL_SHAPE,
+          OUTPUT, LOGGING)
+
+
+def flag(*names: str, help: str, group: str = COMMON, env: str | None = None, metavar: str | None = None,
+         bare: str | None = None, show_default: bool | str = True, **checks: Any) -> Any:
+    """A flag's declaration: typer's Option with llama.cpp's names, its help group and text and
+    its environment variable. `bare`: the value of the flag given without one (`-lr-half`);
+    `checks`: typer's own (min=, max=)."""
+    info = typer.Option(*names, help=help, rich_help_panel=group, envvar=env, show_envvar=env is not None,
+                        metavar=metavar, show_default=show_default, **checks)
+    info.bare_value = bare
+    return info
+
+
+# ---- logging, common to every tool -----------------------------------------------------------
+Verbose = Annotated[bool, flag("-v", "--verbose", "--log-verbose", group=LOGGING, show_default=False,
+                               help="print everything, debug lines included (as -lv 4)")]
+Verbosity = Annotated[Optional[int], flag("-lv", "--verbosity", "--log-verbosity", group=LOGGING, metavar="N",
+                                          env="LLAMA_ARG_LOG_VERBOSITY", show_default=False,
+                                          help="lines up to this level: 1 errors, 2 warnings, 3 info (default), "
+                                               "4 debug")]
+LogDisable = Annotated[bool, flag("--log-disable", group=LOGGING, show_default=False,
+                                  help="no log lines (errors still print; results still go to stdout)")]
+LogFile = Annotated[Optional[Path], flag("--log-file", group=LOGGING, metavar="FNAME", env="LLAMA_ARG_LOG_FILE",
+                                         show_default=False, help="also write the log lines to this file")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import llamapy
+        print(f"{Path(sys.argv[0]).name} (llamapy {llamapy.__version__}, Python {sys.version.split()[0]})")
+        raise typer.Exit()
+
+
+Version = Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True, rich_help_panel=LOGGING,
+                                       help="print the version and exit")]
+
+HELP = ("-h", "--help", "--usage")
+_LOGGING = {"verbose": (Verbose, False), "verbosity": (Verbosity, None), "log_disable": (LogDisable, False),
+            "log_file": (LogFile, None), "version": (Version, False)}
+
+
+class ToolCommand(typer.core.TyperCommand):
+    """A typer command whose help lists the options by group, in plain text that wraps."""
+
+    def format_options(self, ctx: typer.Context, formatter: Any) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                group = getattr(param, "rich_help_panel", None) or COMMON
+                groups.setdefault(group, []).append(record)
+        for group in sorted(groups, key=lambda g: GROUPS.index(g) if g in GROUPS else len(GROUPS)):
+            with formatter.section(group):
+                formatter.write_dl(groups[group], col_max=34)
+
+    def format_epilog(self, ctx: typer.Context, formatter: Any) -> None:
+        tool: Tool = ctx.find_root().command.tool  # type: ignore[attr-defined]
+        noted = [name for name in ("-ngl", "-dev", "-tb", "-C", "--numa", "-lm") if name in tool.llama_cpp]
+        formatter.write_paragraph()
+        formatter.write_text(f"llama.cpp's other flags for its {', '.join(tool.llama_cpp_tools)} tool: the ones "
+                             f"that do not apply here ({', '.join(noted)}, ...) are accepted with a note, the "
+                             "others are refused by name.")
+
+
+@dataclass(frozen=True)
+class _Option:
+    """What the pre-scan needs of a declared option."""
+
+    takes_value: bool
+    bare: str | None
+
+
+class Tool:
+    """One command-line tool: a typer command with llama.cpp's conventions (module docstring).
+
+    `llama_cpp`: the llama.cpp tools whose flags this one accepts (see llama_cpp.py)."""
+
+    def __init__(self, name: str, llama_cpp: Sequence[str]) -> None:
+        self.name = name
+        self.llama_cpp_tools = tuple(llama_cpp)
+        self.app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+        self._command: typer.core.TyperCommand | None = None
+        self.llama_cpp: dict[str, LlamaCppFlag] = {}
+
+    def command(self, function: Callable[..., None] | None = None, **defaults: Any) -> Any:
+        """Register `function` as the tool's command (`@tool.command`, or `@tool.command(name=default)`
+        to change the defaults of spread flags). Its parameters annotated with a flag set (a
+        dataclass whose fields carry `flag_field` metadata) receive an instance built from the
+        spread flags; the logging flags are added and handled here."""
+        if function is None:
+            return functools.partial(self.command, **defaults)
+        signature = inspect.signature(function, eval_str=True)
+        own, sets = [], {}
+        for name, p in signature.parameters.items():
+            if dataclasses.is_dataclass(p.annotation):
+                sets[name] = p.annotation
+            else:
+                own.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+        spread = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.metadata["option"],
+                                    default=defaults.get(f.name, f.default))
+                  for cls in sets.values() for f in dataclasses.fields(cls)]
+        logging = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=alias, default=default)
+                   for name, (alias, default) in _LOGGING.items()]
+        parameters = own + spread + logging
+
+        @functools.wraps(function)
+        def run(**values: Any) -> None:
+            common.configure_logging(**{name: values.pop(name) for name in _LOGGING if name != "version"})
+            values.pop("version")
+            common.note_first_run()
+            for note in self._notes:
+                common.log(note)
+            common.debug("flags: " + " ".join(f"{k}={v!r}" for k, v in values.items()))
+            for name, cls in sets.items():
+                values[name] = cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
+            function(**values)
+
+        run.__signature__ = signature.replace(parameters=parameters)
+        run.__annotations__ = {p.name: p.annotation for p in parameters}
+        self._bare = {p.name: getattr(typing_option(p.annotation), "bare_value", None) for p in parameters}
+        self.app.command(cls=ToolCommand, context_settings={"help_option_names": list(HELP),
+                                                            "max_content_width": 100})(run)
+        return function
+
+    def click_command(self) -> typer.core.TyperCommand:
+        if self._command is None:
+            self._command = typer.main.get_command(self.app)
+            self._command.tool = self  # type: ignore[attr-defined]
+            self.llama_cpp = llama_cpp_flags(self.llama_cpp_tools, declared=self.declared())
+        return self._command
+
+    def declared(self) -> dict[str, _Option]:
+        """Every name of every option the tool declares."""
+        options = {name: _Option(False, None) for name in HELP}
+        for param in self._command.params if self._command else ():
+            if isinstance(param, typer.core.TyperOption):
+                takes_value = not param.is_flag and not param.count
+                for name in (*param.opts, *param.secondary_opts):
+                    options[name] = _Option(takes_value, self._bare.get(param.name))
+        return options
+
+    def prescan(self, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The arguments click should see, and the notes about llama.cpp flags that have no
+        effect here. Raises InputError for a flag refused or unknown (module docstring)."""
+        declared = self.declared()
+        out, notes, i = [], [], 0
+        while i < len(argv):
+            token = argv[i]
+            if token == "--":
+                out += argv[i:]
+                break
+            name = token.split("=", 1)[0] if token.startswith("--") else token
+            if name in declared:
+                option = declared[name]
+                out.append(token)
+                i += 1
+                if option.takes_value and "=" not in token:
+                    if option.bare is not None and (i == len(argv) or not _is_number(argv[i])):
+                        out.append(option.bare)
+                    elif i < len(argv):
+                        out.append(argv[i])
+                        i += 1
+                continue
+            if name in self.llama_cpp:
+                known = self.llama_cpp[name]
+                values = [] if "=" in token else list(argv[i + 1:i + 1 + known.n_values])
+                if len(values) < known.n_values and "=" not in token:
+                    raise InputError(f"{name} needs a value")
+                if known.refuse:
+                    raise InputError(f"{name}: {known.why}")
+                notes.append(f"note: {' '.join([token, *values])}: no effect: {known.why}")
+                i += 1 + len(values)
+                continue
+            if token.startswith("-") and len(token) > 1 and not _is_number(token):
+                close = difflib.get_close_matches(name, list(declared), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise InputError(f"unknown flag {name} ({self.name} -h lists the flags{hint})")
+            out.append(token)
+            i += 1
+        return out, notes
+
+    def main(self, argv: Sequence[str] | None = None) -> None:
+        """Run the tool on `argv` (default: the command line): one line and a non-zero exit for
+        every error, never a traceback."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        command = self.click_command()
+        self._notes: list[str] = []
+
+        def run() -> None:
+            args, self._notes = self.prescan(argv)
+            try:
+                command.main(args, prog_name=self.name, standalone_mode=False)
+            except typer.Exit as e:
+                if e.exit_code:
+                    raise SystemExit(e.exit_code) from None
+            except typer.Abort:
+                raise KeyboardInterrupt from None
+            except typer.TyperException as e:  # click's usage errors, as typer raises them
+                raise InputError(_one_line(e)) from None
+        common.guarded(run)()
+
+
+def typing_option(annotation: Any) -> Any:
+    """The typer OptionInfo inside an Annotated alias (None if there is none)."""
+    for meta in getattr(annotation, "__metadata__", ()):
+        if isinstance(meta, typer.models.OptionInfo):
+            return meta
+    return None
+
+
+def flag_field(option: Any, default: Any) -> Any:
+    """A field of a flag set: its option (an alias made with `flag`) and its default."""
+    return dataclasses.field(default=default, metadata={"option": option})
+
+
+def flag_names(cls: type, field: str) -> tuple[str, ...]:
+    """The names of the flag that sets `field` of the flag set `cls`."""
+    option = typing_option(next(f for f in dataclasses.fields(cls) if f.name == field).metadata["option"])
+    return tuple(d for d in (option.default, *option.param_decls) if isinstance(d, str) and d.startswith("-"))
+
+
+def _one_line(e: typer.TyperException) -> str:
+    message = " ".join(e.format_message().split())
+    return message[0].lower() + message[1:] if message else "bad command line"
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,207 @@
+"""llama.cpp's flags that a llamapy tool does not declare: each is noted (accepted, with one
+line saying why it has no effect) or refused by name, never misread as another flag.
+
+The lists follow llama.cpp's `common/arg.cpp` (the `--help` of llama-perplexity,
+llama-completion, llama-cli, llama-finetune and llama-export-lora; tests/data holds them).
+A flag a tool declares itself is the tool's (it is removed from these); a flag of one of
+llama.cpp's tools that is neither declared nor listed here would reach the generic "unknown
+flag" refusal, which tests/test_cli_flags.py checks never happens.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+ALL = ("perplexity", "completion", "cli", "finetune", "export-lora")
+GENERATING = ("completion", "cli")  # the tools that sample tokens
+CHAT = ("completion", "cli")
+
+
+@dataclass(frozen=True)
+class LlamaCppFlag:
+    """One of llama.cpp's flags (all its names): how many values follow it, whether it is
+    refused, and why it is refused or has no effect."""
+
+    names: tuple[str, ...]
+    n_values: int
+    refuse: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class _Entry:
+    names: tuple[str, ...]
+    n_values: int
+    refuse: bool
+    why: str
+    tools: tuple[str, ...]
+    sampling: bool = False  # a sampling flag: only noted in the tools that do not sample
+
+
+def _entries(refuse: bool, why: str, flags: Iterable[tuple[str, int]], tools: tuple[str, ...] = ALL,
+             sampling: bool = False) -> list[_Entry]:
+    return [_Entry(tuple(names.split()), n, refuse, why, tools, sampling) for names, n in flags]
+
+
+def note(why: str, *flags: tuple[str, int], tools: tuple[str, ...] = ALL) -> list[_Entry]:
+    return _entries(False, why, flags, tools)
+
+
+def refuse(why: str, *flags: tuple[str, int], tools: tuple[str, ...] = ALL, sampling: bool = False) -> list[_Entry]:
+    return _entries(True, why, flags, tools, sampling)
+
+
+ENTRIES: list[_Entry] = [
+    *note("llamapy runs on the CPU: there is no GPU, device or tensor placement to choose",
+          ("-ngl --gpu-layers --n-gpu-layers", 1), ("-dev --device", 1), ("--list-devices", 0),
+          ("-sm --split-mode", 1), ("-ts --tensor-split", 1), ("-mg --main-gpu", 1),
+          ("-ot --override-tensor", 1), ("-cmoe --cpu-moe", 0), ("-ncmoe --n-cpu-moe", 1), ("-ncffn --n-cpu-ffn", 1),
+          ("-kvo --kv-offload -nkvo --no-kv-offload", 0), ("--op-offload --no-op-offload", 0), ("--no-host", 0),
+          ("--repack -nr --no-repack", 0), ("-fit --fit", 1), ("-fitt --fit-target", 1), ("-fitc --fit-ctx", 1)),
+    *note("thread placement, priority and polling are left to the operating system (llamapy's threads yield "
+          "after a short spin)",
+          ("-C --cpu-mask", 1), ("-Cr --cpu-range", 1), ("--cpu-strict", 1), ("--prio", 1), ("--poll", 1),
+          ("-Cb --cpu-mask-batch", 1), ("-Crb --cpu-range-batch", 1), ("--cpu-strict-batch", 1),
+          ("--prio-batch", 1), ("--poll-batch", 1), ("--numa", 1)),
+    *note("llamapy uses the -t threads for prompts and batches too", ("-tb --threads-batch", 1)),
+    *note("the model file is always memory-mapped and read in place", ("-lm --load-mode", 1),
+          ("-lzm --lazy-mode", 1)),
+    *note("tensor shapes and types are always checked when a model loads; values are not scanned",
+          ("--check-tensors", 0)),
+    *note("the KV cache needs no defragmentation here", ("-dt --defrag-thold", 1)),
+    *note("the cache of a sliding-window layer holds its window", ("--swa-full", 0)),
+    *note("timings are always printed", ("--perf --no-perf", 0)),
+    *note("log lines are plain text", ("--log-colors", 1), ("--log-prefix --no-log-prefix", 0),
+          ("--log-timestamps --no-log-timestamps", 0), ("--log-jsonl --no-log-jsonl", 0)),
+    *note("llamapy never downloads anything", ("--offline", 0)),
+    *refuse("llamapy does not download models: give a local GGUF file with -m",
+            ("-mu --model-url", 1), ("-dr --docker-repo", 1), ("-hf -hfr --hf-repo", 1), ("-hff --hf-file", 1),
+            ("-hft --hf-token", 1), ("-cl --cache-list", 0)),
+    *refuse("there is no shell completion script", ("--completion-bash", 0)),
+    *refuse("remote (RPC) backends are not supported", ("--rpc", 1)),
+    *refuse("RoPE overrides are not supported: the model's own RoPE parameters are used",
+            ("--rope-scaling", 1), ("--rope-scale", 1), ("--rope-freq-base", 1), ("--rope-freq-scale", 1),
+            ("--yarn-orig-ctx", 1), ("--yarn-ext-factor", 1), ("--yarn-attn-factor", 1), ("--yarn-beta-slow", 1),
+            ("--yarn-beta-fast", 1)),
+    *refuse("metadata overrides are not supported", ("--override-kv", 1)),
+    *refuse("control vectors are not supported", ("--control-vector", 1), ("--control-vector-scaled", 1),
+            ("--control-vector-layer-range", 2)),
+    *refuse("binary prompt files are not supported", ("-bf --binary-file", 1)),
+    *refuse("speculative decoding is not supported", ("--spec-draft-type-k -ctkd --cache-type-k-draft", 1),
+            ("--spec-draft-type-v -ctvd --cache-type-v-draft", 1)),
+    # sampling: the generating tools honour what llamapy's sampler chain has and refuse the rest
+    *refuse("this sampler is not in llamapy's chain (penalties, top-k, typical, top-p, min-p, temperature, "
+            "dynamic temperature, logit bias)", ("--samplers", 1), ("--sampler-seq --sampling-seq", 1),
+            ("--top-nsigma --top-n-sigma", 1), ("--xtc-probability", 1), ("--xtc-threshold", 1),
+            ("--dry-multiplier", 1), ("--dry-base", 1), ("--dry-allowed-length", 1), ("--dry-penalty-last-n", 1),
+            ("--dry-sequence-breaker", 1), ("--adaptive-target", 1), ("--adaptive-decay", 1), ("--mirostat", 1),
+            ("--mirostat-lr", 1), ("--mirostat-ent", 1), sampling=True),
+    *refuse("grammars and JSON schemas are not supported", ("--grammar", 1), ("--grammar-file", 1),
+            ("-j --json-schema", 1), ("-jf --json-schema-file", 1), sampling=True),
+    *refuse("", ("-s --seed", 1), ("--ignore-eos", 0), ("--temp --temperature", 1), ("--top-k", 1), ("--top-p", 1),
+            ("--min-p", 1), ("--typical --typical-p", 1), ("--repeat-last-n", 1), ("--repeat-penalty", 1),
+            ("--presence-penalty", 1), ("--frequency-penalty", 1), ("--dynatemp-range", 1), ("--dynatemp-exp", 1),
+            ("-l --logit-bias", 1), ("-bs --backend-sampling", 0), sampling=True),
+    # what only generation uses, in the tools that do not generate
+    *note("this tool does not generate text", ("-n --predict --n-predict", 1), ("--keep", 1),
+          ("--context-shift --no-context-shift", 0), ("-np --parallel", 1),
+          tools=("perplexity", "finetune", "export-lora")),
+    *note("this tool does not read a prompt", ("-p --prompt", 1), ("-e --escape --no-escape", 0),
+          tools=("finetune", "export-lora")),
+    *note("export-lora does not run the model", ("-c --ctx-size", 1), ("-b --batch-size", 1), ("-ub --ubatch-size", 1),
+          ("-fa --flash-attn", 1), ("-ctk --cache-type-k", 1), ("-ctv --cache-type-v", 1), ("-f --file", 1),
+          tools=("export-lora",)),
+    *note("training has no KV cache: attention is computed whole for each window", ("-fa --flash-attn", 1),
+          ("-ctk --cache-type-k", 1), ("-ctv --cache-type-v", 1), tools=("finetune",)),
+    *refuse("an existing adapter does not train further here: resume its run with --checkpoint-in, or merge it "
+            "first with llamapy-export-lora", ("--lora", 1), ("--lora-scaled", 1), tools=("finetune",)),
+    # perplexity
+    *note("perplexity scores its chunks in batches of -b tokens, one sequence per chunk", ("-kvu --kv-unified -no-kvu "
+          "--no-kv-unified", 0), tools=("perplexity",)),
+    *note("llamapy warms up by itself where it helps", ("--warmup --no-warmup", 0), tools=("perplexity", "completion",
+                                                                                            "cli")),
+    *refuse("not in llamapy-perplexity: it computes perplexity over chunks", ("--hellaswag", 0),
+            ("--hellaswag-tasks", 1), ("--winogrande", 0), ("--winogrande-tasks", 1), ("--multiple-choice", 0),
+            ("--multiple-choice-tasks", 1), ("--kl-divergence", 0), ("--save-all-logits --kl-divergence-base", 1),
+            ("--ppl-stride", 1), ("--ppl-output-type", 1), tools=("perplexity",)),
+    # generation and chat
+    *note("llamapy stops generating when the context is full (no context shift)", ("--keep", 1),
+          ("--context-shift --no-context-shift", 0), tools=GENERATING),
+    *note("one sequence is generated", ("-np --parallel", 1), tools=GENERATING),
+    *note("output is plain text", ("-co --color", 1), ("--simple-io", 0), tools=CHAT),
+    *note("the token count is printed at the end", ("-ptc --print-token-count", 1), tools=CHAT),
+    *note("a line ending in \\ continues on the next", ("-mli --multiline-input", 0), tools=CHAT),
+    *note("chat templates always run in jinja2's sandbox", ("--jinja --no-jinja", 0), tools=CHAT),
+    *note("the answer is printed as the model writes it", ("--skip-chat-parsing --no-skip-chat-parsing", 0),
+          tools=CHAT),
+    *note("timings are printed at the end", ("--show-timings --no-show-timings", 0), tools=CHAT),
+    *note("the conversation stays in the KV cache; nothing is kept in RAM besides",
+          ("-ctxcp --ctx-checkpoints --swa-checkpoints", 1), ("-cram --cache-ram", 1), tools=CHAT),
+    *refuse("prompt cache files are not supported (a conversation keeps its KV cache between turns)",
+            ("--prompt-cache", 1), ("--prompt-cache-all", 0), ("--prompt-cache-ro", 0), tools=CHAT),
+    *refuse("interactive completion is not supported: -cnv chats through the chat template",
+            ("-i --interactive", 0), ("-if --interactive-first", 0), ("--in-prefix-bos", 0), ("--in-prefix", 1),
+            ("--in-suffix", 1), tools=CHAT),
+    *refuse("self-extend (grouped attention) is not supported", ("-gan --grp-attn-n", 1), ("-gaw --grp-attn-w", 1),
+            tools=CHAT),
+    *refuse("reasoning control is not supported", ("--reasoning-format", 1), ("-rea --reasoning", 1),
+            ("--reasoning-effort", 1), ("--reasoning-budget", 1), ("--reasoning-budget-message", 1),
+            ("--reasoning-preserve --no-reasoning-preserve", 0), tools=CHAT),
+    *refuse("template variables are not supported", ("--chat-template-kwargs", 1), tools=("cli",)),
+    *refuse("llamapy-cli writes the text to stdout (redirect it to a file)", ("-o --output --output-file", 1),
+            tools=("cli",)),
+    *refuse("prompt logging is not supported", ("--log-prompts-dir", 1), tools=("cli",)),
+    *refuse("llamapy does not download models: give a local GGUF file with -m", ("--gpt-oss-20b-default", 0),
+            ("--gpt-oss-120b-default", 0), ("--vision-gemma-4b-default", 0), ("--vision-gemma-12b-default", 0),
+            tools=("cli",)),
+    *refuse("there is no llama-server to connect to", ("--server-base", 1), tools=("cli",)),
+    *refuse("multimodal input is not supported", ("-mm --mmproj", 1), ("-mmu --mmproj-url", 1),
+            ("--mmproj-auto --no-mmproj --no-mmproj-auto", 0), ("--mmproj-offload --no-mmproj-offload", 0),
+            ("-mmdev --mmproj-device", 1), ("--image --audio --video", 1), ("--image-min-tokens", 1),
+            ("--image-max-tokens", 1), ("--video-fps", 1), ("--video-timestamp-interval", 1),
+            ("--video-ffmpeg-dir", 1), tools=("cli",)),
+    *refuse("speculative decoding is not supported", ("--spec-default", 0),
+            ("--spec-draft-hf -hfd -hfrd --hf-repo-draft", 1), ("--spec-draft-threads -td --threads-draft", 1),
+            ("--spec-draft-threads-batch -tbd --threads-batch-draft", 1), ("--spec-draft-cpu-mask -Cd --cpu-mask-draft", 1),
+            ("--spec-draft-cpu-range -Crd --cpu-range-draft", 1), ("--spec-draft-cpu-strict --cpu-strict-draft", 1),
+            ("--spec-draft-prio --prio-draft", 1), ("--spec-draft-poll --poll-draft", 1),
+            ("--spec-draft-cpu-mask-batch -Cbd --cpu-mask-batch-draft", 1),
+            ("--spec-draft-cpu-strict-batch --cpu-strict-batch-draft", 1),
+            ("--spec-draft-prio-batch --prio-batch-draft", 1), ("--spec-draft-poll-batch --poll-batch-draft", 1),
+            ("--spec-draft-override-tensor -otd --override-tensor-draft", 1),
+            ("--spec-draft-cpu-moe -cmoed --cpu-moe-draft", 0),
+            ("--spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft", 1),
+            ("--spec-draft-n-max", 1), ("--spec-draft-n-min", 1), ("--spec-synth-len", 1), ("--spec-synth-rates", 1),
+            ("--spec-draft-p-split --draft-p-split", 1), ("--spec-draft-p-min --draft-p-min", 1),
+            ("--spec-draft-backend-sampling --no-spec-draft-backend-sampling", 0),
+            ("--spec-draft-device -devd --device-draft", 1),
+            ("--spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft", 1),
+            ("--spec-draft-model -md --model-draft", 1), ("--spec-type", 1), ("--spec-ngram-mod-n-min", 1),
+            ("--spec-ngram-mod-n-max", 1), ("--spec-ngram-mod-n-match", 1), ("--spec-ngram-simple-size-n", 1),
+            ("--spec-ngram-simple-size-m", 1), ("--spec-ngram-simple-min-hits", 1), ("--spec-ngram-map-k-size-n", 1),
+            ("--spec-ngram-map-k-size-m", 1), ("--spec-ngram-map-k-min-hits", 1),
+            ("--spec-ngram-map-k4v-size-n", 1), ("--spec-ngram-map-k4v-size-m", 1),
+            ("--spec-ngram-map-k4v-min-hits", 1), ("--draft --draft-n --draft-max", 1),
+            ("--draft-min --draft-n-min", 1), tools=("cli",)),
+]
+
+
+def llama_cpp_flags(tools: Iterable[str], declared: Iterable[str]) -> dict[str, LlamaCppFlag]:
+    """Name -> flag for llama.cpp's flags of `tools` (names in ALL) that are not `declared`.
+    A sampling flag is only noted in a tool that does not sample."""
+    tools, declared = set(tools), set(declared)
+    generates = bool(tools & set(GENERATING))
+    out: dict[str, LlamaCppFlag] = {}
+    for entry in ENTRIES:
+        if not tools & set(entry.tools) or not set(entry.names) - declared:
+            continue
+        refused, why = entry.refuse, entry.why
+        if entry.sampling and not generates:
+            refused, why = False, "this tool does not sample tokens"
+        elif entry.sampling and not why:
+            raise AssertionError(f"{entry.names[0]}: a sampling flag the generating tools must declare")
+        flag = LlamaCppFlag(entry.names, entry.n_values, refused, why)
+        for name in entry.names:
+            if name not in declared:
+                out.setdefault(name, flag)
+    return out
