@@ -95,7 +95,7 @@ def main() -> None:
                     if extra and args.without_only:
                         continue
                     cmd = [sys.executable, "-m", "llamapy.cli.finetune", *flags, "-t", str(args.threads),
-                           "-o", str(Path(tmp) / "out.gguf"), "--lora-out", str(Path(tmp) / "lora.gguf"), *extra]
+                           "-o", str(Path(tmp) / "out.gguf"), *extra]
                     r, rss = peak_rss_mb(cmd, args.root)
                     if r.returncode:
                         sys.exit(r.stderr)

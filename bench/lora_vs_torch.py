@@ -21,8 +21,7 @@ How the two sides are kept identical:
   (`llamapy.dataset.text_windows` with the architecture's BOS-in-every-window: each window
   is BOS + 255 text tokens, its labels the 256 next tokens, all of them counted; stride 128;
   the last 5% of the windows held out, `validation_windows`) and writes them, each epoch's
-  window order (ggmlpy's `fit_epochs`: one `np.random.default_rng(seed)` shuffling the
-  training part of a permutation in place at the start of every epoch) and the initial LoRA
+  window order (the text's order, as llamapy-finetune trains without --shuffle) and the initial LoRA
   A matrices (`LoraAdapter.new(model, 8, seed=0)`: Kaiming-uniform, bound 1/sqrt(n_in);
   B is zero on both sides) to one .npz. The llamapy half checks that the CLI trained on
   exactly these windows, in this order, from this A; the torch half copies A into peft.
@@ -299,7 +298,6 @@ def llamapy_half(args) -> None:
 # ================================================================================================
 def prepare(args, work: Path) -> tuple[dict, Path]:
     """The windows, window orders and initial LoRA A, with llamapy's code, for both halves."""
-    from llamapy.cli.finetune import DEFAULT_CTX
     from llamapy.cli.training import TrainingArgs
     from llamapy.context import validation_windows
     from llamapy.dataset import text_windows
@@ -308,17 +306,19 @@ def prepare(args, work: Path) -> tuple[dict, Path]:
     from llamapy.model import load_model
     from llamapy.train_params import TrainParams
     defaults = TrainingArgs()
+    n_ctx = defaults.ctx_size
     model_path = str(args.model or default_model_path(lambda s: print(s, file=sys.stderr)))
     m = load_model(model_path)
     params = TrainParams.for_model(m, seed=defaults.seed)  # the CLI's policy: LoRA rank 8, lr 3e-4, BOS per window
     if params.lora is None or tuple(params.lora.modules) != LORA_MODULES:
         raise SystemExit(f"the main job should train a LoRA on {LORA_MODULES}; llamapy's policy gives {params.lora}")
     epochs = args.epochs or defaults.epochs
-    ds = text_windows(m.vocab, demo_corpus()[: args.demo_chars], DEFAULT_CTX, params.window_bos)
+    ds = text_windows(m.vocab, demo_corpus()[: args.demo_chars], n_ctx, params.window_bos)
     idata_split = ds.ndata - validation_windows(ds.ndata, defaults.val_split)
     perm, rng, orders = np.arange(ds.ndata), np.random.default_rng(defaults.seed), []
-    for _ in range(epochs):
-        rng.shuffle(perm[:idata_split])
+    for _ in range(epochs):  # the CLI's order: as the text runs, unless --shuffle
+        if defaults.shuffle:
+            rng.shuffle(perm[:idata_split])
         orders.append(perm[:idata_split].copy())
     adapter = LoraAdapter.new(m, params.lora.rank, params.lora.alpha, params.lora.modules, params.lora.seed)
     lora = {}
@@ -329,7 +329,7 @@ def prepare(args, work: Path) -> tuple[dict, Path]:
     lr = params.schedule.lr_at(0, idata_split)
     if any(params.schedule.lr_at(s, idata_split) != lr for s in range(epochs * idata_split)):
         raise SystemExit("the main job's learning rate is not constant: the torch half assumes it is")
-    cfg = dict(model=model_path, n_ctx=DEFAULT_CTX, windows=int(ds.ndata), idata_split=int(idata_split),
+    cfg = dict(model=model_path, n_ctx=n_ctx, windows=int(ds.ndata), idata_split=int(idata_split),
                n_train=int(idata_split), n_tokens=int(ds.n_tokens), stride=int(ds.stride), epochs=epochs,
                epochs_given=bool(args.epochs), demo_chars=args.demo_chars, lr=lr, beta1=opt.beta1,
                beta2=opt.beta2, eps=opt.eps, wd=opt.wd, lora_rank=adapter.rank, lora_alpha=adapter.alpha,

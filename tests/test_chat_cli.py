@@ -108,7 +108,7 @@ def test_conversation_in_a_terminal(stories_path):
 
 @pytest.mark.parametrize("args, expected", [
     (["-p", "Hi", "-sys", "Be brief."], "-sys and --chat-template are for chats"),
-    (["--chat"], "--chat answers the -p message"),
+    (["--chat"], "-st answers the -p message"),
     (["--chat", "-p", "Hi", "--chat-template", "nope"], "chat template 'nope' is neither a built-in name"),
 ])
 def test_chat_flag_errors(stories_path, args, expected):

@@ -196,7 +196,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(stories_path, text, tmp_path,
 def finetune_cmd(stories_path: Path, text: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "llamapy.cli.finetune", "-m", str(stories_path), "-f", str(text), "-c", "32",
             "-b", "64", "--epochs", "3", "-lr", "1e-3", "--lr-schedule", "cosine", "--warmup", "2",
-            "--grad-clip", "1", "--seed", "5", "-t", "2", "-o", str(out), *extra]
+            "--grad-clip", "1", "--seed", "5", "--shuffle", "-t", "2", "-o", str(out), *extra]
 
 
 def tensors_of(path: Path) -> dict[str, np.ndarray]:

@@ -118,7 +118,7 @@ def test_cli_lora_finetune_perplexity_and_export(stories_path, wiki_path, tmp_pa
     base = ppl(str(stories_path))
     with_lora = ppl(str(stories_path), "--lora", str(adapter))
     assert with_lora < 0.5 * base
-    assert ppl(str(stories_path), "--lora-scaled", str(adapter), "0") == base
+    assert ppl(str(stories_path), "--lora-scaled", f"{adapter}:0") == base
     r = run_app("llamapy.cli.export_lora", "-m", str(stories_path), "--lora", str(adapter), "-o", str(merged))
     assert r.returncode == 0, r.stderr
     assert ppl(str(merged)) == pytest.approx(with_lora, rel=1e-3)
@@ -161,7 +161,7 @@ def test_gemma3_lora_finetune_lowers_loss_and_perplexity(gemma3_path, wiki_path,
                                            "-c", "64", "-b", "64").stderr)
     base = ppl()
     assert ppl("--lora", str(adapter)) < base
-    assert ppl("--lora-scaled", str(adapter), "0") == base
+    assert ppl("--lora-scaled", f"{adapter}:0") == base
 
 
 @pytest.mark.slow

@@ -459,5 +459,5 @@ def test_cli_sampling_seeded_and_lora(stories_path, tmp_path):
     import llamapy
     from llamapy.lora import LoraAdapter
     adapter = LoraAdapter.new(llamapy.load_model(stories_path), rank=2).save(tmp_path / "zero.gguf")
-    with_lora = run_cli(*args, "--lora-scaled", str(adapter), "0.5")
+    with_lora = run_cli(*args, "--lora-scaled", f"{adapter}:0.5")
     assert with_lora.returncode == 0 and with_lora.stdout == cpu.stdout

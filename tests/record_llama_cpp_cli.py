@@ -1,0 +1,58 @@
+"""Record what llama.cpp's command-line tools do, for test_cli_flags and test_perplexity.
+
+    python tests/record_llama_cpp_cli.py LLAMA_CPP_BIN_DIR
+
+- each tool's flags, from its `--help` (llama-perplexity, llama-completion, llama-cli,
+  llama-finetune, llama-export-lora): every option line's names and value hint, to
+  tests/data/llama_cpp_flags.json;
+- the bare perplexity run `llama-perplexity -m stories260K.gguf -f wiki.test.raw -t 2`
+  (its defaults: -c 512, -b 2048): the running estimates (stdout) and the final line, to
+  tests/data/llama_cpp_ppl_stories260K_bare.txt.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import shared_path  # noqa: E402
+
+TOOLS = ("perplexity", "completion", "cli", "finetune", "export-lora")
+DATA = Path(__file__).parent / "data"
+
+
+def flags_of(help_text: str) -> list[dict]:
+    """Names and value hint of each option line of llama.cpp's --help (`-c,    --ctx-size N   help`)."""
+    out = []
+    for line in help_text.splitlines():
+        if not line.startswith("-"):
+            continue
+        head = re.split(r"\s{2,}", re.sub(r",\s+", ", ", line), maxsplit=1)[0]
+        names, hint = [], []
+        for part in head.split(" "):
+            part = part.rstrip(",")
+            if part.startswith("-") and not hint:
+                names.append(part)
+            elif part:
+                hint.append(part)
+        out.append({"names": names, "hint": " ".join(hint)})
+    return out
+
+
+def main(bin_dir: Path) -> None:
+    flags = {}
+    for tool in TOOLS:
+        text = subprocess.run([str(bin_dir / f"llama-{tool}"), "--help"], capture_output=True, text=True).stdout
+        flags[tool] = flags_of(text)
+    (DATA / "llama_cpp_flags.json").write_text(json.dumps(flags, indent=1) + "\n")
+    run = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(shared_path("models", "stories260K.gguf")),
+                          "-f", str(shared_path("data", "wiki.test.raw")), "-t", "2"], capture_output=True, text=True)
+    final = re.search(r"Final estimate: PPL = .*", run.stderr).group(0)
+    (DATA / "llama_cpp_ppl_stories260K_bare.txt").write_text(run.stdout.strip() + "\n" + final + "\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
