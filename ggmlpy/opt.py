@@ -19,7 +19,7 @@ One mechanism serves any model, from a linear regression to a language model:
   zeroed at the start of each optimizer step, accumulated over `opt_period` evaluations
   and applied by `OptContext.step`, which refuses a step whose losses are not finite.
 
-Optimizer hyper-parameters are checked records (`AdamW`, `SGD`; params.py), defined once, here.
+Optimizer hyper-parameters are checked records (`AdamW`, `SGD`: pydantic models, records.py), defined once, here.
 """
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Literal, Protocol, TextIO
+from typing import Annotated, Any, Literal, Protocol, TextIO
 
 import numpy as np
+from pydantic import Field
 
 from . import ops as O
 from . import ops_train as OT
@@ -41,7 +42,7 @@ from .backward import build_backward_expand
 from .context import Context
 from .distributed import as_communicator
 from .graph import Graph, new_graph
-from .params import Params, param
+from .records import Float, Record
 from .tensor import Flag, Tensor
 from .types import GGMLType, traits
 
@@ -98,25 +99,27 @@ class Dataset:
 
 
 # ---- optimizer hyper-parameters (the one definition) ------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class AdamW(Params):
+class AdamW(Record):
     """AdamW with decoupled weight decay (`wd`, a fraction of alpha per step)."""
 
     kind: Literal["adamw"] = "adamw"
-    alpha: float = param(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
-    beta1: float = param(0.9, ge=0, le=1)
-    beta2: float = param(0.999, ge=0, le=1)
-    eps: float = param(1e-8, ge=0)
-    wd: float = param(0.0, ge=0, le=1)
+    alpha: Float = Field(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
+    beta1: Float = Field(0.9, ge=0, le=1)
+    beta2: Float = Field(0.999, ge=0, le=1)
+    eps: Float = Field(1e-8, ge=0)
+    wd: Float = Field(0.0, ge=0, le=1)
 
 
-@dataclass(frozen=True, kw_only=True)
-class SGD(Params):
+class SGD(Record):
     """Plain SGD with decoupled weight decay; keeps no state."""
 
     kind: Literal["sgd"] = "sgd"
-    alpha: float = param(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
-    wd: float = param(0.0, ge=0, le=1)
+    alpha: Float = Field(1e-3, ge=0)  # 0 where a schedule ends at lr_min 0
+    wd: Float = Field(0.0, ge=0, le=1)
+
+
+# a field that holds either optimizer's parameters (a dict picks its class by "kind")
+OptimizerParams = Annotated[AdamW | SGD, Field(discriminator="kind")]
 
 
 def with_alpha(pars: AdamW | SGD, alpha: float) -> AdamW | SGD:

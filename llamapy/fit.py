@@ -165,7 +165,7 @@ def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
         name = Path(str(trainer.model.path)).name if trainer.model.path is not None else "this one"
         raise InputError(f"{path} is a checkpoint of another model than {name} "
                          "(--force-resume to use it anyway)")
-    notes = compare_params(ckpt.params, trainer.describe_params(ckpt.params.get("shuffle_seed")), path)
+    notes = compare_params(ckpt.params, trainer.describe_params(ckpt.params.shuffle_seed), path)
     for name, t in trainer.trained.items():
         values = ckpt.tensors[name]
         if values.size != t.nelements():

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from pydantic import ValidationError
 
-from ggmlpy.params import ParamError
+from ggmlpy.records import explain
 from llamapy.context import Context, validation_windows
 from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
@@ -148,8 +149,8 @@ class TrainingArgs:
             return TrainParams.for_model(model, seed=self.seed, schedule=schedule, optimizer=opt,
                                          grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint,
                                          backward_bf16=self.backward_bf16, **policy)
-        except ParamError as e:
-            raise InputError(_as_flag(e)) from None
+        except ValidationError as e:
+            raise InputError(_as_flag(*explain(e))) from None
         except ValueError as e:
             raise InputError(str(e)) from None
 
@@ -184,22 +185,22 @@ def check_writable(path: Path) -> None:
         raise InputError(f"cannot write {path}: directory {parent} does not exist or is not writable")
 
 
-# the TrainingArgs field whose flag sets each checked record field (ParamError.field)
+# the TrainingArgs field whose flag sets each checked record field (ggmlpy.records.explain's field)
 _ARG_OF_FIELD = {"LRSchedule.lr0": "lr", "LRSchedule.lr_min": "lr_min", "LRSchedule.decay_epochs": "decay_epochs",
                  "LRSchedule.half_life": "lr_half", "LRSchedule.halvings": "lr_halvings", "LRSchedule.epochs": "epochs",
                  "LRSchedule.kind": "lr_schedule", "LRSchedule.warmup": "warmup", "LRSchedule.cos_restart": "cos_restart",
                  "AdamW.wd": "wd", "SGD.wd": "wd", "TrainParams.grad_clip": "grad_clip"}
 
 
-def _as_flag(e: ParamError) -> str:
+def _as_flag(field_name: str, message: str) -> str:
     """A parameter error as the command line's user knows it: the flag, not the field."""
-    arg = _ARG_OF_FIELD.get(e.field)
-    if arg is None:
-        return str(e)
+    arg = _ARG_OF_FIELD.get(field_name)
+    if arg is None or not message.startswith(field_name):
+        return message
     option = typing.get_args(next(f for f in fields(TrainingArgs) if f.name == arg).metadata["option"])[1]
     # in an Annotated alias typer keeps the first name as the option's default
     flag = next(d for d in (option.default, *option.param_decls) if isinstance(d, str) and d.startswith("-"))
-    return flag + str(e)[len(e.field):]
+    return flag + message[len(field_name):]
 
 
 def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, lora_out: Path | None,
