@@ -25,18 +25,52 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from ggmlpy.opt import Dataset, FitPosition, Result
+from ggmlpy.records import Int, Record, explain
 
 from .dataset import PackedWindows
 from .errors import InputError, LlamapyError
 from .gguf_file import GGUFFile, MetaValue, ValueType
 from .gguf_writer import array_out
 from .save import write_atomically
+from .train_params import TrainParams
 
-VERSION = 1
+VERSION = 2  # 2: params is RunParams' JSON; 1: a flat dict (still read)
 PREFIX = "llamapy.checkpoint."
 _ARCH = "llamapy-checkpoint"
+
+
+class RunParams(Record):
+    """What a checkpoint records of the run that wrote it: its TrainParams (without the
+    parameter filter, a function; `trained` says what it chose) and what the context and
+    the fit added."""
+
+    train: TrainParams
+    n_ctx: Int                         # tokens per window
+    n_batch: Int                       # tokens per optimizer step, all ranks
+    n_ubatch: Int
+    trained: tuple[tuple[str, tuple[Int, ...]], ...]  # (name, ne) of every trained tensor
+    shuffle_seed: Int | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The run as compare_params weighs it: structure (STRUCTURE) and hyper-parameters."""
+        p = self.train
+        return {"kind": "lora" if p.lora else "full", "optimizer_kind": p.optimizer.kind,
+                "n_ctx": self.n_ctx, "n_batch": self.n_batch,
+                "lora": p.lora.model_dump(mode="json", exclude={"seed"}) if p.lora else None,
+                "trained": [[n, list(ne)] for n, ne in self.trained],
+                **p.model_dump(mode="json", exclude={"lora", "n_ctx_train"}),  # n_ctx is the one that counts
+                "shuffle_seed": self.shuffle_seed, "n_ubatch": self.n_ubatch}
+
+    @classmethod
+    def from_version_1(cls, old: dict[str, Any]) -> "RunParams":
+        """A version-1 checkpoint's flat params dict (its TrainParams fields in part)."""
+        train = TrainParams(optimizer=old["optimizer"], schedule=old["schedule"], lora=old["lora"],
+                            grad_clip=old["grad_clip"], window_bos=old["window_bos"])
+        return cls(train=train, n_ctx=old["n_ctx"], n_batch=old["n_batch"], n_ubatch=old["n_ubatch"],
+                   trained=old["trained"], shuffle_seed=old["shuffle_seed"])
 
 
 @dataclass
@@ -49,7 +83,7 @@ class Checkpoint:
     rng_state: dict[str, Any] | None       # numpy bit generator state of the shuffle, None: no shuffle
     permutation: np.ndarray
     epoch_result: Result
-    params: dict[str, Any]                 # training parameters (structure and hyper-parameters)
+    params: RunParams                      # training parameters (structure and hyper-parameters)
     model_fingerprint: str
     data_fingerprint: str
 
@@ -72,12 +106,12 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
         "position": [ckpt.position.epoch, ckpt.position.ibatch, int(ckpt.position.shuffled)],
         "rng_state": ckpt.rng_state,
         "epoch_result": ckpt.epoch_result.to_dict(),
-        "params": ckpt.params,
         "model_fingerprint": ckpt.model_fingerprint,
         "data_fingerprint": ckpt.data_fingerprint,
     }
     strings = {"general.architecture": _ARCH, "general.type": "checkpoint"}
     strings.update((PREFIX + key, json.dumps(value, sort_keys=True)) for key, value in meta.items())
+    strings[PREFIX + "params"] = ckpt.params.model_dump_json()
     strings[PREFIX + "checksum"] = digest.hexdigest()
     return write_atomically({k: MetaValue(ValueType.STRING, None, v) for k, v in strings.items()}, tensors,
                             Path(path), "checkpoint")
@@ -95,14 +129,22 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise InputError(f"{path}: not a readable checkpoint (truncated or corrupt: {e})") from None
     try:
         meta = {k[len(PREFIX):]: json.loads(v.value) for k, v in f.metadata.items()
-                if k.startswith(PREFIX) and k != PREFIX + "checksum"}
+                if k.startswith(PREFIX) and k not in (PREFIX + "checksum", PREFIX + "params")}
     except (ValueError, TypeError) as e:
         raise InputError(f"{path}: checkpoint is corrupt ({e})") from None
     checksum = f.get(PREFIX + "checksum")
     if "version" not in meta or checksum is None:
         raise InputError(f"{path}: not a llamapy checkpoint")
-    if meta["version"] != VERSION:
+    if meta["version"] not in (1, VERSION):
         raise InputError(f"{path}: checkpoint version {meta['version']} is not supported (this llamapy writes {VERSION})")
+    try:
+        saved = f.get(PREFIX + "params") or "null"
+        params = (RunParams.model_validate_json(saved) if meta["version"] == VERSION
+                  else RunParams.from_version_1(json.loads(saved)))
+    except ValidationError as e:
+        raise InputError(f"{path}: the checkpoint's training parameters are not valid ({explain(e)[1]})") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(f"{path}: checkpoint is corrupt (training parameters: {e})") from None
     digest = hashlib.blake2b(digest_size=16)
     arrays: dict[str, np.ndarray] = {}
     for name, t in f.tensors.items():
@@ -119,7 +161,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         tensors={n[len("param."):]: a for n, a in arrays.items() if n.startswith("param.")},
         optimizer=optimizer, position=FitPosition(int(epoch), int(ibatch), bool(shuffled)),
         rng_state=meta["rng_state"], permutation=arrays["data.permutation"].astype(np.int64).reshape(-1),
-        epoch_result=Result.from_dict(meta["epoch_result"]), params=meta["params"],
+        epoch_result=Result.from_dict(meta["epoch_result"]), params=params,
         model_fingerprint=meta["model_fingerprint"], data_fingerprint=meta["data_fingerprint"])
 
 
@@ -165,9 +207,10 @@ def data_fingerprint(dataset: Dataset, idata_split: int) -> str:
 STRUCTURE = ("kind", "optimizer_kind", "n_ctx", "n_batch", "lora", "trained")
 
 
-def compare_params(saved: dict[str, Any], current: dict[str, Any], path: Path) -> list[str]:
+def compare_params(saved_run: RunParams, current_run: RunParams, path: Path) -> list[str]:
     """Refuse a checkpoint whose structure differs from the run's (InputError); return one
     line per hyper-parameter that differs (the run's value is used)."""
+    saved, current = saved_run.summary(), current_run.summary()
     for key in STRUCTURE:
         if saved.get(key) != current.get(key):
             raise InputError(f"{path}: the checkpoint's {key} is {_short(saved.get(key))}, this run's is "

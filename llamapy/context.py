@@ -386,7 +386,8 @@ class Context:
     def opt_fit(self, dataset, epochs: int | None = None, val_split: float = 0.05, params: TrainParams | None = None,
                 silent: bool = False, stream=None, on_epoch=None, seed: int | None = None,
                 checkpoint=None, save_every: int | None = None, resume=None, force_resume: bool = False,
-                comm=None, val_data=None, eval_every: int | None = None) -> list[EpochResult]:
+                comm=None, val_data=None, eval_every: int | None = None,
+                progress_interval: float | None = None) -> list[EpochResult]:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
@@ -399,6 +400,9 @@ class Context:
         covering n_batch tokens on each rank; only rank 0 prints and writes checkpoints.
         `val_data`: a dataset to validate on instead of splitting val_split off `dataset`.
         `eval_every`: validate also after every that many optimizer steps (EpochResult.evals).
+        Progress lines go to `stream` (stderr): redrawn in place on a terminal, else one line
+        every `progress_interval` seconds (default 10, or $GGMLPY_PROGRESS_INTERVAL) and each
+        pass's last line.
         """
         from .fit import fit
         if self.trainer is None or params is not None:
@@ -407,7 +411,7 @@ class Context:
             raise InputError("opt_fit: this context's trainer was made for another communicator; pass comm to opt_init")
         return fit(self, dataset, epochs=epochs, val_split=val_split, silent=silent, stream=stream, on_epoch=on_epoch,
                    seed=seed, checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume,
-                   val_data=val_data, eval_every=eval_every)
+                   val_data=val_data, eval_every=eval_every, progress_interval=progress_interval)
 
     def opt_evaluate(self, dataset) -> Result:
         """The loss and accuracy of the trained model on every window of `dataset` (a test

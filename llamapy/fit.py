@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmlpy.opt import EpochResult, FitPosition, Result, evaluate_batches, fit_epochs, progress_bar
+from ggmlpy.opt import EpochResult, FitPosition, ProgressBar, Result, evaluate_batches, fit_epochs, loss_and_accuracy
 
 from .checkpoint import Checkpoint, compare_params, load_checkpoint, model_fingerprint, save_checkpoint
 from .dataset import join_windows
@@ -46,7 +46,7 @@ def fit(lctx, dataset, **kwargs) -> list[EpochResult]:
 
 def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, stream, on_epoch, seed: int | None,
          checkpoint, save_every: int | None, resume, force_resume: bool, val_data=None,
-         eval_every: int | None = None) -> list[EpochResult]:
+         eval_every: int | None = None, progress_interval: float | None = None) -> list[EpochResult]:
     from .context import validation_windows
     trainer = lctx.trainer
     comm = trainer.comm
@@ -86,12 +86,12 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
         say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
             f"optimizer steps")
 
-    def bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start):
-        if silent or (not tty and ibatch != ibatch_max):  # a log file gets each pass's last line
-            return
-        prefix = f"epoch {trainer.epoch + 1}: "
-        stream.write(prefix if is_train else " " * len(prefix))
-        progress_bar(is_train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start, stream=stream)
+    def prefix(is_train: bool) -> str:
+        text = f"epoch {trainer.epoch + 1}: "
+        return text if is_train else " " * len(text)
+    # a ubatch evaluation is the progress counter's unit: n_ubatch tokens
+    bar = None if silent else ProgressBar(stream, interval=progress_interval, prefix=prefix, unit="tokens",
+                                          per_datapoint=trainer.n_ubatch, tty=tty)
 
     def start_epoch(epoch: int) -> None:
         trainer.epoch = epoch
@@ -114,8 +114,7 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
         result = Result()
         evaluate_batches(trainer.opt, dataset, range(idata_split, dataset.ndata), result)
         evals.append((trainer.n_steps, result))
-        (loss, loss_unc), (acc, acc_unc) = result.loss(), result.accuracy()
-        say(f"step {trainer.n_steps}: val loss={loss:.5f}±{loss_unc:.5f} acc={100 * acc:.2f}±{100 * acc_unc:.2f}%")
+        say(f"step {trainer.n_steps}: val {loss_and_accuracy(result)}")
 
     def on_position(position: FitPosition, train: Result) -> None:
         run.position, run.epoch_result = position, train
@@ -165,7 +164,7 @@ def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
         name = Path(str(trainer.model.path)).name if trainer.model.path is not None else "this one"
         raise InputError(f"{path} is a checkpoint of another model than {name} "
                          "(--force-resume to use it anyway)")
-    notes = compare_params(ckpt.params, trainer.describe_params(ckpt.params.get("shuffle_seed")), path)
+    notes = compare_params(ckpt.params, trainer.describe_params(ckpt.params.shuffle_seed), path)
     for name, t in trainer.trained.items():
         values = ckpt.tensors[name]
         if values.size != t.nelements():

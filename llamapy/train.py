@@ -42,7 +42,7 @@ from ggmlpy.opt import Dataset, FitPosition, OptContext, OptParams, Result, Trai
 
 from .arch.base import FIXED_TENSORS
 from .batch import UBatch
-from .checkpoint import data_fingerprint
+from .checkpoint import RunParams, data_fingerprint
 from .dataset import IGNORE, one_sequence, window_layout
 from .errors import InputError
 from .graph_builder import GraphBuilder, WindowCells
@@ -177,16 +177,11 @@ class Trainer:
         self.steps_per_epoch = max(1, n_train // per_step)
         self.run = RunState(dataset, idata_split, n_train, pending=self.run.pending)  # a new run; a loaded checkpoint waits
 
-    def describe_params(self, shuffle_seed: int | None) -> dict:
-        """The run's training parameters as a checkpoint records them (see checkpoint.STRUCTURE)."""
-        p = self.params
-        return {"kind": "lora" if p.lora else "full", "optimizer_kind": p.optimizer.kind,
-                "n_ctx": self.n_ctx, "n_batch": self.n_batch * self.comm.size,  # tokens per step, all ranks
-                "lora": p.lora.as_dict(exclude=("seed",)) if p.lora else None,
-                "trained": [[n, list(t.ne)] for n, t in self.trained.items()],
-                "optimizer": p.optimizer.as_dict(exclude=("alpha",)),
-                "schedule": p.schedule.as_dict(), "grad_clip": p.grad_clip,
-                "window_bos": p.window_bos, "shuffle_seed": shuffle_seed, "n_ubatch": self.n_ubatch}
+    def describe_params(self, shuffle_seed: int | None) -> RunParams:
+        """The run's training parameters as a checkpoint records them."""
+        return RunParams(train=self.params, n_ctx=self.n_ctx, n_batch=self.n_batch * self.comm.size,  # all ranks
+                         n_ubatch=self.n_ubatch, trained=[(n, tuple(t.ne)) for n, t in self.trained.items()],
+                         shuffle_seed=shuffle_seed)
 
     @property
     def optimizer_state(self) -> list[Tensor]:

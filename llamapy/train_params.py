@@ -1,10 +1,10 @@
-"""Training parameters (checked records: ggmlpy/params.py), parameter filters and llamapy's training policy.
+"""Training parameters (checked records: pydantic models, ggmlpy/records.py), parameter filters and llamapy's training policy.
 
 A parameter filter decides, per model tensor, whether it trains. Built-ins: every F32
 tensor, tensors whose names match a pattern, and LoRA adapter tensors. Learning-rate
 schedules follow llama.cpp's flags (-lr, -lr-min, -decay-epochs) plus halving (-lr-half,
 -lr-halvings), cosine with restarts and linear warmup (its old finetune's). The optimizer's
-other hyper-parameters are ggmlpy's `AdamW` / `SGD` models; the schedule sets their
+other hyper-parameters are ggmlpy's `AdamW` / `SGD` records; the schedule sets their
 learning rate (alpha) for each optimizer step.
 
 `TrainParams.for_model` is the policy a user gets by default, in Python and on the
@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import ConfigDict, Field, field_serializer, model_validator
+
 from ggmlpy import GGMLType, Tensor, traits
-from ggmlpy.opt import SGD, AdamW, with_alpha
-from ggmlpy.params import Params, param
+from ggmlpy.opt import SGD, AdamW, OptimizerParams, with_alpha
+from ggmlpy.records import Bool, Float, Int, Record, Str
 
 from .lora import DEFAULT_MODULES as DEFAULT_LORA_MODULES
 
@@ -52,8 +53,7 @@ def param_filter_lora(name: str, tensor: Tensor) -> bool:
     return name.endswith((".lora_a", ".lora_b"))
 
 
-@dataclass(frozen=True, kw_only=True)
-class LRSchedule(Params):
+class LRSchedule(Record):
     """The learning rate of every optimizer step, as a closed form of the step.
 
     `kind`:
@@ -67,17 +67,18 @@ class LRSchedule(Params):
     `warmup` > 0: the first `warmup` steps ramp linearly, lr0 * (step + 1) / warmup.
     """
 
-    lr0: float = param(DEFAULT_LR, gt=0)
-    lr_min: float = param(0.0, ge=0)
-    decay_epochs: float = -1.0
-    half_life: float | None = param(None, gt=0)
-    halvings: int | None = param(None, ge=0)
-    epochs: int = param(2, ge=1)
+    lr0: Float = Field(DEFAULT_LR, gt=0)
+    lr_min: Float = Field(0.0, ge=0)
+    decay_epochs: Float = -1.0
+    half_life: Float | None = Field(None, gt=0)
+    halvings: Int | None = Field(None, ge=0)
+    epochs: Int = Field(2, ge=1)
     kind: Literal["constant", "exp", "cosine"] = "exp"
-    warmup: int = param(0, ge=0)
-    cos_restart: int | None = param(None, ge=1)
+    warmup: Int = Field(0, ge=0)
+    cos_restart: Int | None = Field(None, ge=1)
 
-    def check(self) -> None:
+    @model_validator(mode="after")
+    def _one_decay(self) -> "LRSchedule":
         """One kind of decay at a time."""
         if self.half_life is not None and self.lr_min > 0:
             raise ValueError("choose either halving (-lr-half) or decay to a minimum (-lr-min), not both")
@@ -87,6 +88,7 @@ class LRSchedule(Params):
             raise ValueError("--cos-restart needs --lr-schedule cosine")
         if self.lr_min > self.lr0:
             raise ValueError(f"-lr-min {self.lr_min:g} is above the learning rate {self.lr0:g}")
+        return self
 
     def lr(self, epoch: int) -> float:
         """The exp schedule's rate in `epoch` (0-based)."""
@@ -122,48 +124,57 @@ class LRSchedule(Params):
         return self.lr_min + (self.lr0 - self.lr_min) * 0.5 * (1.0 + math.cos(math.pi * t / period))
 
 
-@dataclass(frozen=True, kw_only=True)
-class LoraParams(Params):
+class LoraParams(Record):
     """A LoRA adapter to create and train instead of the weights (opt_init attaches it)."""
 
-    rank: int = param(ge=1)
-    alpha: float | None = None  # None: the rank (scale 1)
-    modules: tuple[str, ...] = DEFAULT_LORA_MODULES
-    seed: int = 0
+    rank: Int = Field(ge=1)
+    alpha: Float | None = None  # None: the rank (scale 1)
+    modules: tuple[Str, ...] = DEFAULT_LORA_MODULES
+    seed: Int = 0
 
 
-@dataclass(kw_only=True)
-class TrainParams(Params):
-    """What Context.opt_init needs. n_ctx_train 0 means the context's n_ctx."""
+class TrainParams(Record):
+    """What Context.opt_init needs. n_ctx_train 0 means the context's n_ctx. Not frozen (an
+    attribute set later is not checked: make changes with .replace). As JSON
+    (model_dump_json), the optimizer's alpha (the schedule's to set) and the parameter
+    filter (a function) are left out; model_validate_json makes the record again."""
 
-    n_ctx_train: int = param(0, ge=0)
-    optimizer: AdamW | SGD = param(default_factory=AdamW)
-    schedule: LRSchedule = param(default_factory=LRSchedule)
-    param_filter: ParamFilter = param_filter_all
+    model_config = ConfigDict(frozen=False)
+
+    n_ctx_train: Int = Field(0, ge=0)
+    optimizer: OptimizerParams = Field(default_factory=AdamW)
+    schedule: LRSchedule = Field(default_factory=LRSchedule)
+    param_filter: ParamFilter = Field(param_filter_all, exclude=True)
     lora: LoraParams | None = None
-    window_bos: bool = False  # training windows start with BOS (see dataset.text_windows)
-    grad_clip: float | None = param(None, gt=0)  # global gradient L2 norm limit (PyTorch's clip_grad_norm_)
+    window_bos: Bool = False  # training windows start with BOS (see dataset.text_windows)
+    grad_clip: Float | None = Field(None, gt=0)  # global gradient L2 norm limit (PyTorch's clip_grad_norm_)
     # gradient checkpointing: keep the residual stream at layer boundaries and recompute
     # each segment's forward during the backward pass (same gradients, less memory, more time);
     # grad_checkpoint_every k keeps every k-th boundary (None: the k with the smallest planned peak)
-    grad_checkpoint: bool = False
-    grad_checkpoint_every: int | None = param(None, ge=1)
+    grad_checkpoint: Bool = False
+    grad_checkpoint_every: Int | None = Field(None, ge=1)
     # the backward pass's products through frozen quantized weights (and the fused output
     # layer's, when quantized) on bf16-rounded operands with float32 sums (gg.Prec.BF16): about
     # twice float32's speed on AVX512-BF16, each product within 2^-8 of its value, about as
     # close as the forward's activations quantized to 8 bits; False: float32 throughout;
     # None: bf16 where the CPU has AVX512-BF16 (elsewhere it would be no faster)
-    backward_bf16: bool | None = None
+    backward_bf16: Bool | None = None
 
-    def check(self) -> None:
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainParams":
         """The schedule sets the rate; a checkpoint stride needs checkpointing; an adapter is
         what trains (unless the caller's filter says otherwise)."""
-        if "alpha" in self.optimizer.fields_set:
+        if "alpha" in self.optimizer.model_fields_set:
             raise ValueError("set the learning rate with schedule=LRSchedule(lr0=...), not the optimizer's alpha")
         if self.grad_checkpoint_every is not None and not self.grad_checkpoint:
             raise ValueError("grad_checkpoint_every needs grad_checkpoint=True")
         if self.lora is not None and self.param_filter is param_filter_all:
-            self.param_filter = param_filter_lora
+            object.__setattr__(self, "param_filter", param_filter_lora)  # not marked as set: a copy without lora trains all
+        return self
+
+    @field_serializer("optimizer")
+    def _optimizer_without_alpha(self, optimizer: AdamW | SGD, info) -> dict:
+        return optimizer.model_dump(mode=info.mode, exclude={"alpha"})
 
     def optimizer_params(self, step: int, steps_per_epoch: int) -> AdamW | SGD:
         """The optimizer's hyper-parameters at optimizer step `step` (0-based) of this schedule."""
@@ -182,9 +193,8 @@ class TrainParams(Params):
             lora_rank = DEFAULT_QUANTIZED_RANK
         lora = LoraParams(rank=lora_rank, alpha=lora_alpha, modules=modules, seed=seed) if lora_rank else None
         schedule = fields.pop("schedule", None) or LRSchedule()
-        if "lr0" not in schedule.fields_set:
-            schedule = LRSchedule(**{**schedule.as_dict(only_set=True),
-                                     "lr0": DEFAULT_LORA_LR if lora else DEFAULT_LR})
+        if "lr0" not in schedule.model_fields_set:
+            schedule = schedule.replace(lr0=DEFAULT_LORA_LR if lora else DEFAULT_LR)
         bos = model.arch.bos_in_every_window if window_bos is None else window_bos
         return cls(schedule=schedule, lora=lora, window_bos=bos, **fields)
 

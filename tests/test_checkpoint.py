@@ -4,6 +4,7 @@ quantized base, AdamW and SGD, shuffled, across epoch boundaries; a real SIGKILL
 Ctrl-C through llamapy-finetune), and bad checkpoints are refused in one line."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,9 +17,11 @@ import pytest
 
 import llamapy
 from ggmlpy import GGMLType
+from llamapy import checkpoint
 from llamapy.checkpoint import load_checkpoint
 from llamapy.dataset import token_windows
 from llamapy.errors import InputError, SaveError
+from llamapy.gguf_file import GGUFFile
 from llamapy.lora import LoraAdapter, merge_adapters
 from llamapy.save import save_model_to_file
 from llamapy.train_params import SGD, AdamW, LoraParams, LRSchedule, TrainParams
@@ -124,6 +127,29 @@ def test_resume_from_an_epoch_end_and_python_api(stories_path, text, tmp_path):
     again = tmp_path / "again.gguf"
     resumed.opt_save_checkpoint(again)
     assert int(load_checkpoint(again).optimizer["opt.n_steps"][0]) == reference.trainer.n_steps
+
+
+def test_a_version_1_checkpoint_still_resumes(stories_path, text, tmp_path, monkeypatch):
+    """Version 1 kept the training parameters as a flat dict; version 2 keeps RunParams' JSON."""
+    reference = fresh_context(stories_path, "adamw")
+    fit(reference, text)
+    ckpt = tmp_path / "v1.gguf"
+    run = fresh_context(stories_path, "adamw")
+    old_keys = ("kind", "optimizer_kind", "n_ctx", "n_batch", "lora", "trained", "optimizer", "schedule", "grad_clip",
+                "window_bos", "shuffle_seed", "n_ubatch")
+    with monkeypatch.context() as m:  # write as llamapy did before
+        m.setattr(checkpoint, "VERSION", 1)
+        m.setattr(checkpoint.RunParams, "model_dump_json",
+                  lambda self: json.dumps({k: self.summary()[k] for k in old_keys}, sort_keys=True))
+        run.opt_fit(token_windows(run.model.vocab.tokenize(text), N_CTX), epochs=1, val_split=0.2, seed=11,
+                    silent=True, checkpoint=ckpt)
+    assert GGUFFile(ckpt).get("llamapy.checkpoint.version") == "1" and checkpoint.VERSION == 2
+    assert json.loads(load_checkpoint(ckpt).params.model_dump_json())["train"]["schedule"]["kind"] == "cosine"
+    resumed = fresh_context(stories_path, "adamw")
+    assert resumed.opt_load_checkpoint(ckpt) == []
+    fit(resumed, text)
+    for name, values in trained(reference).items():
+        assert np.array_equal(resumed.trainer.trained[name].numpy(), values), name
 
 
 def test_changed_hyper_parameters_are_reported_and_structure_refused(stories_path, text, tmp_path):

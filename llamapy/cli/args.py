@@ -260,9 +260,19 @@ def typing_option(annotation: Any) -> Any:
     return None
 
 
-def flag_field(option: Any, default: Any) -> Any:
-    """A field of a flag set: its option (an alias made with `flag`) and its default."""
-    return dataclasses.field(default=default, metadata={"option": option})
+def flag_field(option: Any, default: Any, sets: tuple[str, ...] = ()) -> Any:
+    """A field of a flag set: its option (an alias made with `flag`), its default, and the
+    record fields it sets ("LRSchedule.lr0"), so that a record's refusal names the flag."""
+    return dataclasses.field(default=default, metadata={"option": option, "sets": sets})
+
+
+def as_flag(cls: type, field_name: str, message: str) -> str:
+    """A record's refusal (`message` starts with its field, "LRSchedule.lr0 must be > 0, ...")
+    as the command line's user knows it: the flag of `cls` that sets the field in its place."""
+    for f in dataclasses.fields(cls):
+        if field_name in f.metadata.get("sets", ()) and message.startswith(field_name):
+            return flag_names(cls, f.name)[0] + message[len(field_name):]
+    return message
 
 
 def flag_names(cls: type, field: str) -> tuple[str, ...]:

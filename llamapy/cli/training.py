@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import os
 import time
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
-from ggmlpy.params import ParamError
+from pydantic import ValidationError
+
+from ggmlpy.opt import loss_and_accuracy
+from ggmlpy.records import explain
 from llamapy.context import Context, validation_windows
 from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
@@ -20,8 +22,8 @@ from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import DEFAULT_LORA_MODULES, SGD, AdamW, LRSchedule, TrainParams, has_quantized_matrices
 
-from .args import CHECKPOINTS, DATA, OUTPUT, SCHEDULE, TRAINING, flag, flag_field
-from .common import default_threads, fail, job, log, random_seed, warn
+from .args import CHECKPOINTS, DATA, OUTPUT, SCHEDULE, TRAINING, as_flag, flag, flag_field
+from .common import default_threads, fail, job, log, progress_stream, random_seed
 from .flags import ChatTemplate
 from .training_data import DataOptions, TrainingData, load_training_data
 
@@ -115,23 +117,23 @@ class TrainingArgs:
     ctx_size: int = flag_field(WindowSize, 256)
     batch_size: int | None = flag_field(BatchSize, None)
     ubatch_size: int = flag_field(UbatchSize, 512)
-    epochs: int = flag_field(Epochs, 2)
+    epochs: int = flag_field(Epochs, 2, sets=("LRSchedule.epochs",))
     optimizer: str = flag_field(OptimizerName, "adamw")
-    wd: float = flag_field(WeightDecay, 0.0)
-    grad_clip: float | None = flag_field(GradClip, None)
+    wd: float = flag_field(WeightDecay, 0.0, sets=("AdamW.wd", "SGD.wd"))
+    grad_clip: float | None = flag_field(GradClip, None, sets=("TrainParams.grad_clip",))
     grad_checkpoint: bool = flag_field(GradCheckpoint, False)
     backward_bf16: bool | None = flag_field(BackwardBf16, None)
     seed: int = flag_field(Seed, 0)
     shuffle: bool = flag_field(Shuffle, False)
     threads: int | None = flag_field(Threads, None)
-    lr: float | None = flag_field(Lr, None)
-    lr_min: float = flag_field(LrMin, 0.0)
-    decay_epochs: float = flag_field(DecayEpochs, -1.0)
-    lr_half: float | None = flag_field(LrHalf, None)
-    lr_halvings: int | None = flag_field(LrHalvings, None)
-    lr_schedule: str = flag_field(LrSchedule, "exp")
-    warmup: int = flag_field(Warmup, 0)
-    cos_restart: int | None = flag_field(CosRestart, None)
+    lr: float | None = flag_field(Lr, None, sets=("LRSchedule.lr0",))
+    lr_min: float = flag_field(LrMin, 0.0, sets=("LRSchedule.lr_min",))
+    decay_epochs: float = flag_field(DecayEpochs, -1.0, sets=("LRSchedule.decay_epochs",))
+    lr_half: float | None = flag_field(LrHalf, None, sets=("LRSchedule.half_life",))
+    lr_halvings: int | None = flag_field(LrHalvings, None, sets=("LRSchedule.halvings",))
+    lr_schedule: str = flag_field(LrSchedule, "exp", sets=("LRSchedule.kind",))
+    warmup: int = flag_field(Warmup, 0, sets=("LRSchedule.warmup",))
+    cos_restart: int | None = flag_field(CosRestart, None, sets=("LRSchedule.cos_restart",))
     val_split: float = flag_field(ValSplit, 0.05)
     data: Path | None = flag_field(Data, None)
     data_format: str | None = flag_field(DataFormat, None)
@@ -190,8 +192,8 @@ class TrainingArgs:
             return TrainParams.for_model(model, seed=self.seed, schedule=schedule, optimizer=opt,
                                          grad_clip=self.grad_clip, grad_checkpoint=self.grad_checkpoint,
                                          backward_bf16=self.backward_bf16, **policy)
-        except ParamError as e:
-            raise InputError(_as_flag(e)) from None
+        except ValidationError as e:
+            raise InputError(as_flag(TrainingArgs, *explain(e))) from None
         except ValueError as e:
             raise InputError(str(e)) from None
 
@@ -204,24 +206,6 @@ def check_writable(path: Path) -> None:
         raise InputError(f"cannot write {path}: it is a directory")
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise InputError(f"cannot write {path}: directory {parent} does not exist or is not writable")
-
-
-# the TrainingArgs field whose flag sets each checked record field (ParamError.field)
-_ARG_OF_FIELD = {"LRSchedule.lr0": "lr", "LRSchedule.lr_min": "lr_min", "LRSchedule.decay_epochs": "decay_epochs",
-                 "LRSchedule.half_life": "lr_half", "LRSchedule.halvings": "lr_halvings", "LRSchedule.epochs": "epochs",
-                 "LRSchedule.kind": "lr_schedule", "LRSchedule.warmup": "warmup", "LRSchedule.cos_restart": "cos_restart",
-                 "AdamW.wd": "wd", "SGD.wd": "wd", "TrainParams.grad_clip": "grad_clip"}
-
-
-def _as_flag(e: ParamError) -> str:
-    """A parameter error as the command line's user knows it: the flag, not the field."""
-    arg = _ARG_OF_FIELD.get(e.field)
-    if arg is None:
-        return str(e)
-    option = typing.get_args(next(f for f in fields(TrainingArgs) if f.name == arg).metadata["option"])[1]
-    # in an Annotated alias typer keeps the first name as the option's default
-    flag = next(d for d in (option.default, *option.param_decls) if isinstance(d, str) and d.startswith("-"))
-    return flag + str(e)[len(e.field):]
 
 
 def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, output: Path, tool: str) -> Context:
@@ -278,7 +262,8 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
                               seed=args.seed if args.shuffle else None,
                               checkpoint=args.checkpoint_out, save_every=args.save_every,
                               resume=args.checkpoint_in, force_resume=args.force_resume, val_data=data.val,
-                              eval_every=args.steps_per_eval)
+                              eval_every=args.steps_per_eval, stream=progress_stream(),
+                              silent=progress_stream() is None)
     except TrainingDivergedError as e:
         if main_rank:
             where = adapter.save(output) if adapter else save_model_to_file(model, output)
@@ -298,9 +283,8 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
             f"({4 * opt.optimizer.grad_flat.size / 1e6:.2f} MB of gradients)")
     if data.test is not None:
         result = ctx.opt_evaluate(data.test)
-        (loss, loss_unc), (acc, acc_unc) = result.loss(), result.accuracy()
-        log(f"test: loss={loss:.5f}±{loss_unc:.5f} (perplexity {math.exp(min(loss, 700)):.3f}) "
-            f"acc={100 * acc:.2f}±{100 * acc_unc:.2f}% over {data.test.ndata} windows")
+        log(f"test: {loss_and_accuracy(result)} (perplexity {math.exp(min(result.loss()[0], 700)):.3f}) "
+            f"over {data.test.ndata} windows")
     if not main_rank:
         return ctx
     if adapter:
