@@ -9,7 +9,6 @@ writes, as in training) and only the tokens after the longest prefix already in 
 are decoded."""
 from __future__ import annotations
 
-import codecs
 import sys
 import time
 from pathlib import Path
@@ -17,11 +16,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamapy import Batch, Context, load_model
+from llamapy import Context, load_model
 from llamapy.chat import ChatTemplate
 from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
-from llamapy.sampling import DEFAULT_SEED, default_chain
+from llamapy.generate import Generator, sampler_chain, token_text
 
 from .common import (ChatTemplateOption, chat_template_for, default_threads, guarded, join_pairs, load_adapters,
                      log, note_first_run)
@@ -29,75 +28,6 @@ from .common import (ChatTemplateOption, chat_template_for, default_threads, gua
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 EXIT_COMMANDS = ("/exit", "/quit")
-
-
-class TextStream:
-    """Token pieces to stdout as they come; bytes of a split UTF-8 character wait for the rest."""
-
-    def __init__(self, vocab, out=None) -> None:
-        self.vocab = vocab
-        self.out = out or sys.stdout
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def write(self, token: int) -> None:
-        text = self.decoder.decode(self.vocab.token_to_piece(token))
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-    def close(self) -> None:
-        self.out.write(self.decoder.decode(b"", final=True))
-        self.out.flush()
-
-
-class Generator:
-    """A context, its sampler chain and the tokens its KV cache holds (sequence 0), with
-    llama_perf's counters: prompt tokens decoded in batches, generated ones one by one."""
-
-    def __init__(self, ctx: Context, chain) -> None:
-        self.ctx, self.chain, self.vocab = ctx, chain, ctx.model.vocab
-        self.cached: list[int] = []
-        self.t_prompt = self.t_eval = 0.0
-        self.n_prompt = self.n_eval = 0
-
-    def feed(self, tokens: list[int]) -> None:
-        """Make the cache hold `tokens`: keep the longest prefix it already holds (at least
-        one token is decoded, for the logits), decode the rest in batches."""
-        if len(tokens) >= self.ctx.n_ctx:
-            raise InputError(f"the prompt is {len(tokens)} tokens, the context only {self.ctx.n_ctx} (-c)")
-        keep = 0
-        while keep < min(len(tokens) - 1, len(self.cached)) and tokens[keep] == self.cached[keep]:
-            keep += 1
-        if keep < len(self.cached):
-            self.ctx.memory_seq_rm(0, keep, -1)
-        t0 = time.perf_counter()
-        for start in range(keep, len(tokens), self.ctx.n_batch):
-            self.ctx.decode(Batch.from_tokens(tokens[start:start + self.ctx.n_batch], pos0=start))
-        self.t_prompt += time.perf_counter() - t0
-        self.n_prompt += len(tokens) - keep
-        self.cached = list(tokens)
-
-    def generate(self, limit: int, stream: TextStream) -> tuple[list[int], str]:
-        """Sample up to `limit` tokens (-1: until the context is full), streaming them;
-        returns them and why it stopped: "eog", "limit" or "full". The end-of-generation
-        token is not kept."""
-        out: list[int] = []
-        limit = limit if limit >= 0 else self.ctx.n_ctx
-        while True:
-            token = self.chain.sample(self.ctx, -1)
-            if self.vocab.is_eog(token):
-                return out, "eog"
-            stream.write(token)
-            out.append(token)
-            if len(out) >= limit:
-                return out, "limit"
-            if len(self.cached) >= self.ctx.n_ctx:
-                return out, "full"
-            t1 = time.perf_counter()
-            self.ctx.decode(Batch.from_tokens([token], pos0=len(self.cached)))
-            self.t_eval += time.perf_counter() - t1
-            self.n_eval += 1
-            self.cached.append(token)
 
 
 def _perf(name: str, ms: float, n: int, unit: str) -> str:
@@ -158,8 +88,7 @@ def run(
     m = load_model(model or default_model_path(log))
     note_first_run()
     ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads())
-    for adapter, scale in load_adapters(m, lora, lora_scaled):
-        ctx.attach_lora(adapter, scale)
+    adapters = load_adapters(m, lora, lora_scaled)
     template = None
     if conversation or chat:
         template = chat_template_for(m, chat_template)
@@ -167,16 +96,14 @@ def run(
         raise InputError("-sys and --chat-template are for chats: add -cnv (interactive) or --chat (one turn)")
     t_load = time.perf_counter() - t_start
     vocab = m.vocab
-    chain = default_chain(vocab.n_tokens, seed=DEFAULT_SEED if seed < 0 else seed, temp=temp, top_k=top_k, top_p=top_p,
-                          min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                          freq_penalty=frequency_penalty, presence_penalty=presence_penalty,
+    chain = sampler_chain(vocab.n_tokens, seed=seed, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                          typical_p=typical_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                          frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                           dynatemp_range=dynatemp_range, dynatemp_exp=dynatemp_exp)
     log(f"model: {m.path.name}: {m.describe()}")
     log(f"sampler chain: {chain!r}{' (in the graph: ' + str(chain.backend_prefix()) + ' samplers)' if backend_sampling else ''}")
-    if backend_sampling:
-        ctx.set_sampler(0, chain)
+    gen = Generator(ctx, chain, backend_sampling=backend_sampling, lora=adapters)
     ctx.set_warmup(True)
-    gen = Generator(ctx, chain)
     if template is not None:
         talk(gen, template, prompt, system_prompt, n_predict, interactive=conversation)
     else:
@@ -186,19 +113,14 @@ def run(
 
 def complete(gen: Generator, prompt: str, n_predict: int, display_prompt: bool) -> None:
     """Continue `prompt` (llama-completion)."""
-    tokens = gen.vocab.tokenize(prompt, add_special=True)
-    if not tokens:
-        raise InputError("the prompt is empty and the model adds no BOS: nothing to continue")
-    stream = TextStream(gen.vocab)
+    tokens = gen.tokenize(prompt)
     if display_prompt:
-        for t in tokens:
-            stream.write(t)
+        write(token_text(gen.vocab, tokens))
     gen.feed(tokens)
-    _, why = gen.generate(n_predict, stream)
-    stream.close()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if why == "full":
+    for piece in gen.stream(n_predict):
+        write(piece.text)
+    write("\n")
+    if gen.context_full:
         log("context full: stopping")
 
 
@@ -219,24 +141,30 @@ def talk(gen: Generator, template: ChatTemplate, first: str, system_prompt: str 
                 continue
         messages.append({"role": "user", "content": message})
         tokens, _ = template.tokenize(gen.vocab, messages, add_generation_prompt=True)
-        gen.feed([int(t) for t in tokens])
-        stream = TextStream(gen.vocab)
+        gen.feed(tokens)
         try:
-            reply, why = gen.generate(n_predict, stream)
+            for piece in gen.stream(n_predict):
+                write(piece.text)
+            reply, full = gen.tokens, gen.context_full
         except KeyboardInterrupt:  # Ctrl-C ends the answer, not the chat
-            reply, why = [], "interrupted"
+            reply, full = [], False
             if not interactive:
                 raise
-        stream.close()
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        write("\n")
         messages.append({"role": "assistant", "content": gen.vocab.detokenize(reply)})
-        if why == "full":
+        if full:
             log("context full: ending the chat")
             return
         if not interactive:
             return
         message = ""
+
+
+def write(text: str) -> None:
+    """Text to stdout as soon as it comes."""
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def read_message() -> str | None:
