@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from .chat import ChatTemplate
     from .lora import LoraAdapter
 
-__all__ = ["Generator", "Piece", "SamplingOptions", "Stream", "chat_completion", "default_n_ctx", "generate",
-           "generate_batch", "sampler_chain", "token_text"]
+__all__ = ["Generator", "Piece", "SamplingOptions", "Stream", "cached_generator", "chat_completion", "default_n_ctx",
+           "forget", "generate", "generate_batch", "sampler_chain", "token_text"]
 
 ModelLike = Union[Model, str, os.PathLike]
 Prompt = Union[str, Sequence[int]]
@@ -472,6 +472,13 @@ def chat_completion(model: ModelLike, messages: list[dict[str, Any]], max_tokens
     return {"role": "assistant", "content": "".join(p.text for p in pieces)}
 
 
+def cached_generator(model: ModelLike) -> Generator | None:
+    """The Generator that generate() and chat_completion() keep for `model` (its Context,
+    cached tokens and llama_perf counters), or None before the first call."""
+    session = getattr(_as_model(model), "_llamapy_generation", None)
+    return None if session is None else session.gen
+
+
 def forget(model: ModelLike) -> None:
     """Drop the Context generate() and chat_completion() keep for `model` (its memory, and a
     KV cache made stale by changing the weights in place)."""
@@ -518,19 +525,20 @@ def generate_batch(model: ModelLike, prompts: Sequence[Prompt], max_tokens: int 
         output[ends - 1] = True
         ctx.decode(Batch(np.concatenate(group), np.concatenate([np.arange(len(t)) for t in group]),
                          np.concatenate([np.full(len(t), i) for i, t in enumerate(group)]), output))
+        rows = ends - 1  # each sequence's token with logits in the last decode (batch order)
         next_pos = np.array([len(t) for t in group])
         last = np.array([t[-1] for t in group], np.int32)
         everyone = np.arange(len(group))
         while any(r.finish_reason is None for r in runs):
             for i, run in enumerate(runs):
                 if run.finish_reason is None:
-                    token = chains[i].sample(ctx, i)  # every decode outputs one row per sequence, in order
+                    token = chains[i].sample(ctx, int(rows[i]))
                     run.push(token)
                     if run.finish_reason is None:
                         last[i] = token
             if all(r.finish_reason is not None for r in runs):
                 break
             ctx.decode(Batch(last, next_pos, everyone, np.ones(len(group), bool)))
-            next_pos += 1
+            rows, next_pos = everyone, next_pos + 1
         results += ["".join(r.text) for r in runs]
     return results
