@@ -278,9 +278,8 @@ class Generator:
 
     def _dependencies(self) -> tuple:
         """What K/V in the cache depend on besides the tokens: the weights' revision and the
-        adapters (objects and scales)."""
-        return (self.model.revision, tuple((id(a), s) for a, s in self.ctx.adapters),
-                tuple(a for a, _ in self.ctx.adapters))
+        adapters (compared as objects, with their scales)."""
+        return self.model.revision, tuple(self.ctx.adapters)
 
     # -- prompt --------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -433,10 +432,13 @@ def generate(model: ModelLike, prompt: Prompt, max_tokens: int = 256, *, stop: S
     (or GGUF files), each at scale 1 or as (adapter, scale). `stream=True`: an iterator of
     text pieces as they come (with `finish_reason` at the end).
 
-    Calls on the same model share a Context (n_ctx: the model's training context capped at
-    4096, unless asked for more) and keep the KV cache of the longest common prefix. The
-    cache assumes weights and adapters are not changed in place between calls (after
-    training in place, adapters excepted if re-loaded, call `forget(model)`)."""
+    Calls on the same model share a Context and keep the KV cache of the longest common
+    prefix. Its n_ctx is the model's training context capped at 4096, or `n_ctx` when a
+    call asks for more (a smaller one reuses the larger context); `n_threads` other than
+    the last call's makes a new one. The cache assumes the weights and the adapter objects
+    are not changed in place between calls: after training them in place, `forget(model)`
+    (replacing tensors with `Model.set_tensor`, or an adapter by another object or a
+    rewritten file, is noticed)."""
     m = _as_model(model)
     session = _session(m, n_ctx, n_threads)
     pieces = _start(session, prompt, max_tokens, stop, lora, sampler, backend_sampling, sampling)
