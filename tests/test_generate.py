@@ -303,7 +303,7 @@ GREEDY = json.loads((REPO_ROOT / "tests" / "data" / "llama_cpp_gemma3_greedy.jso
 
 @pytest.mark.slow
 def test_gemma3_greedy_text_matches_llama_cpp(gemma3_path, tmp_path):
-    """The first recorded prompt, 64 tokens, by generate() and by the chat call (a template
+    """The first recorded prompt, 64 tokens by generate() and 16 by the chat call (a template
     writing the message as it is): both continue it with llama-completion's text."""
     run0 = GREEDY["runs"][0]
     expected = run0["text"][len(run0["prompt"]):]
@@ -312,16 +312,16 @@ def test_gemma3_greedy_text_matches_llama_cpp(gemma3_path, tmp_path):
     forget(model)  # decode the prompt anew (a one-token step rounds like a batch here, but keep it independent)
     template = tmp_path / "verbatim.jinja"
     template.write_text(VERBATIM)
-    answer = llamapy.chat_completion(model, [{"role": "user", "content": run0["prompt"]}], GREEDY["n_predict"],
-                                     temperature=0, chat_template=template)
-    assert answer["content"] == expected
+    answer = llamapy.chat_completion(model, [{"role": "user", "content": run0["prompt"]}], 16, temperature=0,
+                                     chat_template=template)
+    assert len(answer["content"]) > 16 and expected.startswith(answer["content"])
 
 
 @pytest.mark.slow
 def test_gemma3_chat_answer_streams_and_stops_at_end_of_turn(gemma3_path):
     model = llamapy.load_model(gemma3_path)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    answer = llamapy.chat_completion(model, messages, 24, temperature=0)
-    stream = llamapy.chat_completion(model, messages, 24, temperature=0, stream=True)
+    answer = llamapy.chat_completion(model, messages, 12, temperature=0)
+    stream = llamapy.chat_completion(model, messages, 12, temperature=0, stream=True)
     assert "".join(d.get("content", "") for d in stream) == answer["content"]
     assert "<end_of_turn>" not in answer["content"] and stream.finish_reason in ("stop", "length")
