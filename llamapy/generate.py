@@ -50,11 +50,11 @@ if TYPE_CHECKING:
 __all__ = ["Generator", "Piece", "SamplingOptions", "Stream", "cached_generator", "chat_completion", "default_n_ctx",
            "forget", "generate", "generate_batch", "sampler_chain", "token_text"]
 
-ModelLike = Union[Model, str, os.PathLike]
-Prompt = Union[str, Sequence[int]]
+ModelLike = Model | str | os.PathLike
+Prompt = str | Sequence[int]
 # an adapter, or a GGUF LoRA file, at scale 1, or either with its scale
 LoraItem = Union["LoraAdapter", str, os.PathLike, tuple[Union["LoraAdapter", str, os.PathLike], float]]
-Stop = Union[str, Sequence[str], None]
+Stop = str | Sequence[str] | None
 T = TypeVar("T")
 
 MAX_DEFAULT_N_CTX = 4096  # a default context beyond this costs KV memory most calls never use

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 import llamapy
-from ggmlpy import GGMLType
 from conftest import REPO_ROOT, shared_path
+from ggmlpy import GGMLType
 from llamapy.errors import InputError
-from llamapy.generate import (Generator, Piece, _Run, cached_generator, default_n_ctx, forget, generate_batch,
-                              token_text)
+from llamapy.generate import Generator, _Run, cached_generator, default_n_ctx, forget, generate_batch, token_text
 from llamapy.lora import LoraAdapter, merge_adapters
 from llamapy.sampling import Greedy, SamplerChain
 
