@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from llamapy import Batch, Context, load_model
-from llamapy.sampling import default_chain
+from llamapy.generate import Generator
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -39,20 +39,16 @@ def tg(model, threads: int, n: int, rounds: int) -> float:
 
 
 def generate(model, threads: int, n: int, rounds: int, backend: bool) -> float:
-    """Prompt, then n tokens sampled (default chain, seed 1) and decoded one by one."""
+    """Prompt, then n tokens sampled (default chain, seed 1) by llamapy's generation loop
+    (llamapy.generate.Generator: each decoded before the next is sampled)."""
     best = 0.0
-    toks = model.vocab.tokenize("Once upon a time", add_special=True)
     for _ in range(rounds + 1):  # the first round warms up
-        ctx = Context(model, n_ctx=max(256, n + 64), n_threads=threads)
-        chain = default_chain(model.hparams.n_vocab, seed=1)
-        if backend:
-            ctx.set_sampler(0, chain)
-        ctx.decode(Batch.from_tokens(toks))
+        gen = Generator(Context(model, n_ctx=max(256, n + 64), n_threads=threads), seed=1, backend_sampling=backend)
+        gen.feed(gen.tokenize("Once upon a time"))
         t0 = time.perf_counter()
-        for i in range(n):
-            t = chain.sample(ctx, -1)
-            ctx.decode(Batch.from_tokens([t], pos0=len(toks) + i))
-        rate = n / (time.perf_counter() - t0)
+        for _piece in gen.stream(n):
+            pass
+        rate = len(gen.tokens) / (time.perf_counter() - t0)
         best = max(best, rate) if _ else best
     return best
 

@@ -52,7 +52,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -130,55 +129,13 @@ def write_task(out: Path, seed: int) -> dict[str, list[dict[str, str]]]:
 def generate(model, template, prompts: list[str], adapter=None, n_seq: int = 16, max_new: int = 16,
              threads: int = 2) -> list[str]:
     """Greedy completions of each prompt (one user turn, then the generation prompt), `n_seq`
-    prompts at a time as separate sequences of one context; stops at an end-of-generation
-    token or after `max_new` tokens."""
-    from llamapy import Batch, Context
-    vocab = model.vocab
-    tokenized = [template.tokenize(vocab, [{"role": "user", "content": p}], add_generation_prompt=True)[0]
+    prompts at a time as separate sequences of one context (llamapy.generate.generate_batch);
+    stops at an end-of-generation token or after `max_new` tokens."""
+    from llamapy.generate import generate_batch
+    tokenized = [template.tokenize(model.vocab, [{"role": "user", "content": p}], add_generation_prompt=True)[0]
                  for p in prompts]
-    longest = max(len(t) for t in tokenized) + max_new  # a sequence's cells: its prompt and answer
-    per_seq = -(-longest // 32) * 32
-    n_seq = max(1, min(n_seq, len(prompts)))
-    ctx = Context(model, n_ctx=per_seq * n_seq, n_batch=per_seq * n_seq, n_ubatch=512, n_seq_max=n_seq,
-                  n_threads=threads)
-    if adapter is not None:
-        ctx.attach_lora(adapter, 1.0)
-    results: list[str] = []
-    for start in range(0, len(prompts), n_seq):
-        group = tokenized[start:start + n_seq]
-        ctx.memory_clear()
-        tokens = np.concatenate(group)
-        pos = np.concatenate([np.arange(len(t)) for t in group])
-        seq = np.concatenate([np.full(len(t), i) for i, t in enumerate(group)])
-        output = np.zeros(len(tokens), bool)
-        output[np.cumsum([len(t) for t in group]) - 1] = True
-        ctx.decode(Batch(tokens, pos, seq, output))
-        logits = ctx.get_logits()
-        # every sequence of the group decodes at every step (a finished one is fed its last token
-        # and ignored), so each step is one ubatch of the same shape: a decode of a sparse set of
-        # sequences is split into several ubatches, each as slow as the whole group
-        next_pos = np.array([len(t) for t in group])
-        last = np.zeros(len(group), np.int32)
-        generated: list[list[int]] = [[] for _ in group]
-        done = np.zeros(len(group), bool)
-        everyone = np.arange(len(group))
-        for _ in range(max_new):
-            best = logits.argmax(axis=-1)
-            for i in np.flatnonzero(~done):
-                token = int(best[i])
-                if vocab.is_eog(token):
-                    done[i] = True
-                else:
-                    generated[i].append(token)
-                    last[i] = token
-                    done[i] = len(generated[i]) >= max_new
-            if done.all():
-                break
-            ctx.decode(Batch(last, next_pos, everyone, np.ones(len(group), bool)))
-            next_pos += 1
-            logits = ctx.get_logits()
-        results += [vocab.detokenize(g) for g in generated]
-    return results
+    return generate_batch(model, tokenized, max_new, lora=None if adapter is None else [(adapter, 1.0)], n_seq=n_seq,
+                          n_threads=threads, temperature=0.0)
 
 
 def score(outputs: list[str], answers: list[str]) -> tuple[int, int]:

@@ -3,7 +3,9 @@ from .batch import Batch
 from .context import Context
 from .errors import LlamapyError
 from .from_scratch import new_model
+from .generate import chat_completion, generate  # the function shadows the module: `from llamapy.generate import ...`
 from .model import Model, load_model
 from .save import save_model_to_file
 
-__all__ = ["Batch", "Context", "LlamapyError", "Model", "load_model", "new_model", "save_model_to_file"]
+__all__ = ["Batch", "Context", "LlamapyError", "Model", "chat_completion", "generate", "load_model", "new_model",
+           "save_model_to_file"]

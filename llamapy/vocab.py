@@ -613,6 +613,11 @@ class Vocab:
         """The GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""
         return self._types[self._check(token)]
 
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        """The end-of-generation tokens (EOS, EOT, EOM and the like, as llama.cpp finds them)."""
+        return frozenset(self._eog_ids)
+
     def is_eog(self, token: int) -> bool:
         """True for tokens that end generation (EOS, EOT, <|im_end|>, ...)."""
         return token in self._eog_ids

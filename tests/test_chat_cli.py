@@ -3,7 +3,6 @@ answers one; every answer is what the model generates for the whole conversation
 through the template, though the cache keeps the earlier turns."""
 from __future__ import annotations
 
-import io
 import os
 import select
 import subprocess
@@ -13,9 +12,8 @@ import time
 import pytest
 
 import llamapy
-from llamapy.cli.completion import Generator, TextStream
 from llamapy.chat import ChatTemplate
-from llamapy.sampling import default_chain
+from llamapy.generate import Generator
 
 from test_cli_errors import assert_one_clear_line
 
@@ -32,14 +30,11 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 def fresh_answer(model, template, messages) -> tuple[str, list[int]]:
     """The greedy answer of a new context to the whole conversation: as the CLI prints it, and its tokens."""
     ctx = llamapy.Context(model, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=1)
-    gen = Generator(ctx, default_chain(model.vocab.n_tokens, temp=0.0))
+    gen = Generator(ctx, temperature=0.0)
     tokens, _ = template.tokenize(model.vocab, messages, add_generation_prompt=True)
-    gen.feed([int(t) for t in tokens])
-    out = io.StringIO()
-    stream = TextStream(model.vocab, out)
-    reply, _ = gen.generate(N, stream)
-    stream.close()
-    return out.getvalue(), reply
+    gen.feed(tokens)
+    text = "".join(piece.text for piece in gen.stream(N))
+    return text, gen.tokens
 
 
 def test_conversation_answers_equal_fresh_generation_over_the_whole_conversation(stories_path):

@@ -8,6 +8,7 @@ import pytest
 
 from llamapy import Batch, Context, load_model
 from llamapy.errors import InputError
+from llamapy.generate import Generator
 from llamapy.sampling import (Candidates, Dist, Greedy, LogitBias, MinP, Penalties, SamplerChain, StdRng, Temp,
                               TempExt, TopK, TopP, Typical, default_chain)
 
@@ -243,16 +244,15 @@ def model(stories_path):
 
 
 def generate(model, chain, n, prompt="Once upon a time", backend=False, ctx=None):
-    ctx = ctx or Context(model, n_ctx=256, n_threads=1)
-    if backend:
-        ctx.set_sampler(0, chain)
-    toks = model.vocab.tokenize(prompt, add_special=True)
-    ctx.decode(Batch.from_tokens(toks))
-    out = []
-    for i in range(n):
-        out.append(chain.sample(ctx, -1))
-        ctx.decode(Batch.from_tokens([out[-1]], pos0=len(toks) + i))
-    return toks, out, ctx
+    """The prompt's tokens, n tokens sampled with `chain` (llamapy's generation loop: the
+    last one sampled, not decoded), and the context."""
+    gen = Generator(ctx or Context(model, n_ctx=256, n_threads=1), chain, backend_sampling=backend)
+    toks = gen.tokenize(prompt)
+    gen.feed(toks)
+    for _ in gen.stream(n):
+        pass
+    assert len(gen.tokens) == n, gen.finish_reason  # no end of text in these short runs
+    return toks, gen.tokens, gen.ctx
 
 
 @pytest.mark.parametrize("backend", [False, True])
@@ -368,34 +368,32 @@ def test_multi_sequence_batch_equals_alone(model, unified):
 
 def test_seq_state_restore_continues(model, tmp_path):
     """Save sequence 0 after 20 generated tokens; a fresh context restored from it (bytes or
-    file) continues with the same next 20 tokens."""
+    file) continues with the same next 20 tokens: a Generator told what the cache holds
+    decodes only the 20th token, then samples."""
     chain_a = SamplerChain([TopK(40), Temp(1.0), Dist(4)])
-    toks, first, ctx = generate(model, chain_a, 20)  # all 20 decoded: KV holds positions 0 .. pos_last
-    pos_last = len(toks) + 19
+    toks, first, ctx = generate(model, chain_a, 20)  # the 20th sampled, not decoded: KV holds the rest
+    held = toks + first[:-1]
     data = ctx.state_seq_get_data(0)
-    ctx.state_seq_save_file(tmp_path / "seq.bin", 0, toks + first)
+    ctx.state_seq_save_file(tmp_path / "seq.bin", 0, held)
     chain_b, chain_c = chain_a.clone(), chain_a.clone()  # the sampler state (RNG) continues in each
 
-    def cont(ctx, chain):
-        out = []
-        for i in range(20):
-            out.append(chain.sample(ctx, -1))
-            ctx.decode(Batch.from_tokens([out[-1]], pos0=pos_last + 1 + i))
-        return out
+    def cont(ctx, chain, cached):
+        assert ctx.memory_seq_pos_max(0) == len(held) - 1
+        gen = Generator(ctx, chain)
+        gen.cached = list(cached)
+        gen.feed(toks + first)
+        assert gen.n_prompt == 1
+        for _ in gen.stream(20):
+            pass
+        return gen.tokens
 
-    def restored(ctx):
-        assert ctx.memory_seq_pos_max(0) == pos_last
-        ctx.memory_seq_rm(0, pos_last)  # recompute the last token to get its logits again
-        ctx.decode(Batch.from_tokens([first[-1]], pos0=pos_last))
-        return ctx
-
-    expect = cont(ctx, chain_a)
+    expect = cont(ctx, chain_a, held)
     fresh = Context(model, n_ctx=256, n_threads=1)
     assert fresh.state_seq_set_data(0, data) == len(data)
-    assert cont(restored(fresh), chain_b) == expect
+    assert cont(fresh, chain_b, held) == expect
     fresh2 = Context(model, n_ctx=256, n_threads=1)
-    assert fresh2.state_seq_load_file(tmp_path / "seq.bin", 0) == toks + first
-    assert cont(restored(fresh2), chain_c) == expect
+    assert fresh2.state_seq_load_file(tmp_path / "seq.bin", 0) == held
+    assert cont(fresh2, chain_c, held) == expect
 
 
 def test_seq_state_into_another_sequence(model):
@@ -403,8 +401,8 @@ def test_seq_state_into_another_sequence(model):
     data = ctx.state_seq_get_data(0)
     multi = Context(model, n_ctx=512, n_seq_max=2, n_threads=1)
     multi.state_seq_set_data(1, data)
-    multi.decode(Batch.from_tokens([7], pos0=len(toks) + 10, seq_id=1))
-    ctx.decode(Batch.from_tokens([7], pos0=len(toks) + 10))
+    multi.decode(Batch.from_tokens([7], pos0=len(toks) + 9, seq_id=1))  # after the 9 decoded ones
+    ctx.decode(Batch.from_tokens([7], pos0=len(toks) + 9))
     np.testing.assert_array_equal(multi.get_logits_ith(-1), ctx.get_logits_ith(-1))
 
 
@@ -416,9 +414,9 @@ def test_context_state_roundtrip(model, tmp_path):
     assert other.state_load_file(tmp_path / "ctx.bin") == toks
     np.testing.assert_array_equal(other.get_logits_ith(-1), logits)
     for c in (ctx, other):
-        c.memory_seq_rm(0, len(toks) + 10)
-    ctx.decode(Batch.from_tokens([5], pos0=len(toks) + 10))
-    other.decode(Batch.from_tokens([5], pos0=len(toks) + 10))
+        c.memory_seq_rm(0, len(toks) + 8)  # recompute the last decoded position
+    ctx.decode(Batch.from_tokens([5], pos0=len(toks) + 8))
+    other.decode(Batch.from_tokens([5], pos0=len(toks) + 8))
     np.testing.assert_array_equal(ctx.get_logits_ith(-1), other.get_logits_ith(-1))
 
 

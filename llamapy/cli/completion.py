@@ -1,27 +1,27 @@
 """llamapy-cli: text generation as llama.cpp's llama-completion does it (prompt echoed, text
 streamed as it is produced, llama_perf lines at the end), and chat as llama-cli does it:
 `-cnv` talks with the model turn by turn through its chat template (`-sys` a system
-prompt, `-p` the first user message), `--chat` answers the `-p` message once.
+prompt, `-p` the first user message), `-st` answers the `-p` message once.
 
-In a conversation the KV cache keeps what was already computed: each turn the whole
-conversation is rendered and tokenized again (so the model sees exactly what the template
-writes, as in training) and only the tokens after the longest prefix already in the cache
-are decoded."""
+The loop is the library's (llamapy.generate.Generator): in a conversation the KV cache keeps
+what was already computed, each turn the whole conversation is rendered and tokenized again
+(so the model sees exactly what the template writes, as in training) and only the tokens
+after the longest prefix already in the cache are decoded."""
 from __future__ import annotations
 
-import codecs
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
-from llamapy import Batch, Context, load_model
+from llamapy import Context, load_model
 from llamapy.chat import ChatTemplate
 from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
+from llamapy.generate import Generator, sampler_chain, token_text
 from llamapy.samples import unescape
-from llamapy.sampling import default_chain
 
 from . import flags as F
 from .args import CHAT, GENERATION, Tool, flag
@@ -29,76 +29,6 @@ from .common import (chat_template_for, default_threads, kv_cache_types, load_ad
                      read_text, warn)
 
 EXIT_COMMANDS = ("/exit", "/quit")
-
-
-class TextStream:
-    """Token pieces to stdout as they come; bytes of a split UTF-8 character wait for the rest."""
-
-    def __init__(self, vocab, out=None) -> None:
-        self.vocab = vocab
-        self.out = out or sys.stdout
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def write(self, token: int) -> None:
-        text = self.decoder.decode(self.vocab.token_to_piece(token))
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-    def close(self) -> None:
-        self.out.write(self.decoder.decode(b"", final=True))
-        self.out.flush()
-
-
-class Generator:
-    """A context, its sampler chain and the tokens its KV cache holds (sequence 0), with
-    llama_perf's counters: prompt tokens decoded in batches, generated ones one by one."""
-
-    def __init__(self, ctx: Context, chain) -> None:
-        self.ctx, self.chain, self.vocab = ctx, chain, ctx.model.vocab
-        self.cached: list[int] = []
-        self.t_prompt = self.t_eval = 0.0
-        self.n_prompt = self.n_eval = 0
-
-    def feed(self, tokens: list[int]) -> None:
-        """Make the cache hold `tokens`: keep the longest prefix it already holds (at least
-        one token is decoded, for the logits), decode the rest in batches."""
-        if len(tokens) >= self.ctx.n_ctx:
-            raise InputError(f"the prompt is {len(tokens)} tokens, the context only {self.ctx.n_ctx} (-c)")
-        keep = 0
-        while keep < min(len(tokens) - 1, len(self.cached)) and tokens[keep] == self.cached[keep]:
-            keep += 1
-        if keep < len(self.cached):
-            self.ctx.memory_seq_rm(0, keep, -1)
-        t0 = time.perf_counter()
-        for start in range(keep, len(tokens), self.ctx.n_batch):
-            self.ctx.decode(Batch.from_tokens(tokens[start:start + self.ctx.n_batch], pos0=start))
-        self.t_prompt += time.perf_counter() - t0
-        self.n_prompt += len(tokens) - keep
-        self.cached = list(tokens)
-
-    def generate(self, limit: int, stream: TextStream) -> tuple[list[int], str]:
-        """Sample up to `limit` tokens (-1: until the context is full), streaming them;
-        returns them and why it stopped: "eog", "limit" or "full". The end-of-generation
-        token is not kept."""
-        out: list[int] = []
-        limit = limit if limit >= 0 else self.ctx.n_ctx
-        while True:
-            token = self.chain.sample(self.ctx, -1)
-            if self.vocab.is_eog(token):
-                return out, "eog"
-            stream.write(token)
-            out.append(token)
-            if len(out) >= limit:
-                return out, "limit"
-            if len(self.cached) >= self.ctx.n_ctx:
-                return out, "full"
-            t1 = time.perf_counter()
-            self.ctx.decode(Batch.from_tokens([token], pos0=len(self.cached)))
-            self.t_eval += time.perf_counter() - t1
-            self.n_eval += 1
-            self.cached.append(token)
-
 
 def _perf(name: str, ms: float, n: int, unit: str) -> str:
     per = ms / n if n else 0.0
@@ -186,8 +116,7 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
         warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({ctx_size} specified)")
     ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads(),
                   flash_attn=flash_attn != "off", type_k=type_k, type_v=type_v)
-    for adapter, scale in load_adapters(m, lora, lora_scaled):
-        ctx.attach_lora(adapter, scale)
+    adapters = load_adapters(m, lora, lora_scaled)
     template = None
     if conversation or chat:
         template = chat_template_for(m, chat_template)
@@ -195,21 +124,34 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
         raise InputError("-sys and --chat-template are for chats: add -cnv (interactive) or -st (one turn)")
     t_load = time.perf_counter() - t_start
     vocab = m.vocab
-    chain = default_chain(vocab.n_tokens, seed=seed, logit_bias=parse_logit_bias(logit_bias, vocab), temp=temp, top_k=top_k, top_p=top_p,
-                          min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                          freq_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                          dynatemp_range=dynatemp_range, dynatemp_exp=dynatemp_exp)
+    bias = parse_logit_bias(logit_bias, vocab)
+    if ignore_eos:  # llama.cpp's --ignore-eos: the end-of-generation tokens can never be sampled
+        bias.update({t: float("-inf") for t in vocab.eog_ids})
+    chain = sampler_chain(vocab.n_tokens, seed=seed, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                          typical_p=typical_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                          frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                          dynatemp_range=dynatemp_range, dynatemp_exp=dynatemp_exp, logit_bias=bias)
     log(f"model: {m.path.name}: {m.describe()}")
     log(f"sampler chain: {chain!r}{' (in the graph: ' + str(chain.backend_prefix()) + ' samplers)' if backend_sampling else ''}")
-    if backend_sampling:
-        ctx.set_sampler(0, chain)
+    gen = Generator(ctx, chain, backend_sampling=backend_sampling, lora=adapters)
     ctx.set_warmup(True)
-    gen = Generator(ctx, chain)
+    out = Output(display_prompt, verbose_prompt, special, tuple(reverse_prompt or ()))
     if template is not None:
-        talk(gen, template, prompt, system_prompt, n_predict, interactive=conversation)
+        talk(gen, template, prompt, system_prompt, n_predict, conversation, out)
     else:
-        complete(gen, prompt, n_predict, display_prompt)
+        complete(gen, prompt, n_predict, out)
     print_perf(gen, t_load, time.perf_counter() - t_start)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the output flags ask of the text: the prompt echoed (--display-prompt) or listed
+    token by token (--verbose-prompt), special tokens as text (-sp), stop strings (-r)."""
+
+    display_prompt: bool = True
+    verbose_prompt: bool = False
+    special: bool = False
+    stop: tuple[str, ...] = ()
 
 
 def parse_logit_bias(items: list[str] | None, vocab) -> dict[int, float]:
@@ -226,26 +168,23 @@ def parse_logit_bias(items: list[str] | None, vocab) -> dict[int, float]:
     return biases
 
 
-def complete(gen: Generator, prompt: str, n_predict: int, display_prompt: bool) -> None:
+def complete(gen: Generator, prompt: str, n_predict: int, out: Output) -> None:
     """Continue `prompt` (llama-completion)."""
-    tokens = gen.vocab.tokenize(prompt, add_special=True)
-    if not tokens:
-        raise InputError("the prompt is empty and the model adds no BOS: nothing to continue")
-    stream = TextStream(gen.vocab)
-    if display_prompt:
-        for t in tokens:
-            stream.write(t)
+    tokens = gen.tokenize(prompt)
+    if out.verbose_prompt:
+        show_prompt(gen.vocab, prompt, tokens)
+    if out.display_prompt:
+        write(token_text(gen.vocab, tokens, out.special))
     gen.feed(tokens)
-    _, why = gen.generate(n_predict, stream)
-    stream.close()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    if why == "full":
+    for piece in gen.stream(n_predict, out.stop, out.special):
+        write(piece.text)
+    write("\n")
+    if gen.context_full:
         log("context full: stopping")
 
 
 def talk(gen: Generator, template: ChatTemplate, first: str, system_prompt: str | None, n_predict: int,
-         interactive: bool) -> None:
+         interactive: bool, out: Output) -> None:
     """A chat: each user message (the first from -p, the others read from stdin when
     interactive) is answered through the template; the answers join the conversation."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -261,24 +200,32 @@ def talk(gen: Generator, template: ChatTemplate, first: str, system_prompt: str 
                 continue
         messages.append({"role": "user", "content": message})
         tokens, _ = template.tokenize(gen.vocab, messages, add_generation_prompt=True)
-        gen.feed([int(t) for t in tokens])
-        stream = TextStream(gen.vocab)
+        if out.verbose_prompt:
+            show_prompt(gen.vocab, None, tokens)
+        gen.feed(tokens)
         try:
-            reply, why = gen.generate(n_predict, stream)
+            for piece in gen.stream(n_predict, out.stop, out.special):
+                write(piece.text)
+            reply, full = gen.tokens, gen.context_full
         except KeyboardInterrupt:  # Ctrl-C ends the answer, not the chat
-            reply, why = [], "interrupted"
+            reply, full = [], False
             if not interactive:
                 raise
-        stream.close()
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        write("\n")
         messages.append({"role": "assistant", "content": gen.vocab.detokenize(reply)})
-        if why == "full":
+        if full:
             log("context full: ending the chat")
             return
         if not interactive:
             return
         message = ""
+
+
+def write(text: str) -> None:
+    """Text to stdout as soon as it comes."""
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def read_message() -> str | None:
@@ -301,6 +248,15 @@ def read_message() -> str | None:
         lines.append(line)
         text = "\n".join(lines).strip()
         return None if text in EXIT_COMMANDS else text
+
+
+def show_prompt(vocab, prompt: str | None, tokens) -> None:
+    """llama.cpp's --verbose-prompt: the prompt and each of its tokens with its text."""
+    if prompt is not None:
+        log(f"prompt: {prompt!r}")
+    log(f"number of tokens in prompt = {len(tokens)}")
+    for t in tokens:
+        log(f"{int(t):6d} -> {vocab.token_to_piece(int(t), True).decode('utf-8', 'replace')!r}")
 
 
 main = tool.main

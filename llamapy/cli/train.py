@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-from llamapy.batch import Batch
 from llamapy.context import Context
 from llamapy.errors import InputError
 from llamapy.from_scratch import new_model
-from llamapy.sampling.samplers import default_chain
+from llamapy.generate import Generator
 
 from . import training as T
 from .args import MODEL_SHAPE, OUTPUT, Tool, flag
@@ -70,23 +69,17 @@ def run(vocab_model: VocabModel, file: T.File = None, arch: Arch = "llama", embd
 
 def sample(model, prompt: str, n: int, seed: int, n_ctx: int) -> None:
     """Print `prompt` and a continuation of up to `n` tokens sampled from `model` (default chain)."""
-    vocab = model.vocab
-    tokens = vocab.tokenize(prompt, add_special=True)
-    if not tokens or len(tokens) >= n_ctx:
-        raise InputError(f"--predict: the prompt must give 1 to {n_ctx - 1} tokens, it gives {len(tokens)}")
-    ctx = Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx)
-    chain = default_chain(vocab.n_tokens, seed=seed)
-    ctx.decode(Batch.from_tokens(tokens))
-    out = list(tokens)
-    while len(out) < min(len(tokens) + n, n_ctx):
-        token = chain.sample(ctx, -1)
-        if vocab.is_eog(token):
-            break
-        out.append(token)
-        ctx.decode(Batch.from_tokens([token], pos0=len(out) - 1))
-    whole, head = vocab.detokenize(out), vocab.detokenize(tokens)
+    gen = Generator(Context(model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx), seed=seed)
+    try:
+        gen.feed(gen.tokenize(prompt))
+    except InputError as e:
+        raise InputError(f"--predict: {e}") from None
     log("sample:")
-    sys.stdout.write(prompt + (whole[len(head):] if whole.startswith(head) else whole) + "\n")
+    sys.stdout.write(prompt)
+    for piece in gen.stream(n):
+        sys.stdout.write(piece.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
     sys.stdout.flush()
 
 
