@@ -1,4 +1,6 @@
 """llamapy: llama.cpp's model runtime and training stack, in Python on ggmlpy."""
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
 from .batch import Batch
 from .context import Context
 from .errors import LlamapyError
@@ -7,5 +9,5 @@ from .generate import chat_completion, generate  # the function shadows the modu
 from .model import Model, load_model
 from .save import save_model_to_file
 
-__all__ = ["Batch", "Context", "LlamapyError", "Model", "chat_completion", "generate", "load_model", "new_model",
+__all__ = ["__version__", "Batch", "Context", "LlamapyError", "Model", "chat_completion", "generate", "load_model", "new_model",
            "save_model_to_file"]

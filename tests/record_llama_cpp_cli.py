@@ -28,7 +28,7 @@ def flags_of(help_text: str) -> list[dict]:
     """Names and value hint of each option line of llama.cpp's --help (`-c,    --ctx-size N   help`)."""
     out = []
     for line in help_text.splitlines():
-        if not line.startswith("-"):
+        if not line.startswith("-") or line.startswith("-----"):  # "----- common params -----"
             continue
         head = re.split(r"\s{2,}", re.sub(r",\s+", ", ", line), maxsplit=1)[0]
         names, hint = [], []
@@ -48,6 +48,8 @@ def main(bin_dir: Path) -> None:
         text = subprocess.run([str(bin_dir / f"llama-{tool}"), "--help"], capture_output=True, text=True).stdout
         flags[tool] = flags_of(text)
     (DATA / "llama_cpp_flags.json").write_text(json.dumps(flags, indent=1) + "\n")
+    if "--flags-only" in sys.argv:
+        return
     run = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(shared_path("models", "stories260K.gguf")),
                           "-f", str(shared_path("data", "wiki.test.raw")), "-t", "2"], capture_output=True, text=True)
     final = re.search(r"Final estimate: PPL = .*", run.stderr).group(0)

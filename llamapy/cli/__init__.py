@@ -1,0 +1,11 @@
+"""The command-line tools: thin front ends over the library (parsing, printing, exit codes),
+one argument layer (args.py) with llama.cpp's flags."""
+
+# name -> (module, what it does); pyproject.toml's scripts are `llamapy-<name>`
+TOOLS = {
+    "cli": ("llamapy.cli.completion", "generate text or chat, as llama-completion / llama-cli"),
+    "perplexity": ("llamapy.cli.perplexity", "perplexity of a model on a text, as llama-perplexity"),
+    "finetune": ("llamapy.cli.finetune", "finetune a model (full or LoRA) on a text or samples"),
+    "train": ("llamapy.cli.train", "train a new model from nothing on a text"),
+    "export-lora": ("llamapy.cli.export_lora", "merge LoRA adapters into a model, as llama-export-lora"),
+}

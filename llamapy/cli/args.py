@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -282,7 +283,9 @@ def flag_names(cls: type, field: str) -> tuple[str, ...]:
 
 
 def _one_line(e: typer.TyperException) -> str:
+    """click's usage error in one line, its option named once by its first name."""
     message = " ".join(e.format_message().split())
+    message = re.sub(r"'(-[^']+)'(?: / '[^']+')*(?: \(env var: '[^']+'\))?", r"\1", message)
     return message[0].lower() + message[1:] if message else "bad command line"
 
 

@@ -115,6 +115,8 @@ ENTRIES: list[_Entry] = [
           ("-ctk --cache-type-k", 1), ("-ctv --cache-type-v", 1), tools=("finetune",)),
     *refuse("an existing adapter does not train further here: resume its run with --checkpoint-in, or merge it "
             "first with llamapy-export-lora", ("--lora", 1), ("--lora-scaled", 1), tools=("finetune",)),
+    *refuse("llamapy-train makes a new model: give the model whose tokenizer it takes with --vocab-model "
+            "(llamapy-finetune trains an existing one)", ("-m --model", 1), tools=("finetune",)),
     # perplexity
     *note("perplexity scores its chunks in batches of -b tokens, one sequence per chunk", ("-kvu --kv-unified -no-kvu "
           "--no-kv-unified", 0), tools=("perplexity",)),
