@@ -187,11 +187,12 @@ class TrainParams(Record):
         """llamapy's defaults for `model`: a LoRA adapter of rank DEFAULT_QUANTIZED_RANK when a
         matrix it would adapt is quantized (unless `lora_rank` says otherwise), the learning
         rate for what trains (DEFAULT_LORA_LR or DEFAULT_LR) unless `schedule` sets lr0, BOS
-        in every window when the architecture expects it. `fields` are TrainParams fields."""
+        in every window when the architecture expects it. `fields` are TrainParams fields.
+        A rank below 1 is refused (LoraParams), never taken for "no adapter"."""
         modules = tuple(lora_modules)
         if lora_rank is None and has_quantized_matrices(model, modules):
             lora_rank = DEFAULT_QUANTIZED_RANK
-        lora = LoraParams(rank=lora_rank, alpha=lora_alpha, modules=modules, seed=seed) if lora_rank else None
+        lora = LoraParams(rank=lora_rank, alpha=lora_alpha, modules=modules, seed=seed) if lora_rank is not None else None
         schedule = fields.pop("schedule", None) or LRSchedule()
         if "lr0" not in schedule.model_fields_set:
             schedule = schedule.replace(lr0=DEFAULT_LORA_LR if lora else DEFAULT_LR)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -228,9 +229,13 @@ def test_python_m_llamapy_lists_and_runs_the_tools():
 
 
 def test_the_wheel_holds_only_llamapy_and_ggmlpy(tmp_path):
-    """`pip install .` puts no top-level package but llamapy and ggmlpy into site-packages."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                           str(tmp_path), str(REPO_ROOT)], capture_output=True, text=True, timeout=600)
+    """`pip install .` puts no top-level package but llamapy and ggmlpy into site-packages
+    (built from a copy of the sources: a build writes its folders beside them)."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "build", "*.egg-info", ".git", "tests", "bench")
+    shutil.copytree(REPO_ROOT, src, ignore=ignore)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     (wheel,) = tmp_path.glob("llamapy-*.whl")
     with zipfile.ZipFile(wheel) as z:

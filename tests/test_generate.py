@@ -129,7 +129,7 @@ class FakeVocab:
     def is_eog(self, token: int) -> bool:
         return token == 0
 
-    def token_to_piece(self, token: int) -> bytes:
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
         return self.pieces[token]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,20 @@ def test_cli_full_wikitext_ubatch_invariance(full_run, stories_path, wiki_path, 
     proc = run_cli("-m", str(stories_path), "-f", str(wiki_path), "-c", "128", *extra)
     assert proc.returncode == 0, proc.stderr
     assert final_estimate(proc.stderr)[0] == pytest.approx(final_estimate(full_run.stderr)[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_bare_cli_run_gives_llama_cpps_bare_run(stories_path, wiki_path):
+    """Acceptance: no -c, as a llama.cpp user types it: llama-perplexity's defaults (-c 512,
+    -b 2048) and its numbers (tests/data, recorded by tests/record_llama_cpp_cli.py)."""
+    golden_path = Path(__file__).parent / "data" / "llama_cpp_ppl_stories260K_bare.txt"
+    golden = running_ppl(golden_path)
+    proc = run_cli("-m", str(stories_path), "-f", str(wiki_path))
+    assert proc.returncode == 0, proc.stderr
+    ours = {int(i): float(v) for i, v in re.findall(r"\[(\d+)\]([0-9.]+)", proc.stdout)}
+    assert ours.keys() == golden.keys() and len(ours) == 1580
+    for chunk, ppl in golden.items():
+        assert ours[chunk] == pytest.approx(ppl, rel=REL), f"chunk {chunk}"
+    final = re.search(r"Final estimate: PPL = .*", golden_path.read_text()).group(0)
+    assert final in proc.stderr
+    assert "n_ctx=512" in proc.stderr and "warning" not in proc.stderr

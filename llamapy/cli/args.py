@@ -154,7 +154,8 @@ class Tool:
                   for cls in sets.values() for f in dataclasses.fields(cls)]
         logging = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=alias, default=default)
                    for name, (alias, default) in _LOGGING.items()]
-        parameters = own + spread + logging
+        context = inspect.Parameter("typer_context", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+        parameters = own + spread + logging + [context]
 
         @functools.wraps(function)
         def run(**values: Any) -> None:
@@ -163,7 +164,7 @@ class Tool:
             common.note_first_run()
             for note in self._notes:
                 common.log(note)
-            common.debug("flags: " + " ".join(f"{k}={v!r}" for k, v in values.items()))
+            common.debug(_describe_flags(values.pop("typer_context"), values))
             for name, cls in sets.items():
                 values[name] = cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
             function(**values)
@@ -185,7 +186,7 @@ class Tool:
     def declared(self) -> dict[str, _Option]:
         """Every name of every option the tool declares."""
         options = {name: _Option(False, None) for name in HELP}
-        for param in self._command.params if self._command else ():
+        for param in self.click_command().params:
             if isinstance(param, typer.core.TyperOption):
                 takes_value = not param.is_flag and not param.count
                 for name in (*param.opts, *param.secondary_opts):
@@ -251,6 +252,19 @@ class Tool:
             except typer.TyperException as e:  # click's usage errors, as typer raises them
                 raise InputError(_one_line(e)) from None
         common.guarded(run)()
+
+
+def _describe_flags(ctx: typer.Context, values: dict[str, Any]) -> str:
+    """-v's line: each flag that is not at its default, and where its value came from."""
+    given = []
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)
+        if param.name in values and source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            where = param.envvar if source.name == "ENVIRONMENT" else "command line"
+            value = values[param.name]
+            shown = str(value) if isinstance(value, (Path, int, float)) else repr(value)
+            given.append(f"{param.opts[0]} {shown} ({where})")
+    return "flags: " + (", ".join(given) or "all at their defaults")
 
 
 def typing_option(annotation: Any) -> Any:
