@@ -302,7 +302,7 @@ def prepare(args, work: Path) -> tuple[dict, Path]:
     from llamapy.context import validation_windows
     from llamapy.dataset import text_windows
     from llamapy.defaults import default_model_path, demo_corpus
-    from llamapy.lora import DEFAULT_MODULES, LoraAdapter
+    from llamapy.lora import LoraAdapter
     from llamapy.model import load_model
     from llamapy.train_params import TrainParams
     defaults = TrainingArgs()

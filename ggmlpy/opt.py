@@ -44,7 +44,7 @@ from .backend.cpu import CpuBackend
 from .backward import build_backward_expand
 from .context import Context
 from .distributed import as_communicator
-from .graph import Graph, new_graph
+from .graph import new_graph
 from .records import Float, Record
 from .tensor import Flag, Tensor
 from .types import GGMLType, traits

@@ -19,7 +19,6 @@ import stat
 import sys
 import termios
 import time
-from typing import Any
 
 import numpy as np
 

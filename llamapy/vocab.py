@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
 from typing import Callable
 
 

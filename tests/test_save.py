@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import filecmp
-import os
 import shutil
 import types
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import llamapy
-from ggmlpy.opt import Result
 from llamapy.chat import ChatTemplate
 from llamapy.dataset import IGNORE, load_samples
 from llamapy.train_params import LRSchedule, TrainParams

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import F32, QK_K, f16_to_f32, f32_to_f16_bits, nearest_int, put_f16
+from .common import F32, QK_K, f16_to_f32, nearest_int, put_f16
 
 GROUP_MAX_EPS = F32(1e-15)
 
