@@ -76,8 +76,8 @@ def default_threads() -> int:
 def note_first_run() -> None:
     """Say why the run is slow when numba really compiles (the first run after installing)."""
     from ggmlpy.backend.cpu import on_first_compile
-    on_first_compile(lambda: log("compiling numba kernels (the first run after installing: tens of seconds, "
-                                 "once: they are cached)"))
+    on_first_compile(lambda: log("compiling numba kernels this run has not used before (tens of seconds after "
+                                 "installing; once: they are cached)"))
 
 
 KV_TYPES = ("f16", "f32")
