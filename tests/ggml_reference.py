@@ -267,7 +267,9 @@ def vec_dot_f16(x, y):
 
 
 def vec_dot_f32(x, y):
-    """ggml_vec_dot_f32 (AVX-512) over the last axis."""
+    """ggml_vec_dot_f32 (AVX-512) over the last axis, its leftover loop `sumf += x[i]*y[i]` as
+    GCC compiles it (-O3, FMA): the products of whole groups of 8 rounded then added in order,
+    the last (k % 64) % 8 fused."""
     x, y = np.broadcast_arrays(np.asarray(x, F32), np.asarray(y, F32))
     k = x.shape[-1]
     np_ = k - k % 64
@@ -276,7 +278,10 @@ def vec_dot_f32(x, y):
         acc = fma(x[..., i:i + 64], y[..., i:i + 64], acc)
     s = acc.reshape(acc.shape[:-1] + (4, 16))
     total = reduce16((s[..., 0, :] + s[..., 2, :]) + (s[..., 1, :] + s[..., 3, :])) if np_ else np.zeros(x.shape[:-1], F32)
-    for i in range(np_, k):
+    fused = k - (k - np_) % 8
+    for i in range(np_, fused):
+        total = (total + (x[..., i] * y[..., i]).astype(F32)).astype(F32)
+    for i in range(fused, k):
         total = fma(x[..., i], y[..., i], total)
     return total.astype(F32)
 

@@ -13,6 +13,9 @@ ggml has two kernels and picks one per op, so the number of query rows in a ubat
              ggml_vec_dot_f16 (4 x 16 lanes, reduced as ggml), and for an F16 V the output
              accumulated in F16 (each step rounded to half: ggml_vec_mad_f16, _scale_f16).
 
+An F32 K's scores are ggml_vec_dot_f32, its tail as GCC compiles it (vecir.vec_dot_f32_row;
+numba caches these kernels by this file's date, not vecir's: change both together).
+
 Not reproduced: ggml's split-KV path for one query row over 512 cells or more, whose
 partial sums depend on the thread count (here: the one-chunk kernel), and K/V types other
 than F16/F32 (converted to float32 and treated as F32).

@@ -6,7 +6,13 @@ a multiple of 16 and the first operand's rows a multiple of 4, it hands the prod
 llamafile's tinyBLAS (AVX-512: 16 lanes, lane t summing elements t, t + 16, ... by fma,
 the lanes added as _mm512_reduce_add_ps); otherwise each element is ggml_vec_dot_f16 or
 ggml_vec_dot_f32. Without flash attention an F16 cache's attention products (K x Q,
-V x softmax) come here; F32 weights (small models) do too.
+V x softmax) come here; F32 weights (small models) do too. ggml_vec_dot_f32's tail past
+its 64-element blocks is a plain C loop, summed as GCC compiles it (vecir.vec_dot_f32_row:
+the rounded products of whole groups of 8 added in order, the last K % 8 by fma): so an F32
+model's FFN down product (K = n_ff, 172 on stories260K) is llama.cpp's bit for bit.
+
+(numba caches this module's kernels by this file's date: a change to the vecir intrinsics
+they call needs a change here too, or a cleared __pycache__, to take effect.)
 
 Arrays: a [a3, a2, M, K] and b [b3, b2, N, K] float32 (values of halves for F16; b2 a
 multiple of a2, b3 of a3, as ggml broadcasts), out [b3, b2, N, M].

@@ -686,9 +686,11 @@ def _float_dot(kind: str):
         contiguous), in its order (AVX-512): kind "lanes16" as tinyBLAS sums it (16 lanes, lane
         t the fma chain over a[16 l + t] * bv[16 l + t], then _mm512_reduce_add_ps; k a multiple
         of 16); "f32" as ggml_vec_dot_f32 (4 accumulators of 16 lanes over each 64 elements,
-        reduced 0 + 2, 1 + 3, then the two, then _mm512_reduce_add_ps; the last k % 64 products
-        added by fma); "f16" as ggml_vec_dot_f16 (the same lanes, their sum and the last
-        products, each rounded to float32, added in double)."""
+        reduced 0 + 2, 1 + 3, then the two, then _mm512_reduce_add_ps; then the last k % 64
+        products in order, as GCC compiles ggml's scalar leftover loop `sumf += x[i]*y[i]`: it
+        vectorises the products of whole groups of 16, then of 8 (each product rounded, then
+        added), and fuses the last (k % 64) % 8 into fmas); "f16" as ggml_vec_dot_f16 (the same
+        lanes, their sum and the last products, each rounded to float32, added in double)."""
         sig = types.float32(a, bv, k)
 
         def codegen(context, builder, signature, args):
@@ -714,6 +716,12 @@ def _float_dot(kind: str):
             if kind == "f32":
                 fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F, [_F, _F, _F]), "llvm.fma.f32")
                 total = cgutils.alloca_once_value(b, lanes)
+                rest = b.sub(k_, start)
+                n_mul = b.and_(rest, e.const(~7))  # the leftovers GCC vectorises: rounded products
+                with cgutils.for_range(b, n_mul) as loop:
+                    i = b.add(start, loop.index)
+                    b.store(b.fadd(b.load(total), b.fmul(e.scalar(a_p, i), e.scalar(b_p, i))), total)
+                start = b.add(start, n_mul)
                 with cgutils.for_range(b, b.sub(k_, start)) as loop:
                     i = b.add(start, loop.index)
                     b.store(b.call(fma, [e.scalar(a_p, i), e.scalar(b_p, i), b.load(total)]), total)
