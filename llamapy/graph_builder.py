@@ -271,6 +271,10 @@ class GraphBuilder:
         scale = 1.0 / math.sqrt(hk) if kq_scale is None else kq_scale
         mask = self.attn.mask(il, n_swa)
         if self.flash_attn:
+            # as llama.cpp's build_attn_mha: flash attention reads F16 keys and values, so an F32
+            # cache's (-ctk/-ctv f32) are rounded to F16 first
+            keys, values = (gg.cpy(c, t, c.new_tensor(GGMLType.F16, t.ne)) if t.type == GGMLType.F32 else t
+                            for t in (keys, values))
             out = gg.flash_attn_ext(c, q, keys, values, mask, scale)  # [head_dim, n_head, n_seq_tokens, n_seqs]
             return gg.reshape(c, out, hv * hp.n_head, s.n_tokens)
         kq = gg.mul_mat(c, keys, q)      # [n_kv, n_seq_tokens, n_head, n_seqs]

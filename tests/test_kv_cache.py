@@ -24,7 +24,9 @@ from llamapy.hparams import HParams
 from llamapy.kv_cache import N_KV_PAD, KVCache, KVCacheFullError, KVMemory, cells_in_use
 
 ATOL = 1e-4
-F32_KV = dict(type_k=GGMLType.F32, type_v=GGMLType.F32)  # exact comparisons need an F32 cache
+# exact comparisons need F32 attention: an F32 cache, and no flash attention (which, as in
+# llama.cpp, reads the keys and values as F16)
+F32_KV = dict(type_k=GGMLType.F32, type_v=GGMLType.F32, flash_attn=False)
 
 
 def tiny_hparams(n_layer: int = 2) -> HParams:
@@ -465,14 +467,14 @@ def test_context_full_leaves_cache_unchanged(model, n_ubatch):
 @pytest.mark.parametrize("cache_type,atol", [(GGMLType.F32, ATOL), (GGMLType.F16, 3e-2)])
 def test_k_shift_matches_fresh_decode(model, cache_type, atol):
     tokens = prompts(1, seed=6, lo=21, hi=22)[0]
-    kw = dict(n_ctx=64, type_k=cache_type, type_v=cache_type)
+    kw = dict(n_ctx=64, type_k=cache_type, type_v=cache_type, flash_attn=cache_type != GGMLType.F32)
     ctx = llamapy.Context(model, **kw)
     ctx.decode(Batch.from_tokens(tokens[:20], pos0=10))
     ctx.kv.seq_add(0, -1, -1, -10)
     assert ctx.memory_seq_pos_max(0) == 19 and ctx.kv.has_shift
     ctx.decode(Batch.from_tokens(tokens[20:], pos0=20))
     assert not ctx.kv.has_shift and not any(c.shift.any() for c in ctx.kv.caches)
-    fresh = decode_alone(model, tokens, type_k=cache_type, type_v=cache_type)
+    fresh = decode_alone(model, tokens, type_k=cache_type, type_v=cache_type, flash_attn=kw["flash_attn"])
     err = np.abs(ctx.get_logits()[0] - fresh).max()
     assert err <= atol, f"shifted vs fresh logits differ by {err}"
     # without re-roping K the logits are far off: the test can tell

@@ -61,13 +61,15 @@ def our_logits(model, tokens, **ctx_args):
     return ctx.get_logits().astype(np.float64)
 
 
-@pytest.mark.parametrize("flash_attn", [True, False])
-def test_f32_model_matches_reference(stories_path, flash_attn):
+@pytest.mark.parametrize("flash_attn, rel", [(True, 2e-3), (False, 2e-4)])
+def test_f32_model_matches_reference(stories_path, flash_attn, rel):
+    """An F32 cache: F32 attention without flash attention; with it, as in llama.cpp, the keys
+    and values are read as F16 (about 2^-11 relative each)."""
     model = llamapy.load_model(stories_path)
     tokens = model.vocab.tokenize("Once upon a time, there was a little dog named Max. He liked to run.")
     ref = reference_logits(model, tokens)
     ours = our_logits(model, tokens, type_k=GGMLType.F32, type_v=GGMLType.F32, flash_attn=flash_attn)
-    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(ours, ref, atol=rel * np.abs(ref).max())
 
 
 def test_f16_model_matches_reference(tiny_random_path):
