@@ -70,7 +70,10 @@ print(f"save = {os.path.getsize(out) / 1e6 / best:.1f} MB/s ({best:.2f} s)", fil
 
 
 def run(checkout: Path, argv: list[str]) -> tuple[str, float]:
-    """Run `python argv` from `checkout`; its stderr and peak RSS in MB."""
+    """Run `python argv` from `checkout`; its stderr and peak RSS in MB. A tool's module is
+    named as that checkout names it (before 2026-11-27 the tools were `apps.<tool>`)."""
+    if argv[0] == "-m" and argv[1].startswith("llamapy.cli.") and (checkout / "apps").is_dir():
+        argv = ["-m", "apps." + argv[1].removeprefix("llamapy.cli.").replace("completion", "cli"), *argv[2:]]
     r, mb = peak_rss_mb([sys.executable, *argv], checkout)
     if r.returncode:
         raise SystemExit(f"{checkout}: {argv[:2]} failed:\n{r.stderr[-3000:]}")

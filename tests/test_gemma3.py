@@ -161,11 +161,12 @@ def test_tiny_gemma3_hparams(tiny_gemma3):
     assert tiny_gemma3.output_weight is tiny_gemma3.tensors["token_embd.weight"]
 
 
-@pytest.mark.parametrize("flash_attn", [True, False])
+@pytest.mark.parametrize("flash_attn, rel", [(True, 2e-3), (False, 2e-4)])
 @pytest.mark.parametrize("n_ubatch", [16, 5])
-def test_tiny_gemma3_matches_reference(tiny_gemma3, flash_attn, n_ubatch):
+def test_tiny_gemma3_matches_reference(tiny_gemma3, flash_attn, rel, n_ubatch):
     """16 tokens with a window of 4, in one ubatch or several (the window cache then
-    reuses cells whose positions fell out of every window)."""
+    reuses cells whose positions fell out of every window). Flash attention reads the F32
+    cache as F16, as llama.cpp's does (about 2^-11 relative per key and value)."""
     tokens = list(np.random.default_rng(1).integers(4, len(VOCAB), 16))
     ref = reference_logits(tiny_gemma3, tokens)
     ctx = llamapy.Context(tiny_gemma3, n_ctx=64, n_batch=64, n_ubatch=n_ubatch, type_k=GGMLType.F32,
@@ -174,14 +175,15 @@ def test_tiny_gemma3_matches_reference(tiny_gemma3, flash_attn, n_ubatch):
     assert swa_cache.n_swa == N_SWA and swa_cache.layers == [0, 1, 2, 3, 4]
     ctx.decode(llamapy.Batch.from_tokens(tokens, all_outputs=True))
     ours = ctx.get_logits().astype(np.float64)
-    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(ours, ref, atol=rel * np.abs(ref).max())
 
 
 def test_tiny_gemma3_token_by_token_in_a_small_window_cache(tiny_gemma3):
     """Decoding one token at a time through a window cache of few cells gives the same logits."""
     tokens = list(np.random.default_rng(2).integers(4, len(VOCAB), 40))
     ref = reference_logits(tiny_gemma3, tokens)
-    ctx = llamapy.Context(tiny_gemma3, n_ctx=64, n_batch=64, n_ubatch=1, type_k=GGMLType.F32, type_v=GGMLType.F32)
+    ctx = llamapy.Context(tiny_gemma3, n_ctx=64, n_batch=64, n_ubatch=1, type_k=GGMLType.F32, type_v=GGMLType.F32,
+                          flash_attn=False)
     for i, tok in enumerate(tokens):
         ctx.decode(llamapy.Batch.from_tokens([tok], pos0=i))
         np.testing.assert_allclose(ctx.get_logits()[0], ref[i], atol=2e-4 * np.abs(ref).max())
