@@ -43,13 +43,13 @@ Prompt = Annotated[Optional[str], flag("-p", "--prompt", metavar="PROMPT", group
                                        help="what --predict continues (default: the text's first words)")]
 
 
-@tool.command(ctx_size=128)
+@tool.command(ctx_size=128, shuffle=True)
 def run(vocab_model: VocabModel, file: T.File = None, arch: Arch = "llama", embd: Embd = 256, head: Head = 8,
         head_kv: HeadKv = None, layer: Layer = 16, ff: Ff = None, rope_freq_base: RopeFreqBase = 10000.0,
         rms_eps: RmsEps = 1e-5, output: Output = Path("trained-model.gguf"), predict: Predict = 0,
         prompt: Prompt = None, args: T.TrainingArgs = None) -> None:
     """Train a new model on the text in FILE and write it to -o. The seed (--seed) initialises
-    the weights (and shuffles the windows with --shuffle)."""
+    the weights and shuffles the windows (--no-shuffle: in the text's order)."""
     args.check()
     if file is None and args.data is None:
         raise InputError("give the text to train on with -f FILE (or samples with --data DIR)")

@@ -52,8 +52,9 @@ BackwardBf16 = Annotated[Optional[bool], flag("--backward-bf16/--backward-f32", 
 Seed = Annotated[int, flag("-s", "--seed", metavar="SEED", group=TRAINING,
                            help="seed of the LoRA or new weights' initialisation and of --shuffle "
                                 "(-1: a random one, printed)")]
-Shuffle = Annotated[bool, flag("--shuffle", group=TRAINING, show_default=False,
-                               help="shuffle the training windows at every epoch (llama-finetune never does)")]
+Shuffle = Annotated[bool, flag("--shuffle/--no-shuffle", group=TRAINING,
+                               help="shuffle the training windows at every epoch (llamapy-finetune: off, as "
+                                    "llama-finetune; llamapy-train: on, as train-text-from-scratch)")]
 Threads = Annotated[Optional[int], flag("-t", "--threads", metavar="N", env="LLAMA_ARG_THREADS", show_default=False,
                                         help="CPU threads (default: the cores, at most 4)")]
 Plot = Annotated[Optional[Path], flag("--plot", metavar="PNG", group=OUTPUT, show_default=False,
