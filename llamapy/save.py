@@ -12,7 +12,6 @@ checkpoints are written the same way (`write_atomically`).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 
 from ggmlpy import Tensor
 
+from .atomic import replace_atomically
 from .errors import SaveError
 from .gguf_file import MetaValue, ValueType
 from .gguf_writer import TensorOut, write_gguf
@@ -93,42 +93,5 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
 
 
 def write_atomically(metadata: Mapping[str, MetaValue], tensors: list[TensorOut], dest: Path, what: str) -> Path:
-    """Write a GGUF file to a temp file next to `dest`, fsync, rename over `dest`."""
-    if dest.is_dir():
-        raise SaveError(f"cannot save {what} to {dest}: it is a directory")
-    tmp: Path | None = None
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-        tmp = Path(tmp_name)
-        with os.fdopen(fd, "wb") as out:
-            os.fchmod(out.fileno(), 0o644)
-            write_gguf(out, metadata, tensors)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dest)
-        tmp = None
-    except (OSError, ValueError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise SaveError(f"cannot save {what} to {dest}: {reason}") from None
-    finally:
-        if tmp is not None:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-    _fsync_dir(dest.parent)
-    return dest
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable (best effort: not every platform can open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Write a GGUF file atomically (llamapy.atomic: a temp file beside `dest`, fsync, rename)."""
+    return replace_atomically(dest, lambda out: write_gguf(out, metadata, tensors), what)

@@ -54,13 +54,17 @@ GROUPS = (COMMON, GENERATION, SAMPLING, CHAT, PERPLEXITY, TRAINING, SCHEDULE, LO
 
 
 def flag(*names: str, help: str, group: str = COMMON, env: str | None = None, metavar: str | None = None,
-         bare: str | None = None, show_default: bool | str = True, **checks: Any) -> Any:
+         bare: str | None = None, show_default: bool | str = True, path: str | None = None,
+         paths_of: Callable[[Any], list] | None = None, replaced_by: str | None = None, **checks: Any) -> Any:
     """A flag's declaration: typer's Option with llama.cpp's names, its help group and text and
     its environment variable. `bare`: the value of the flag given without one (`-lr-half`);
-    `checks`: typer's own (min=, max=)."""
+    `path`: "read" or "write", the role of the file(s) it names (paths.py), `paths_of` turning
+    its value into them and `replaced_by` the write flag allowed onto it; `checks`: typer's own
+    (min=, max=)."""
     info = typer.Option(*names, help=help, rich_help_panel=group, envvar=env, show_envvar=env is not None,
                         metavar=metavar, show_default=show_default, **checks)
     info.bare_value = bare
+    info.path_role = (path, paths_of or (lambda value: [value]), replaced_by) if path else None
     return info
 
 
@@ -74,7 +78,8 @@ Verbosity = Annotated[Optional[int], flag("-lv", "--verbosity", "--log-verbosity
 LogDisable = Annotated[bool, flag("--log-disable", group=LOGGING, show_default=False,
                                   help="no log lines (errors still print; results still go to stdout)")]
 LogFile = Annotated[Optional[Path], flag("--log-file", group=LOGGING, metavar="FNAME", env="LLAMA_ARG_LOG_FILE",
-                                         show_default=False, help="also write the log lines to this file")]
+                                         show_default=False, path="write",
+                                         help="also write the log lines to this file")]
 
 
 def _print_version(value: bool) -> None:
@@ -159,6 +164,7 @@ class Tool:
 
         @functools.wraps(function)
         def run(**values: Any) -> None:
+            self._register_paths(values["typer_context"], values)
             common.configure_logging(**{name: values.pop(name) for name in _LOGGING if name != "version"})
             values.pop("version")
             common.note_first_run()
@@ -172,9 +178,24 @@ class Tool:
         run.__signature__ = signature.replace(parameters=parameters)
         run.__annotations__ = {p.name: p.annotation for p in parameters}
         self._bare = {p.name: getattr(typing_option(p.annotation), "bare_value", None) for p in parameters}
+        self._path_roles = {p.name: typing_option(p.annotation).path_role for p in parameters
+                            if getattr(typing_option(p.annotation), "path_role", None)}
         self.app.command(cls=ToolCommand, context_settings={"help_option_names": list(HELP),
                                                             "max_content_width": 100})(run)
         return function
+
+    def _register_paths(self, ctx: typer.Context, values: dict[str, Any]) -> None:
+        """The run's paths (common.paths()): the flags' reads first, then their writes."""
+        names = {param.name: param.opts[0] for param in ctx.command.params}
+        plan = common.new_paths()
+        for wanted in ("read", "write"):
+            for name, (role, paths_of, replaced_by) in self._path_roles.items():
+                if role == wanted and values.get(name) not in (None, [], ()):
+                    for path in paths_of(values[name]):
+                        if role == "read":
+                            plan.read(names[name], path, replaced_by)
+                        else:
+                            plan.write(names[name], path)
 
     def click_command(self) -> typer.core.TyperCommand:
         if self._command is None:

@@ -12,6 +12,28 @@ from llamapy.errors import InputError, LlamapyError
 _COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
 
 
+_PATHS = None  # the run's paths (paths.Paths), made by the argument layer before the command runs
+
+
+def new_paths():
+    """A fresh record of the run's inputs and outputs (llamapy/cli/paths.py)."""
+    global _PATHS
+    from .paths import Paths
+    _PATHS = Paths()
+    return _PATHS
+
+
+def paths():
+    """The run's inputs and outputs: a command adds what only it knows (a default output)."""
+    return _PATHS if _PATHS is not None else new_paths()
+
+
+def lora_paths(items: list[str] | None) -> list[str]:
+    """The files named by --lora / --lora-scaled values (comma lists, FNAME or FNAME:SCALE)."""
+    return [entry.rpartition(":")[0] if ":" in entry and not os.path.exists(entry) else entry
+            for item in items or [] for entry in _csv(item)]
+
+
 def job():
     """This run's communicator (llamapy.distributed.world, found once)."""
     global _COMM

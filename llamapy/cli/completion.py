@@ -71,6 +71,7 @@ SingleTurn = Annotated[bool, flag("-st", "--single-turn", "--chat", group=CHAT, 
 SystemPrompt = Annotated[Optional[str], flag("-sys", "--system-prompt", metavar="PROMPT", group=CHAT,
                                              show_default=False, help="the chat's system message")]
 SystemPromptFile = Annotated[Optional[Path], flag("-sysf", "--system-prompt-file", metavar="FNAME", group=CHAT,
+                                                  path="read",
                                                   show_default=False, help="read the system message from this file")]
 
 

@@ -22,7 +22,7 @@ tool = Tool("llamapy-export-lora", llama_cpp=["export-lora"])
 OUTTYPES = {"auto": "auto", "same": None, "f16": GGMLType.F16, "f32": GGMLType.F32, "q8_0": GGMLType.Q8_0,
             "q4_k": GGMLType.Q4_K}
 
-Output = Annotated[Path, flag("-o", "--output", "--output-file", metavar="FNAME", group=OUTPUT,
+Output = Annotated[Path, flag("-o", "--output", "--output-file", metavar="FNAME", group=OUTPUT, path="write",
                               help="the merged GGUF to write")]
 OutType = Annotated[str, flag("--outtype", metavar="TYPE", group=OUTPUT,
                               help="type of the merged matrices: auto (llama.cpp's: F32 stays F32, others become F16), "

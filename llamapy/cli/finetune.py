@@ -21,7 +21,7 @@ from llamapy.model import load_model
 from . import flags as F
 from . import training as T
 from .args import DATA, LORA, OUTPUT, Tool, flag
-from .common import log
+from .common import log, paths
 
 tool = Tool("llamapy-finetune", llama_cpp=["finetune"])
 
@@ -56,6 +56,7 @@ def run(model: F.OptionalModel = None, file: T.File = None, output: Output = Non
     args.check()
     t_load = time.perf_counter()
     model = model or default_model_path(log)
+    paths().read("-m", model)
     m = load_model(model)
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
     params = args.train_params(m, lora_rank=lora_rank, lora_alpha=lora_alpha, window_bos=window_bos,
@@ -66,7 +67,9 @@ def run(model: F.OptionalModel = None, file: T.File = None, output: Output = Non
         raise InputError("--lora-out names the adapter of a LoRA run: add --lora-rank R (or write the model with -o)")
     if output is not None and lora_out is not None and output != lora_out:
         raise InputError(f"-o {output} and --lora-out {lora_out} both name the adapter: give one")
+    flag = "-o" if output is not None or lora_out is None else "--lora-out"
     output = output or lora_out or Path("lora-adapter.gguf" if params.lora else "finetuned-model.gguf")
+    paths().write(flag, output)
     demo = None
     if file is None and args.data is None:
         demo = demo_corpus()[:demo_chars]

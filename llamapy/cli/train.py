@@ -23,7 +23,7 @@ tool = Tool("llamapy-train", llama_cpp=["finetune"])
 
 DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model starts far from any minimum)
 
-VocabModel = Annotated[Path, flag("--vocab-model", metavar="FNAME", group=MODEL_SHAPE,
+VocabModel = Annotated[Path, flag("--vocab-model", metavar="FNAME", group=MODEL_SHAPE, path="read",
                                   help="GGUF model whose tokenizer (and chat template) the new model takes")]
 Arch = Annotated[str, flag("--arch", metavar="NAME", group=MODEL_SHAPE, help="llama, qwen2, qwen3 or gemma3")]
 Embd = Annotated[int, flag("--embd", metavar="N", group=MODEL_SHAPE, help="embedding width")]
@@ -36,6 +36,7 @@ Ff = Annotated[Optional[int], flag("--ff", metavar="N", group=MODEL_SHAPE, show_
 RopeFreqBase = Annotated[float, flag("--rope-freq-base", metavar="N", group=MODEL_SHAPE, help="RoPE base frequency")]
 RmsEps = Annotated[float, flag("--rms-eps", metavar="N", group=MODEL_SHAPE, help="RMS norm epsilon")]
 Output = Annotated[Path, flag("-o", "--output", "--output-file", "--model-out", metavar="FNAME", group=OUTPUT,
+                              path="write",
                               help="where to write the trained model")]
 Predict = Annotated[int, flag("--predict", metavar="N", group=OUTPUT,
                               help="after training, print a sampled continuation of N tokens")]

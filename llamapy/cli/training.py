@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from ggmlpy.opt import loss_and_accuracy
 from ggmlpy.records import explain
+from llamapy.atomic import replace_atomically
 from llamapy.context import Context, validation_windows
 from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
@@ -29,6 +30,7 @@ from .training_data import DataOptions, TrainingData, load_training_data
 
 # ---- the shared flags (llama-finetune's names where it has the flag) ---------------------------
 File = Annotated[Optional[Path], flag("-f", "--file", "--train-data", metavar="FNAME", group=DATA, show_default=False,
+                                      path="read",
                                       help="text to train on, or a .jsonl file of samples")]
 WindowSize = Annotated[int, flag("-c", "--ctx-size", "--ctx", metavar="N", env="LLAMA_ARG_CTX_SIZE", group=TRAINING,
                                  help="tokens per training window (windows overlap by half)")]
@@ -57,7 +59,7 @@ Shuffle = Annotated[bool, flag("--shuffle/--no-shuffle", group=TRAINING,
                                     "llama-finetune; llamapy-train: on, as train-text-from-scratch)")]
 Threads = Annotated[Optional[int], flag("-t", "--threads", metavar="N", env="LLAMA_ARG_THREADS", show_default=False,
                                         help="CPU threads (default: the cores, at most 4)")]
-Plot = Annotated[Optional[Path], flag("--plot", metavar="PNG", group=OUTPUT, show_default=False,
+Plot = Annotated[Optional[Path], flag("--plot", metavar="PNG", group=OUTPUT, show_default=False, path="write",
                                       help="write the loss curves to this PNG")]
 Lr = Annotated[Optional[float], flag("-lr", "--learning-rate", metavar="ALPHA", group=SCHEDULE, show_default=False,
                                      help="learning rate (default: 1e-5 for a full finetune, 3e-4 for LoRA, 1e-3 "
@@ -79,7 +81,7 @@ CosRestart = Annotated[Optional[int], flag("--cos-restart", metavar="EPOCHS", gr
 ValSplit = Annotated[float, flag("-val-split", "--val-split", metavar="FRACTION", group=DATA,
                                  help="fraction of the windows held out for validation (llama.cpp's rule: the last "
                                       "ndata - int(ndata * (1 - FRACTION)) windows)")]
-Data = Annotated[Optional[Path], flag("--data", metavar="DIR", group=DATA, show_default=False,
+Data = Annotated[Optional[Path], flag("--data", metavar="DIR", group=DATA, show_default=False, path="read",
                                       help="directory of train.jsonl (and valid.jsonl, test.jsonl)")]
 DataFormat = Annotated[Optional[str], flag("--data-format", metavar="text|completions|chat", group=DATA,
                                            show_default=False, help="the samples' format (default: seen per file)")]
@@ -93,19 +95,19 @@ Escape = Annotated[bool, flag("-e", "--escape/--no-escape", group=DATA, show_def
                               help="read \\n, \\t and the like in --sample-start as escapes")]
 Truncate = Annotated[bool, flag("--truncate/--no-truncate", group=DATA,
                                 help="cut samples longer than -c (--no-truncate: refuse them)")]
-ValFile = Annotated[Optional[Path], flag("--val-file", metavar="FNAME", group=DATA, show_default=False,
+ValFile = Annotated[Optional[Path], flag("--val-file", metavar="FNAME", group=DATA, show_default=False, path="read",
                                          help="validate on this file instead of -val-split")]
 StepsPerEval = Annotated[Optional[int], flag("--steps-per-eval", metavar="N", group=DATA, show_default=False,
                                              help="validate also every N optimizer steps")]
 CheckpointOut = Annotated[Optional[Path], flag("--checkpoint-out", metavar="FNAME", group=CHECKPOINTS,
-                                               show_default=False,
+                                               show_default=False, path="write",
                                                help="write a checkpoint here every --save-every steps, at each "
                                                     "epoch's end and on Ctrl-C")]
 SaveEvery = Annotated[Optional[int], flag("--save-every", metavar="STEPS", group=CHECKPOINTS, show_default=False,
                                           help="optimizer steps between checkpoints (default: at epoch ends and "
                                                "on Ctrl-C only)")]
 CheckpointIn = Annotated[Optional[Path], flag("--checkpoint-in", metavar="FNAME", group=CHECKPOINTS,
-                                              show_default=False, help="resume from this checkpoint")]
+                                              show_default=False, path="read", replaced_by="--checkpoint-out", help="resume from this checkpoint")]
 ForceResume = Annotated[bool, flag("--force-resume", group=CHECKPOINTS, show_default=False,
                                    help="resume even from a checkpoint of another model or text")]
 
@@ -275,9 +277,13 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     elapsed = time.perf_counter() - start
     n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
     timing = ctx.trainer.timing
-    log(f"{tool}: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
-        f"{timing.tokens_per_second * comm.size:.0f} tokens/s after the first window's {timing.startup_seconds:.2f} s "
-        f"of start-up (graphs built, kernels loaded){f' ({comm.size} ranks)' if comm.size > 1 else ''}")
+    if n_trained == 0:
+        log(f"{tool}: the checkpoint's run was already complete: nothing left to train")
+    else:
+        log(f"{tool}: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
+            f"{timing.tokens_per_second * comm.size:.0f} tokens/s after the first window's "
+            f"{timing.startup_seconds:.2f} s of start-up (graphs built, kernels loaded)"
+            f"{f' ({comm.size} ranks)' if comm.size > 1 else ''}")
     if comm.size > 1 and ctx.trainer.n_steps:
         opt = ctx.trainer.opt
         log(f"distributed: summing the gradients took {1e3 * opt.reduce_seconds / ctx.trainer.n_steps:.2f} ms per step "
@@ -330,7 +336,5 @@ def plot_history(history, path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda out: fig.savefig(out, format="png", dpi=110), "the loss curves")
     plt.close(fig)
