@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -164,6 +165,7 @@ class Tool:
 
         @functools.wraps(function)
         def run(**values: Any) -> None:
+            _check_finite(values["typer_context"], values)
             self._register_paths(values["typer_context"], values)
             common.configure_logging(**{name: values.pop(name) for name in _LOGGING if name != "version"})
             values.pop("version")
@@ -273,6 +275,14 @@ class Tool:
             except typer.TyperException as e:  # click's usage errors, as typer raises them
                 raise InputError(_one_line(e)) from None
         common.guarded(run)()
+
+
+def _check_finite(ctx: typer.Context, values: dict[str, Any]) -> None:
+    """No flag takes nan or inf: a number given is finite (ranges are each flag's min/max)."""
+    for param in ctx.command.params:
+        value = values.get(param.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(f"{param.opts[0]} must be a finite number, not {value}")
 
 
 def _describe_flags(ctx: typer.Context, values: dict[str, Any]) -> str:

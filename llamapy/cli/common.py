@@ -1,13 +1,13 @@
 """What every command-line front end shares: one-line errors, threads, reading text."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from llamapy.errors import InputError, LlamapyError
-
 
 _COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
 
@@ -91,8 +91,14 @@ def random_seed() -> int:
     return seed
 
 
-def default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 4))
+def thread_count(requested: int | None) -> int:
+    """-t, or the default (the cores, at most 4); more threads than cores is allowed but said."""
+    cores = os.cpu_count() or 1
+    if requested is None:
+        return max(1, min(cores, 4))
+    if requested > cores:
+        warn(f"-t {requested} is more threads than the {cores} cores: they will wait on each other")
+    return requested
 
 
 def note_first_run() -> None:
@@ -174,14 +180,18 @@ def adapter_list(lora: list[str] | None, lora_scaled: list[str] | None) -> list[
         for entry in _csv(item):
             path, sep, scale = entry.rpartition(":")
             try:
-                pairs.append((path, float(scale)) if sep and path else _bad_scaled(entry))
+                value = float(scale)
             except ValueError:
                 _bad_scaled(entry)
+            if not sep or not path or not math.isfinite(value):
+                _bad_scaled(entry)
+            pairs.append((path, value))
     return pairs
 
 
 def _bad_scaled(entry: str):
-    raise InputError(f"--lora-scaled {entry}: expected FNAME:SCALE, e.g. --lora-scaled adapter.gguf:0.5")
+    raise InputError(f"--lora-scaled {entry}: expected FNAME:SCALE with a finite SCALE, e.g. --lora-scaled "
+                     "adapter.gguf:0.5")
 
 
 def _csv(item: str) -> list[str]:

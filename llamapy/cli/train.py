@@ -26,19 +26,19 @@ DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model star
 VocabModel = Annotated[Path, flag("--vocab-model", metavar="FNAME", group=MODEL_SHAPE, path="read",
                                   help="GGUF model whose tokenizer (and chat template) the new model takes")]
 Arch = Annotated[str, flag("--arch", metavar="NAME", group=MODEL_SHAPE, help="llama, qwen2, qwen3 or gemma3")]
-Embd = Annotated[int, flag("--embd", metavar="N", group=MODEL_SHAPE, help="embedding width")]
-Head = Annotated[int, flag("--head", metavar="N", group=MODEL_SHAPE, help="attention heads")]
-HeadKv = Annotated[Optional[int], flag("--head-kv", metavar="N", group=MODEL_SHAPE, show_default=False,
+Embd = Annotated[int, flag("--embd", metavar="N", group=MODEL_SHAPE, min=1, help="embedding width")]
+Head = Annotated[int, flag("--head", metavar="N", group=MODEL_SHAPE, min=1, help="attention heads")]
+HeadKv = Annotated[Optional[int], flag("--head-kv", metavar="N", group=MODEL_SHAPE, show_default=False, min=1,
                                        help="key/value heads (default: --head)")]
-Layer = Annotated[int, flag("--layer", metavar="N", group=MODEL_SHAPE, help="layers")]
-Ff = Annotated[Optional[int], flag("--ff", metavar="N", group=MODEL_SHAPE, show_default=False,
+Layer = Annotated[int, flag("--layer", metavar="N", group=MODEL_SHAPE, min=1, help="layers")]
+Ff = Annotated[Optional[int], flag("--ff", metavar="N", group=MODEL_SHAPE, show_default=False, min=1,
                                    help="feed-forward width (default: llama's 8/3 x embd, rounded up to 32)")]
 RopeFreqBase = Annotated[float, flag("--rope-freq-base", metavar="N", group=MODEL_SHAPE, help="RoPE base frequency")]
 RmsEps = Annotated[float, flag("--rms-eps", metavar="N", group=MODEL_SHAPE, help="RMS norm epsilon")]
 Output = Annotated[Path, flag("-o", "--output", "--output-file", "--model-out", metavar="FNAME", group=OUTPUT,
                               path="write",
                               help="where to write the trained model")]
-Predict = Annotated[int, flag("--predict", metavar="N", group=OUTPUT,
+Predict = Annotated[int, flag("--predict", metavar="N", group=OUTPUT, min=0,
                               help="after training, print a sampled continuation of N tokens")]
 Prompt = Annotated[Optional[str], flag("-p", "--prompt", metavar="PROMPT", group=OUTPUT, show_default=False,
                                        help="what --predict continues (default: the text's first words)")]
@@ -52,6 +52,9 @@ def run(vocab_model: VocabModel, file: T.File = None, arch: Arch = "llama", embd
     """Train a new model on the text in FILE and write it to -o. The seed (--seed) initialises
     the weights and shuffles the windows (--no-shuffle: in the text's order)."""
     args.check()
+    for name, value in (("--rope-freq-base", rope_freq_base), ("--rms-eps", rms_eps)):
+        if not value > 0:
+            raise InputError(f"{name} must be > 0, not {value:g}")
     if file is None and args.data is None:
         raise InputError("give the text to train on with -f FILE (or samples with --data DIR)")
     m = new_model(arch, vocab_model, n_embd=embd, n_head=head, n_head_kv=head_kv, n_layer=layer,

@@ -21,10 +21,26 @@ from llamapy.distributed import oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
-from llamapy.train_params import DEFAULT_LORA_MODULES, SGD, AdamW, LRSchedule, TrainParams, has_quantized_matrices
+from llamapy.train_params import (
+    DEFAULT_LORA_MODULES,
+    SGD,
+    AdamW,
+    LRSchedule,
+    TrainParams,
+    has_quantized_matrices,
+)
 
-from .args import CHECKPOINTS, DATA, OUTPUT, SCHEDULE, TRAINING, as_flag, flag, flag_field
-from .common import default_threads, fail, job, log, progress_stream, random_seed
+from .args import (
+    CHECKPOINTS,
+    DATA,
+    OUTPUT,
+    SCHEDULE,
+    TRAINING,
+    as_flag,
+    flag,
+    flag_field,
+)
+from .common import fail, job, log, progress_stream, random_seed, thread_count
 from .flags import ChatTemplate
 from .training_data import DataOptions, TrainingData, load_training_data
 
@@ -32,16 +48,16 @@ from .training_data import DataOptions, TrainingData, load_training_data
 File = Annotated[Optional[Path], flag("-f", "--file", "--train-data", metavar="FNAME", group=DATA, show_default=False,
                                       path="read",
                                       help="text to train on, or a .jsonl file of samples")]
-WindowSize = Annotated[int, flag("-c", "--ctx-size", "--ctx", metavar="N", env="LLAMA_ARG_CTX_SIZE", group=TRAINING,
+WindowSize = Annotated[int, flag("-c", "--ctx-size", "--ctx", metavar="N", env="LLAMA_ARG_CTX_SIZE", group=TRAINING, min=2,
                                  help="tokens per training window (windows overlap by half)")]
-BatchSize = Annotated[Optional[int], flag("-b", "--batch-size", metavar="N", env="LLAMA_ARG_BATCH", group=TRAINING,
+BatchSize = Annotated[Optional[int], flag("-b", "--batch-size", metavar="N", env="LLAMA_ARG_BATCH", group=TRAINING, min=1,
                                           show_default=False,
                                           help="tokens per optimizer step, whole windows (default: -c)")]
-UbatchSize = Annotated[int, flag("-ub", "--ubatch-size", metavar="N", env="LLAMA_ARG_UBATCH", group=TRAINING,
+UbatchSize = Annotated[int, flag("-ub", "--ubatch-size", metavar="N", env="LLAMA_ARG_UBATCH", group=TRAINING, min=1,
                                  help="tokens computed at once (memory against speed; the gradients stay exact)")]
-Epochs = Annotated[int, flag("-epochs", "--epochs", metavar="N", group=TRAINING, help="passes over the training windows")]
+Epochs = Annotated[int, flag("-epochs", "--epochs", metavar="N", group=TRAINING, min=1, help="passes over the training windows")]
 OptimizerName = Annotated[str, flag("-opt", "--optimizer", metavar="adamw|sgd", group=TRAINING, help="the optimizer")]
-WeightDecay = Annotated[float, flag("-wd", "--weight-decay", metavar="WD", group=TRAINING, help="decoupled weight decay")]
+WeightDecay = Annotated[float, flag("-wd", "--weight-decay", metavar="WD", group=TRAINING, min=0, help="decoupled weight decay")]
 GradClip = Annotated[Optional[float], flag("--grad-clip", metavar="NORM", group=TRAINING, show_default=False,
                                            help="clip the global gradient L2 norm to NORM (default: off)")]
 GradCheckpoint = Annotated[bool, flag("--grad-checkpoint", group=TRAINING, show_default=False,
@@ -58,6 +74,7 @@ Shuffle = Annotated[bool, flag("--shuffle/--no-shuffle", group=TRAINING,
                                help="shuffle the training windows at every epoch (llamapy-finetune: off, as "
                                     "llama-finetune; llamapy-train: on, as train-text-from-scratch)")]
 Threads = Annotated[Optional[int], flag("-t", "--threads", metavar="N", env="LLAMA_ARG_THREADS", show_default=False,
+                                        min=1, max=512,
                                         help="CPU threads (default: the cores, at most 4)")]
 Plot = Annotated[Optional[Path], flag("--plot", metavar="PNG", group=OUTPUT, show_default=False, path="write",
                                       help="write the loss curves to this PNG")]
@@ -75,10 +92,10 @@ LrHalvings = Annotated[Optional[int], flag("-lr-halvings", metavar="N", group=SC
                                            help="halve at most N times")]
 LrSchedule = Annotated[str, flag("--lr-schedule", metavar="constant|exp|cosine", group=SCHEDULE,
                                  help="constant, exp (-lr-min/-lr-half decays) or cosine (down to -lr-min)")]
-Warmup = Annotated[int, flag("--warmup", metavar="STEPS", group=SCHEDULE, help="optimizer steps of linear warmup")]
+Warmup = Annotated[int, flag("--warmup", metavar="STEPS", group=SCHEDULE, min=0, help="optimizer steps of linear warmup")]
 CosRestart = Annotated[Optional[int], flag("--cos-restart", metavar="EPOCHS", group=SCHEDULE, show_default=False,
                                            help="restart the cosine every EPOCHS epochs")]
-ValSplit = Annotated[float, flag("-val-split", "--val-split", metavar="FRACTION", group=DATA,
+ValSplit = Annotated[float, flag("-val-split", "--val-split", metavar="FRACTION", group=DATA, min=0, max=0.99,
                                  help="fraction of the windows held out for validation (llama.cpp's rule: the last "
                                       "ndata - int(ndata * (1 - FRACTION)) windows)")]
 Data = Annotated[Optional[Path], flag("--data", metavar="DIR", group=DATA, show_default=False, path="read",
@@ -97,13 +114,13 @@ Truncate = Annotated[bool, flag("--truncate/--no-truncate", group=DATA,
                                 help="cut samples longer than -c (--no-truncate: refuse them)")]
 ValFile = Annotated[Optional[Path], flag("--val-file", metavar="FNAME", group=DATA, show_default=False, path="read",
                                          help="validate on this file instead of -val-split")]
-StepsPerEval = Annotated[Optional[int], flag("--steps-per-eval", metavar="N", group=DATA, show_default=False,
+StepsPerEval = Annotated[Optional[int], flag("--steps-per-eval", metavar="N", group=DATA, show_default=False, min=1,
                                              help="validate also every N optimizer steps")]
 CheckpointOut = Annotated[Optional[Path], flag("--checkpoint-out", metavar="FNAME", group=CHECKPOINTS,
                                                show_default=False, path="write",
                                                help="write a checkpoint here every --save-every steps, at each "
                                                     "epoch's end and on Ctrl-C")]
-SaveEvery = Annotated[Optional[int], flag("--save-every", metavar="STEPS", group=CHECKPOINTS, show_default=False,
+SaveEvery = Annotated[Optional[int], flag("--save-every", metavar="STEPS", group=CHECKPOINTS, show_default=False, min=1,
                                           help="optimizer steps between checkpoints (default: at epoch ends and "
                                                "on Ctrl-C only)")]
 CheckpointIn = Annotated[Optional[Path], flag("--checkpoint-in", metavar="FNAME", group=CHECKPOINTS,
@@ -233,7 +250,7 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         f"ubatch {min(args.ubatch_size, args.ctx_size)}, {args.epochs} epoch{'s' if args.epochs != 1 else ''}"
         f"{f', gradient norm clipped to {params.grad_clip:g}' if params.grad_clip else ''}"
         f"{', gradient checkpointing' if params.grad_checkpoint else ''}")
-    n_threads = args.threads or default_threads()
+    n_threads = thread_count(args.threads)
     if n_batch > args.ctx_size:  # several windows per step: the context holds the step, windows stay -c long
         params = params.replace(n_ctx_train=args.ctx_size)
     ctx = Context(model, n_ctx=max(args.ctx_size, n_batch), n_batch=n_batch, n_ubatch=args.ubatch_size,

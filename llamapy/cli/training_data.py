@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ggmlpy.opt import Dataset
-from llamapy.dataset import IGNORE, PackedWindows, read_samples, samples_to_windows, text_windows
+from llamapy.dataset import (
+    IGNORE,
+    PackedWindows,
+    read_samples,
+    samples_to_windows,
+    text_windows,
+)
 from llamapy.errors import InputError
 from llamapy.samples import unescape
 
