@@ -5,7 +5,10 @@ from .batch import Batch
 from .context import Context
 from .errors import LlamapyError
 from .from_scratch import new_model
-from .generate import chat_completion, generate  # the function shadows the module: `from llamapy.generate import ...`
+from .generate import (  # the function shadows the module: `from llamapy.generate import ...`
+           chat_completion,
+           generate,
+)
 from .model import Model, load_model
 from .save import save_model_to_file
 

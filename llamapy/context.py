@@ -20,8 +20,8 @@ from .errors import InputError
 from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVMemory
 from .model import Model
-from .train_params import TrainParams
 from .outputs import Outputs
+from .train_params import TrainParams
 
 MAX_CACHED_GRAPHS = 8
 

@@ -23,7 +23,8 @@ from ggmlpy import GGMLType
 from ggmlpy.opt import Dataset
 
 from .errors import InputError
-from .samples import Sample, read_jsonl, split_text
+from .samples import Sample, is_jsonl, read_jsonl, split_text
+from .text_input import read_text_file
 
 IGNORE = -1  # the label of a position whose next-token prediction does not count
 
@@ -192,16 +193,14 @@ def pack_samples(samples: Sequence[tuple[np.ndarray, np.ndarray]], n_ctx: int, p
 
 
 def read_samples(path, data_format: str | None = None, sample_start: str | None = None,
-                 include_sample_start: bool = False) -> list[Sample]:
+                 include_sample_start: bool = False, warn=None) -> list[Sample]:
     """The samples of a file: a `.jsonl` file's lines (text, prompt/completion or chat; see
     llamapy.samples), or plain text as one sample, or one per `sample_start` as llama.cpp's
-    old finetune cut it."""
+    old finetune cut it. `warn` hears about bytes of a text that were not UTF-8."""
     path = Path(path)
-    if path.suffix == ".jsonl":
+    if is_jsonl(path):
         return read_jsonl(path, data_format)[0]
-    if not path.is_file():
-        raise InputError(f"text file not found: {path}")
-    return split_text(path.read_text(encoding="utf-8", errors="replace"), sample_start, str(path), include_sample_start)
+    return split_text(read_text_file(path, warn=warn), sample_start, str(path), include_sample_start)
 
 
 def samples_to_windows(samples: Sequence[Sample], vocab, n_ctx: int, *, chat_template=None, mask_prompt: bool = True,

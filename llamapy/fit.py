@@ -23,9 +23,23 @@ from pathlib import Path
 
 import numpy as np
 
-from ggmlpy.opt import EpochResult, FitPosition, ProgressBar, Result, evaluate_batches, fit_epochs, loss_and_accuracy
+from ggmlpy.opt import (
+    EpochResult,
+    FitPosition,
+    ProgressBar,
+    Result,
+    evaluate_batches,
+    fit_epochs,
+    loss_and_accuracy,
+)
 
-from .checkpoint import Checkpoint, compare_params, load_checkpoint, model_fingerprint, save_checkpoint
+from .checkpoint import (
+    Checkpoint,
+    compare_params,
+    load_checkpoint,
+    model_fingerprint,
+    save_checkpoint,
+)
 from .dataset import join_windows
 from .distributed import abort_job, any_rank, check_same_weights
 from .errors import InputError, TrainingInterrupted

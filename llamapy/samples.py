@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import InputError
+from .text_input import check_text
 
 Format = Literal["text", "completions", "chat"]
 FORMATS: dict[Format, tuple[str, ...]] = {"text": ("text",), "completions": ("prompt", "completion"),
@@ -53,7 +54,7 @@ def _string(record: dict, key: str, where: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
         raise InputError(f"{where}: \"{key}\" must be a string, got {type(value).__name__}")
-    return value
+    return check_text(value, f"{where}: \"{key}\"")
 
 
 def _messages(record: dict, where: str) -> list[dict[str, str]]:
@@ -68,6 +69,7 @@ def _messages(record: dict, where: str) -> list[dict[str, str]]:
             raise InputError(f"{where}: message {i} has an unknown role {m['role']!r} (known: {', '.join(ROLES)})")
         if not isinstance(m["content"], str):
             raise InputError(f"{where}: message {i}: \"content\" must be a string")
+        check_text(m["content"], f"{where}: message {i}")
         out.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "assistant" for m in out):
         raise InputError(f"{where}: the conversation has no assistant turn: nothing to learn")
@@ -83,9 +85,15 @@ def parse_record(record: dict, fmt: Format, where: str) -> Sample:
     return Sample(messages=_messages(record, where), where=where)
 
 
+def is_jsonl(path: str | os.PathLike) -> bool:
+    """A JSONL file by its extension, in any case (`train.JSONL`)."""
+    return Path(path).suffix.lower() == ".jsonl"
+
+
 def read_jsonl(path: str | os.PathLike, fmt: Format | None = None) -> tuple[list[Sample], Format]:
     """The samples of a JSONL file and their format (detected from the first line unless
-    given; every line must then be in it). Blank lines are skipped."""
+    given; every line must then be in it). Lines end at "\n" only (JSON strings may hold
+    U+2028 or U+0085 unescaped); blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"dataset file not found: {path}")
@@ -93,7 +101,7 @@ def read_jsonl(path: str | os.PathLike, fmt: Format | None = None) -> tuple[list
         raise InputError(f"unknown data format {fmt!r} (known: {', '.join(FORMATS)})")
     samples: list[Sample] = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_bytes().decode("utf-8").split("\n")
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     for number, line in enumerate(lines, start=1):
@@ -104,6 +112,8 @@ def read_jsonl(path: str | os.PathLike, fmt: Format | None = None) -> tuple[list
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise InputError(f"{where}: JSON nested too deeply") from None
         if not isinstance(record, dict):
             raise InputError(f"{where}: a sample must be a JSON object, got {type(record).__name__}")
         found = detect_format(record, where)

@@ -38,7 +38,15 @@ import numpy as np
 
 import ggmlpy as gg
 from ggmlpy import GGMLType, Tensor
-from ggmlpy.opt import Dataset, FitPosition, OptContext, OptParams, Result, TrainingDivergedError, train_batches
+from ggmlpy.opt import (
+    Dataset,
+    FitPosition,
+    OptContext,
+    OptParams,
+    Result,
+    TrainingDivergedError,
+    train_batches,
+)
 
 from .arch.base import FIXED_TENSORS
 from .batch import UBatch

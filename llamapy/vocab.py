@@ -20,10 +20,10 @@ import re
 import struct
 from typing import Callable
 
-
 from llamapy.errors import InputError, VocabError
 from llamapy.gguf_file import GGUFMetadata, MetaValue, ValueType, metadata_from_reader
 from llamapy.pretokenizers import PRE_TOKENIZERS, PreTokenizer
+from llamapy.text_input import check_text
 
 # GGUF token types (tokenizer.ggml.token_type values).
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
@@ -297,7 +297,12 @@ def _bpe_encoder(texts: list[str], merges: list[str], pre: PreTokenizer) -> Call
     tokens) stops merges across it in llama.cpp and is then dropped; `tokenizers` would drop
     it before merging, so it is encoded as an extra "unknown" id, removed afterwards.
     """
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # here: only BPE vocabularies need it (3 MB)
+    from tokenizers import (  # here: only BPE vocabularies need it (3 MB)
+        Regex,
+        Tokenizer,
+        models,
+        pre_tokenizers,
+    )
     vocab = {text: i for i, text in enumerate(texts) if _is_str_valid(text)}
     unknown = len(texts)  # "" is never a token text: _token_list renames empty ones
     try:
@@ -628,6 +633,7 @@ class Vocab:
         tokens written literally in the text become single tokens (user-defined tokens
         always do).
         """
+        check_text(text, "the text to tokenize")
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)

@@ -11,7 +11,6 @@ The GGUF norm weights already include Hugging Face's "+ 1".
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 import ggmlpy as gg

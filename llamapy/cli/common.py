@@ -74,13 +74,10 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def read_text(path: Path) -> str:
-    if not path.is_file():
-        raise InputError(f"text file not found: {path}")
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise InputError(f"cannot read {path}: {e.strerror}") from None
+def read_text(path: Path, what: str = "text file") -> str:
+    """A text file's UTF-8 text, or one line saying why it is not text (llamapy.text_input)."""
+    from llamapy.text_input import read_text_file
+    return read_text_file(path, what, warn)
 
 
 def random_seed() -> int:

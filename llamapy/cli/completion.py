@@ -22,6 +22,7 @@ from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
 from llamapy.generate import Generator, sampler_chain, token_text
 from llamapy.samples import unescape
+from llamapy.text_input import check_text
 
 from . import flags as F
 from .args import CHAT, GENERATION, Tool, flag
@@ -104,6 +105,7 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
         if prompt:
             raise InputError("give the prompt with -p or with -f, not both")
         prompt = read_text(file)
+    check_text(prompt, "-p")
     if escape:
         prompt = unescape(prompt)
     if system_prompt_file is not None:
@@ -114,6 +116,8 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
         if chat_template is not None:
             raise InputError("give the chat template with --chat-template or --chat-template-file, not both")
         chat_template = str(chat_template_file)
+    if system_prompt is not None:
+        check_text(system_prompt, "-sys")
     if chat and not prompt:
         raise InputError("-st answers the -p message: give one (or use -cnv to type them)")
     if flash_attn not in ("on", "off", "auto"):
@@ -207,6 +211,12 @@ def talk(gen: Generator, template: ChatTemplate, first: str, system_prompt: str 
             message = read_message()
             if message is None:
                 return
+            try:
+                check_text(message, "your message")
+            except InputError as e:
+                log(f"error: {e} (type it again)", 1)
+                message = ""
+                continue
             if not message:
                 continue
         messages.append({"role": "user", "content": message})

@@ -19,9 +19,9 @@ from llamapy.dataset import (
     text_windows,
 )
 from llamapy.errors import InputError
-from llamapy.samples import unescape
+from llamapy.samples import is_jsonl, unescape
 
-from .common import chat_template_for, log, read_text
+from .common import chat_template_for, log, read_text, warn
 
 if TYPE_CHECKING:  # jinja2 is loaded only when a template is used
     from llamapy.chat import ChatTemplate
@@ -94,12 +94,12 @@ class _Loader:
 
     def load(self, path: Path, role: str) -> Dataset:
         opts = self.opts
-        if path.suffix != ".jsonl" and not opts.sample_start:
+        if not is_jsonl(path) and not opts.sample_start:
             if not path.is_file():
                 raise InputError(f"{role} data not found: {path}")
             return self.windows_of_text(read_text(path), str(path))
         sample_start = unescape(opts.sample_start) if opts.sample_start and opts.escape else opts.sample_start
-        samples = read_samples(path, opts.data_format, sample_start, opts.include_sample_start)
+        samples = read_samples(path, opts.data_format, sample_start, opts.include_sample_start, warn)
         needs_template = any(s.is_chat for s in samples)
         ds = samples_to_windows(samples, self.model.vocab, opts.n_ctx,
                                 chat_template=self.template() if needs_template else None,
