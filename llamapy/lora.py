@@ -153,7 +153,7 @@ def merge_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]],
             target = GGMLType.F32 if w.type == GGMLType.F32 else GGMLType.F16
         else:
             target = GGMLType(outtype if outtype is not None else w.type)
-        if traits(target).is_quantized and w.ne[0] % traits(target).blck_size:
+        while traits(target).is_quantized and w.ne[0] % traits(target).blck_size:  # as llama-quantize falls back
             target = _ROW_FALLBACK.get(target, GGMLType.F16)
         if traits(target).is_quantized:
             data = quants.quantize(values, target)
