@@ -237,6 +237,9 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     for path in [output] + [p for p in (args.plot, args.checkpoint_out) if p]:
         check_writable(path)
     dataset = data.train
+    if args.ctx_size > model.hparams.n_ctx_train:
+        warn(f"windows of {args.ctx_size} tokens are longer than the {model.hparams.n_ctx_train} the model was "
+             "trained on")
     n_batch = args.batch_size or args.ctx_size
     if data.val is not None:
         log(f"dataset: {dataset.ndata} windows for training, {data.val.ndata} for validation (the validation file; "
