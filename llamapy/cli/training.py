@@ -40,7 +40,7 @@ from .args import (
     flag,
     flag_field,
 )
-from .common import fail, job, log, progress_stream, random_seed, thread_count
+from .common import fail, job, log, progress_stream, random_seed, thread_count, warn
 from .flags import ChatTemplate
 from .training_data import DataOptions, TrainingData, load_training_data
 
