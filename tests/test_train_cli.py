@@ -46,7 +46,7 @@ def test_train_from_scratch_end_to_end(stories_path, wiki_path, tmp_path):
 @pytest.mark.parametrize("shape, message", [
     (["--embd", "30", "--head", "4"], "n_embd 30 is not divisible by n_head 4"),
     (["--head", "4", "--head-kv", "3"], "n_head 4 is not a multiple of n_head_kv 3"),
-    (["--layer", "0"], "n_layer must be a positive integer"),
+    (["--layer", "0"], "--layer must be >= 1"),
 ])
 def test_shapes_that_cannot_be_built_fail_in_one_line(stories_path, wiki_path, tmp_path, shape, message):
     out = tmp_path / "new.gguf"

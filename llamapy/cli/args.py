@@ -331,6 +331,10 @@ def _one_line(e: typer.TyperException) -> str:
     """click's usage error in one line, its option named once by its first name."""
     message = " ".join(e.format_message().split())
     message = re.sub(r"'(-[^']+)'(?: / '[^']+')*(?: \(env var: '[^']+'\))?", r"\1", message)
+    bound = re.fullmatch(r"Invalid value for (-\S+): Input should be (greater|less) than( or equal to)? (\S+)", message)
+    if bound:  # typer's range check, worded as the other numeric refusals ("--layer must be >= 1")
+        flag, side, equal, limit = bound.groups()
+        return f"{flag} must be {'>' if side == 'greater' else '<'}{'=' if equal else ''} {limit}"
     return message[0].lower() + message[1:] if message else "bad command line"
 
 
