@@ -79,26 +79,28 @@ class LoraAdapter:
     def load(cls, path: str | os.PathLike, model: Model) -> "LoraAdapter":
         """Read a llama.cpp GGUF LoRA adapter and check it against the model's tensors."""
         f = GGUFFile(path)
-        if f.get("general.type") != "adapter" or f.get("adapter.type") != "lora":
+        if f.get_str("general.type", None) != "adapter" or f.get_str("adapter.type", None) != "lora":
             raise ModelLoadError(f"{f.path}: not a LoRA adapter (general.type/adapter.type)")
-        arch = f.get("general.architecture")
+        arch = f.get_str("general.architecture", None)
         if arch and arch != model.hparams.arch:
             raise ModelLoadError(f"{f.path}: adapter for {arch!r}, model is {model.hparams.arch!r}")
+        alpha = f.get_float("adapter.lora.alpha", 0.0)
         pairs: dict[str, dict[str, Tensor]] = {}
         for name, t in f.tensors.items():
             base, _, kind = name.rpartition(".")
             if kind not in ("lora_a", "lora_b"):
                 raise ModelLoadError(f"{f.path}: unexpected tensor {name!r} in a LoRA adapter")
-            pairs.setdefault(base, {})[kind] = _f32_copy(t, name)
+            pairs.setdefault(base, {})[kind] = t
         tensors = {}
         for base, ab in pairs.items():
             if set(ab) != {"lora_a", "lora_b"} or base not in model.tensors:
                 raise ModelLoadError(f"{f.path}: {base!r} needs lora_a and lora_b and a matching model tensor")
             a, b, w = ab["lora_a"], ab["lora_b"], model.tensors[base]
-            if a.ne[0] != w.ne[0] or b.ne[1] != w.ne[1] or a.ne[1] != b.ne[0]:
+            rank = a.ne[1]
+            if a.ne != (w.ne[0], rank, 1, 1) or b.ne != (rank, w.ne[1], 1, 1) or rank < 1 or w.ne[2:] != (1, 1):
                 raise ModelLoadError(f"{f.path}: {base}: shapes a {a.ne[:2]}, b {b.ne[:2]} do not fit {w.ne[:2]}")
-            tensors[base] = (a, b)
-        return cls(float(f.get("adapter.lora.alpha", 0.0)), tensors, arch or model.hparams.arch)
+            tensors[base] = (_f32_copy(a, f"{base}.lora_a"), _f32_copy(b, f"{base}.lora_b"))
+        return cls(alpha, tensors, arch or model.hparams.arch)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the adapter in llama.cpp's GGUF LoRA format, atomically."""
