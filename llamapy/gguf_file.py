@@ -118,20 +118,20 @@ class _Parser:
         try:
             vtype = ValueType(vtype)
         except ValueError:
-            raise ModelLoadError(f"{self.path} is damaged (metadata {key}: unknown value type {vtype})") from None
+            raise ModelLoadError(f"{self.path} is damaged (metadata {key!r}: unknown value type {vtype})") from None
         if vtype == ValueType.STRING:
             return MetaValue(vtype, None, self.string())
         if vtype == ValueType.ARRAY:
             if depth >= MAX_ARRAY_DEPTH:
-                raise ModelLoadError(f"{self.path} is damaged (metadata {key}: arrays nested deeper than "
+                raise ModelLoadError(f"{self.path} is damaged (metadata {key!r}: arrays nested deeper than "
                                      f"{MAX_ARRAY_DEPTH} levels)")
             sub, n = self.unpack("<IQ")
             try:
                 sub = ValueType(sub)
             except ValueError:
-                raise ModelLoadError(f"{self.path} is damaged (metadata {key}: unknown array item type {sub})") from None
+                raise ModelLoadError(f"{self.path} is damaged (metadata {key!r}: unknown array item type {sub})") from None
             item_bytes = _MIN_ITEM_BYTES.get(sub) or np.dtype(_NUMPY[sub]).itemsize
-            self.need(n * item_bytes, f"metadata {key}'s {n} items")  # before a list or array of n is made
+            self.need(n * item_bytes, f"metadata {key!r}'s {n} items")  # before a list or array of n is made
             if sub == ValueType.STRING:
                 return MetaValue(vtype, sub, self.string_array(n))
             if sub == ValueType.ARRAY:
@@ -168,10 +168,10 @@ class _Parser:
         name = self.string()
         n_dims = self.unpack("<I")
         if n_dims > MAX_TENSOR_DIMS:
-            raise ModelLoadError(f"{self.path} is damaged (tensor {name} has {n_dims} dimensions)")
+            raise ModelLoadError(f"{self.path} is damaged (tensor {name!r} has {n_dims} dimensions)")
         ne = tuple(self.unpack(f"<{n_dims}q")) if n_dims > 1 else ((self.unpack("<q"),) if n_dims == 1 else ())
         if any(n < 0 for n in ne):
-            raise ModelLoadError(f"{self.path} is damaged (tensor {name} has a negative dimension: {ne})")
+            raise ModelLoadError(f"{self.path} is damaged (tensor {name!r} has a negative dimension: {ne})")
         ttype, offset = self.unpack("<IQ")
         return TensorInfo(name, ne, ttype, offset)
 
@@ -196,7 +196,7 @@ def read_gguf_header(data: np.ndarray, path: Path) -> tuple[int, dict[str, MetaV
     for _ in range(n_kv):
         key = p.string()
         if key in meta:
-            raise ModelLoadError(f"{path} is damaged (metadata key {key} appears twice)")
+            raise ModelLoadError(f"{path} is damaged (metadata key {key!r} appears twice)")
         meta[key] = p.value(p.unpack("<I"), key)
     infos = [p.tensor_info() for _ in range(n_tensors)]
     align_v = meta.get("general.alignment")
@@ -215,36 +215,42 @@ def tensor_nbytes(info: TensorInfo, path: Path) -> int:
     try:
         tr = traits(GGMLType(info.type))
     except (ValueError, NotImplementedError):
-        raise UnsupportedModelError(f"{path}: tensor {info.name} has unknown type {info.type}") from None
+        raise UnsupportedModelError(f"{path}: tensor {info.name!r} has unknown type {info.type}") from None
     ne = info.ne + (1,) * (MAX_TENSOR_DIMS - len(info.ne))
     if ne[0] % tr.blck_size:
-        raise ModelLoadError(f"{path} is damaged: tensor {info.name} has rows of {ne[0]} {tr.name} values, "
+        raise ModelLoadError(f"{path} is damaged: tensor {info.name!r} has rows of {ne[0]} {tr.name} values, "
                              f"not a multiple of its block size {tr.blck_size}")
     return ne[0] // tr.blck_size * tr.type_size * ne[1] * ne[2] * ne[3]
 
 
 def check_layout(infos: list[TensorInfo], data_start: int, align: int, file_size: int, path: Path) -> None:
-    """Every tensor's bytes lie inside the file's data section, start aligned, and overlap
-    no other tensor's; names are unique (llama.cpp's gguf reader checks no less)."""
+    """The tensors' bytes tile the data section: each inside the file, at an aligned offset,
+    starting where another one's bytes end (padded to the alignment) or at 0, sharing none.
+    llama.cpp's gguf reader asks the same (in file order): a tensor whose type or dimensions
+    were changed leaves a gap or an overlap, so its bytes are never read as another type."""
     spans = []
     names: set[str] = set()
     for info in infos:
         if info.name in names:
-            raise ModelLoadError(f"{path} is damaged: tensor {info.name} appears twice")
+            raise ModelLoadError(f"{path} is damaged: tensor {info.name!r} appears twice")
         names.add(info.name)
         nbytes = tensor_nbytes(info, path)
         if info.offset % align:
-            raise ModelLoadError(f"{path} is damaged: tensor {info.name}'s offset {info.offset} is not a multiple "
-                                 f"of the alignment {align}")
+            raise ModelLoadError(f"{path} is damaged: the offset {info.offset} of tensor {info.name!r} is not a "
+                                 f"multiple of the alignment {align}")
         if data_start + info.offset + nbytes > file_size:
-            raise ModelLoadError(f"{path} is truncated or damaged: tensor {info.name} ({nbytes} bytes at data offset "
-                                 f"{info.offset}) extends past the end of the file")
-        if nbytes:
-            spans.append((info.offset, info.offset + nbytes, info.name))
+            raise ModelLoadError(f"{path} is truncated or damaged: tensor {info.name!r} ({nbytes} bytes at data "
+                                 f"offset {info.offset}) extends past the end of the file")
+        spans.append((info.offset, info.offset + nbytes, info.name))
     spans.sort()
-    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+    end, before = 0, None
+    for start, stop, name in spans:
         if start < end:
-            raise ModelLoadError(f"{path} is damaged: tensors {name} and {other} share bytes")
+            raise ModelLoadError(f"{path} is damaged: tensors {before!r} and {name!r} share bytes")
+        if start != -(-end // align) * align:
+            raise ModelLoadError(f"{path} is damaged: {start - end} bytes before tensor {name!r} belong to no tensor "
+                                 "(a tensor's type or dimensions do not match its bytes)")
+        end, before = stop, name
 
 
 def metadata_from_reader(reader) -> dict[str, MetaValue]:

@@ -65,6 +65,7 @@ class Layout:
 
     fields: list[Field] = field(default_factory=list)
     kv_values: dict[str, Field] = field(default_factory=dict)        # scalar metadata values by key
+    floats: list[Field] = field(default_factory=list)                # every FLOAT32 value (array items too)
     tensor_offsets: dict[str, Field] = field(default_factory=dict)   # tensor offset fields by name
     tensor_dims: dict[str, list[Field]] = field(default_factory=dict)
     tensor_types: dict[str, Field] = field(default_factory=dict)
@@ -101,6 +102,8 @@ def layout(data: bytes) -> Layout:
         else:
             size = SCALAR_SIZE[vtype]
             lay.kv_values.setdefault(key, Field(pos, size, f"{key} value"))
+            if vtype == ValueType.FLOAT32:
+                lay.floats.append(Field(pos, size, f"{key} float at {pos}"))
             pos += size
 
     for _ in range(n_kv):
