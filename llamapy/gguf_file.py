@@ -6,6 +6,12 @@ vocabulary); this reader decodes the same section in a fraction of a second. The
 `gguf` package's reader is still available as `GGUFFile.reader`, built on first use.
 Saving (gguf_writer.py) writes the metadata decoded here back with the same types (strings
 keep their bytes via surrogateescape).
+
+A file is never trusted: every count and length is checked against the bytes left before
+anything is read or allocated from it, arrays nest at most MAX_ARRAY_DEPTH deep, and the
+tensors must tile the data section (`_check_layout`), so no tensor is ever a view past the
+file, onto another tensor's bytes, or onto bytes written as another type. What the
+metadata means (hyper-parameters, shapes) is checked where it is read (hparams.py, model.py).
 """
 from __future__ import annotations
 
@@ -77,7 +83,7 @@ class TensorInfo:
 
 
 # What a file's header may hold, bounded before anything is allocated from it.
-MAX_ARRAY_DEPTH = 4        # arrays of arrays of ... (llama.cpp reads none; GGUF writers nest one level)
+MAX_ARRAY_DEPTH = 4        # arrays of arrays of ... (llama.cpp's reader refuses any; gguf-py writes one level)
 MAX_TENSOR_DIMS = 4
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
 _MIN_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
@@ -205,12 +211,12 @@ def read_gguf_header(data: np.ndarray, path: Path) -> tuple[int, dict[str, MetaV
     align = align_v.value if align_v is not None else GGUF_DEFAULT_ALIGNMENT
     if align <= 0 or align & (align - 1):
         raise ModelLoadError(f"{path}: general.alignment {align} is not a power of two")
-    data_start = -(-p.pos // align) * align
-    check_layout(infos, data_start, align, len(p.buf), path)
+    data_start = _padded(p.pos, align)
+    _check_layout(infos, data_start, align, len(p.buf), path)
     return version, meta, infos, data_start
 
 
-def tensor_nbytes(info: TensorInfo, path: Path) -> int:
+def _nbytes(info: TensorInfo, path: Path) -> int:
     """Bytes of a tensor as described (Python integers: no overflow whatever the dimensions)."""
     try:
         tr = traits(GGMLType(info.type))
@@ -223,18 +229,19 @@ def tensor_nbytes(info: TensorInfo, path: Path) -> int:
     return ne[0] // tr.blck_size * tr.type_size * ne[1] * ne[2] * ne[3]
 
 
-def check_layout(infos: list[TensorInfo], data_start: int, align: int, file_size: int, path: Path) -> None:
+def _check_layout(infos: list[TensorInfo], data_start: int, align: int, file_size: int, path: Path) -> None:
     """The tensors' bytes tile the data section: each inside the file, at an aligned offset,
-    starting where another one's bytes end (padded to the alignment) or at 0, sharing none.
-    llama.cpp's gguf reader asks the same (in file order): a tensor whose type or dimensions
-    were changed leaves a gap or an overlap, so its bytes are never read as another type."""
+    starting where another one's bytes end (padded to the alignment) or at 0, sharing none,
+    the last one ending the file (before its padding). llama.cpp's writers lay files out so
+    and its reader asks as much: a tensor whose type or dimensions were changed leaves a gap
+    or an overlap, so its bytes are never read as another type."""
     spans = []
     names: set[str] = set()
     for info in infos:
         if info.name in names:
             raise ModelLoadError(f"{path} is damaged: tensor {info.name!r} appears twice")
         names.add(info.name)
-        nbytes = tensor_nbytes(info, path)
+        nbytes = _nbytes(info, path)
         if info.offset % align:
             raise ModelLoadError(f"{path} is damaged: the offset {info.offset} of tensor {info.name!r} is not a "
                                  f"multiple of the alignment {align}")
@@ -247,10 +254,17 @@ def check_layout(infos: list[TensorInfo], data_start: int, align: int, file_size
     for start, stop, name in spans:
         if start < end:
             raise ModelLoadError(f"{path} is damaged: tensors {before!r} and {name!r} share bytes")
-        if start != -(-end // align) * align:
+        if start != _padded(end, align):
             raise ModelLoadError(f"{path} is damaged: {start - end} bytes before tensor {name!r} belong to no tensor "
                                  "(a tensor's type or dimensions do not match its bytes)")
         end, before = stop, name
+    if spans and file_size - data_start > _padded(end, align):
+        raise ModelLoadError(f"{path} is damaged: {file_size - data_start - end} bytes after tensor {before!r} belong "
+                             "to no tensor (a tensor's type or dimensions do not match its bytes)")
+
+
+def _padded(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 def metadata_from_reader(reader) -> dict[str, MetaValue]:

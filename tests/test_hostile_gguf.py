@@ -143,6 +143,10 @@ CASES: list[tuple[str, Make, str]] = [
      "bytes before tensor 'blk.0.attn_k.weight' belong to no tensor"),
     ("dimensions that do not fit the bytes", field(lambda lay: lay.tensor_dims[Q][1], 32),
      "bytes before tensor 'blk.0.attn_k.weight' belong to no tensor"),
+    ("a last tensor typed shorter than its bytes",  # F32 bytes declared F16: half of them would be read as F16
+     with_tensor("output.weight", lambda: C.tensor("output.weight", np.zeros((512, 64), np.float32), GGMLType.F16,
+                                                   (64, 512)), at_end=True),
+     "65536 bytes after tensor 'output.weight' belong to no tensor"),
     ("feed_forward_length disagreeing with the tensors", with_meta(llama__feed_forward_length=C.u32(100)),
      r"'blk.0.ffn_gate.weight' has shape \[64, 172\], but the hyper-parameters make it \[64, 100\]"),
     ("head_count_kv disagreeing with the tensors", with_meta(llama__attention__head_count_kv=C.u32(2)),
