@@ -144,20 +144,16 @@ def read_field(data: bytes, f: Field) -> int:
 _UNSIGNED = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}
 
 
-def data_start(data: bytes, lay: Layout, alignment: int = 32) -> int:
-    return -(-lay.infos_end // alignment) * alignment
-
-
 def add_raw_kv(data: bytes, key: str, vtype: int, value: bytes) -> bytes:
-    """data with one more key/value pair whose value bytes are given raw (what the writer
-    refuses to produce: 5,000 nested arrays, a length past the end), the tensors kept."""
+    """data (32-byte aligned) with one more key/value pair whose value bytes are given raw
+    (what the writer refuses to produce: 5,000 nested arrays, a key twice), the tensors kept."""
     lay = layout(data)
     n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
     kv = struct.pack("<Q", len(key.encode())) + key.encode() + struct.pack("<I", vtype) + value
     head = data[:8] + struct.pack("<QQ", n_tensors, n_kv + 1) + data[24:lay.kv_end] + kv
     head += data[lay.kv_end:lay.infos_end]
     head += bytes(-len(head) % 32)
-    return head + data[data_start(data, lay):]
+    return head + data[-(-lay.infos_end // 32) * 32:]
 
 
 def nested_arrays(depth: int) -> bytes:

@@ -12,6 +12,7 @@ SEED * 100_003 + case))` rebuilds."""
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import random
 import resource
 import struct
@@ -20,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gguf_craft as C
 import llamapy
 from llamapy.errors import LlamapyError
+
+import gguf_craft as C
 from test_hostile_gguf import deadline
 
 SEED = 33
@@ -88,7 +90,7 @@ def check_views(model: llamapy.Model, size: int) -> None:
         if t.nbytes():
             spans.append((t.offset, t.offset + t.nbytes(), name))
     spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         assert start >= end, f"{a} and {b} overlap"
 
 
@@ -140,7 +142,7 @@ def test_two_thousand_mutations_load_cleanly_or_are_refused(stories_path, tmp_pa
         try:
             with deadline(CASE_SECONDS):
                 outcome = run_case(path, mutated, rng.random() < DECODE_SHARE)
-        except BaseException as e:  # noqa: BLE001 - every other outcome is a finding, hangs included
+        except BaseException as e:  # every other outcome is a finding, a hang (TimeoutError) included
             if isinstance(e, KeyboardInterrupt):
                 raise
             failures.append(f"case {case}: {what}: {type(e).__name__}: {str(e)[:300]}")
