@@ -397,6 +397,14 @@ ADAPTER_CASES: list[tuple[str, Callable[[Path], Path], str]] = [
     ("a truncated adapter", lambda p: patch_file(p, lambda d, lay: d[:-100]), "extends past the end"),
     ("nested arrays", lambda p: patch_file(p, lambda d, lay: C.add_raw_kv(d, "x", ValueType.ARRAY,
                                                                           C.nested_arrays(100))), "nested deeper"),
+    ("an adapter of the output layer", lambda p: rewritten(p, lambda m, ts: ts.extend([
+        C.tensor("output.weight.lora_a", np.zeros((2, 64), np.float32)),
+        C.tensor("output.weight.lora_b", np.zeros((512, 2), np.float32))])),
+     "'output.weight' is not a matrix llamapy applies adapters to"),
+    ("an adapter of a norm", lambda p: rewritten(p, lambda m, ts: ts.extend([
+        C.tensor("blk.0.attn_norm.weight.lora_a", np.zeros((2, 64), np.float32)),
+        C.tensor("blk.0.attn_norm.weight.lora_b", np.zeros((1, 2), np.float32))])),
+     "'blk.0.attn_norm.weight' is not a matrix llamapy applies adapters to"),
 ]
 
 
