@@ -6,11 +6,19 @@ vocabulary); this reader decodes the same section in a fraction of a second. The
 `gguf` package's reader is still available as `GGUFFile.reader`, built on first use.
 Saving (gguf_writer.py) writes the metadata decoded here back with the same types (strings
 keep their bytes via surrogateescape).
+
+A file is never trusted: every count and length is checked against the bytes left before
+anything is read or allocated from it, arrays nest at most MAX_ARRAY_DEPTH deep, and the
+tensors must tile the data section (`_check_layout`), so no tensor is ever a view past the
+file, onto another tensor's bytes, or onto bytes written as another type. What the
+metadata means (hyper-parameters, shapes) is checked where it is read (hparams.py, model.py).
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -18,11 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from ggmlpy import GGMLType, Tensor
+from ggmlpy import GGMLType, Tensor, traits
 
 from .errors import ModelLoadError, UnsupportedModelError
 
 GGUF_DEFAULT_ALIGNMENT = 32
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class ValueType(IntEnum):
@@ -73,15 +82,26 @@ class TensorInfo:
     offset: int  # from the start of the data section
 
 
+# What a file's header may hold, bounded before anything is allocated from it.
+MAX_ARRAY_DEPTH = 4        # arrays of arrays of ... (llama.cpp's reader refuses any; gguf-py writes one level)
+MAX_TENSOR_DIMS = 4
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+_MIN_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+_MIN_ITEM_BYTES = {ValueType.STRING: 8, ValueType.ARRAY: 12}  # length prefix; item type + count
+
+
 class _Parser:
+    """Reads a GGUF header; every count and length is checked against the bytes left in the
+    file before anything is read or allocated from it."""
+
     def __init__(self, buf: memoryview, path: Path) -> None:
         self.buf = buf
         self.pos = 0
         self.path = path
 
-    def need(self, n: int) -> None:
+    def need(self, n: int, what: str = "header") -> None:
         if n < 0 or self.pos + n > len(self.buf):
-            raise ModelLoadError(f"{self.path} is damaged or truncated (header runs past the end of the file)")
+            raise ModelLoadError(f"{self.path} is damaged or truncated ({what} runs past the end of the file)")
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -92,7 +112,7 @@ class _Parser:
 
     def string_bytes(self) -> bytes:
         n = self.unpack("<Q")
-        self.need(n)
+        self.need(n, "a string")
         s = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         return s
@@ -100,25 +120,29 @@ class _Parser:
     def string(self) -> str:
         return self.string_bytes().decode("utf-8", "surrogateescape")
 
-    def value(self, vtype: int) -> MetaValue:
+    def value(self, vtype: int, key: str, depth: int = 0) -> MetaValue:
         try:
             vtype = ValueType(vtype)
         except ValueError:
-            raise ModelLoadError(f"{self.path} is damaged (unknown metadata value type {vtype})") from None
+            raise ModelLoadError(f"{self.path} is damaged (metadata {key!r}: unknown value type {vtype})") from None
         if vtype == ValueType.STRING:
             return MetaValue(vtype, None, self.string())
         if vtype == ValueType.ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ModelLoadError(f"{self.path} is damaged (metadata {key!r}: arrays nested deeper than "
+                                     f"{MAX_ARRAY_DEPTH} levels)")
             sub, n = self.unpack("<IQ")
             try:
                 sub = ValueType(sub)
             except ValueError:
-                raise ModelLoadError(f"{self.path} is damaged (unknown array element type {sub})") from None
+                raise ModelLoadError(f"{self.path} is damaged (metadata {key!r}: unknown array item type {sub})") from None
+            item_bytes = _MIN_ITEM_BYTES.get(sub) or np.dtype(_NUMPY[sub]).itemsize
+            self.need(n * item_bytes, f"metadata {key!r}'s {n} items")  # before a list or array of n is made
             if sub == ValueType.STRING:
                 return MetaValue(vtype, sub, self.string_array(n))
             if sub == ValueType.ARRAY:
-                return MetaValue(vtype, sub, [self.value(ValueType.ARRAY) for _ in range(n)])
+                return MetaValue(vtype, sub, [self.value(ValueType.ARRAY, key, depth + 1) for _ in range(n)])
             dtype = np.dtype(_NUMPY[sub]).newbyteorder("<")
-            self.need(n * dtype.itemsize)
             arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).copy()
             self.pos += n * dtype.itemsize
             return MetaValue(vtype, sub, arr)
@@ -146,6 +170,17 @@ class _Parser:
         self.pos = pos
         return out
 
+    def tensor_info(self) -> TensorInfo:
+        name = self.string()
+        n_dims = self.unpack("<I")
+        if n_dims > MAX_TENSOR_DIMS:
+            raise ModelLoadError(f"{self.path} is damaged (tensor {name!r} has {n_dims} dimensions)")
+        ne = tuple(self.unpack(f"<{n_dims}q")) if n_dims > 1 else ((self.unpack("<q"),) if n_dims == 1 else ())
+        if any(n < 0 for n in ne):
+            raise ModelLoadError(f"{self.path} is damaged (tensor {name!r} has a negative dimension: {ne})")
+        ttype, offset = self.unpack("<IQ")
+        return TensorInfo(name, ne, ttype, offset)
+
 
 def read_gguf_header(data: np.ndarray, path: Path) -> tuple[int, dict[str, MetaValue], list[TensorInfo], int]:
     """(version, metadata, tensor infos, data section offset) of the GGUF bytes `data`."""
@@ -160,27 +195,76 @@ def read_gguf_header(data: np.ndarray, path: Path) -> tuple[int, dict[str, MetaV
     if version not in (2, 3):
         raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_kv = p.unpack("<QQ")
-    if n_kv > len(p.buf) or n_tensors > len(p.buf):
-        raise ModelLoadError(f"{path} is damaged (implausible counts: {n_tensors} tensors, {n_kv} keys)")
+    if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_INFO_BYTES > len(p.buf) - p.pos:
+        raise ModelLoadError(f"{path} is damaged (implausible counts: {n_tensors} tensors, {n_kv} keys "
+                             f"in {len(p.buf)} bytes)")
     meta: dict[str, MetaValue] = {}
     for _ in range(n_kv):
         key = p.string()
-        meta[key] = p.value(p.unpack("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = p.string()
-        n_dims = p.unpack("<I")
-        if n_dims > 4:
-            raise ModelLoadError(f"{path} is damaged (tensor {name} has {n_dims} dimensions)")
-        ne = tuple(p.unpack(f"<{n_dims}Q")) if n_dims > 1 else ((p.unpack("<Q"),) if n_dims == 1 else ())
-        ttype, offset = p.unpack("<IQ")
-        infos.append(TensorInfo(name, ne, ttype, offset))
+        if key in meta:
+            raise ModelLoadError(f"{path} is damaged (metadata key {key!r} appears twice)")
+        meta[key] = p.value(p.unpack("<I"), key)
+    infos = [p.tensor_info() for _ in range(n_tensors)]
     align_v = meta.get("general.alignment")
-    align = int(align_v.value) if align_v is not None else GGUF_DEFAULT_ALIGNMENT
+    if align_v is not None and align_v.type != ValueType.UINT32:  # as llama.cpp's gguf reader
+        raise ModelLoadError(f"{path}: general.alignment is {type_name(align_v)}, expected UINT32")
+    align = align_v.value if align_v is not None else GGUF_DEFAULT_ALIGNMENT
     if align <= 0 or align & (align - 1):
         raise ModelLoadError(f"{path}: general.alignment {align} is not a power of two")
-    data_start = -(-p.pos // align) * align
+    data_start = _padded(p.pos, align)
+    _check_layout(infos, data_start, align, len(p.buf), path)
     return version, meta, infos, data_start
+
+
+def _nbytes(info: TensorInfo, path: Path) -> int:
+    """Bytes of a tensor as described (Python integers: no overflow whatever the dimensions)."""
+    try:
+        tr = traits(GGMLType(info.type))
+    except (ValueError, NotImplementedError):
+        raise UnsupportedModelError(f"{path}: tensor {info.name!r} has unknown type {info.type}") from None
+    ne = info.ne + (1,) * (MAX_TENSOR_DIMS - len(info.ne))
+    if ne[0] % tr.blck_size:
+        raise ModelLoadError(f"{path} is damaged: tensor {info.name!r} has rows of {ne[0]} {tr.name} values, "
+                             f"not a multiple of its block size {tr.blck_size}")
+    return ne[0] // tr.blck_size * tr.type_size * ne[1] * ne[2] * ne[3]
+
+
+def _check_layout(infos: list[TensorInfo], data_start: int, align: int, file_size: int, path: Path) -> None:
+    """The tensors' bytes tile the data section: each inside the file, at an aligned offset,
+    starting where another one's bytes end (padded to the alignment) or at 0, sharing none,
+    the last one ending the file (before its padding). llama.cpp's writers lay files out so
+    and its reader asks as much: a tensor whose type or dimensions were changed leaves a gap
+    or an overlap, so its bytes are never read as another type."""
+    spans = []
+    names: set[str] = set()
+    for info in infos:
+        if info.name in names:
+            raise ModelLoadError(f"{path} is damaged: tensor {info.name!r} appears twice")
+        names.add(info.name)
+        nbytes = _nbytes(info, path)
+        if info.offset % align:
+            raise ModelLoadError(f"{path} is damaged: the offset {info.offset} of tensor {info.name!r} is not a "
+                                 f"multiple of the alignment {align}")
+        if data_start + info.offset + nbytes > file_size:
+            raise ModelLoadError(f"{path} is truncated or damaged: tensor {info.name!r} ({nbytes} bytes at data "
+                                 f"offset {info.offset}) extends past the end of the file")
+        spans.append((info.offset, info.offset + nbytes, info.name))
+    spans.sort()
+    end, before = 0, None
+    for start, stop, name in spans:
+        if start < end:
+            raise ModelLoadError(f"{path} is damaged: tensors {before!r} and {name!r} share bytes")
+        if start != _padded(end, align):
+            raise ModelLoadError(f"{path} is damaged: {start - end} bytes before tensor {name!r} belong to no tensor "
+                                 "(a tensor's type or dimensions do not match its bytes)")
+        end, before = stop, name
+    if spans and file_size - data_start > _padded(end, align):
+        raise ModelLoadError(f"{path} is damaged: {file_size - data_start - end} bytes after tensor {before!r} belong "
+                             "to no tensor (a tensor's type or dimensions do not match its bytes)")
+
+
+def _padded(n: int, align: int) -> int:
+    return -(-n // align) * align
 
 
 def metadata_from_reader(reader) -> dict[str, MetaValue]:
@@ -189,10 +273,45 @@ def metadata_from_reader(reader) -> dict[str, MetaValue]:
     return read_gguf_header(np.asarray(reader.data), Path(getattr(reader.data, "filename", None) or "<gguf>"))[1]
 
 
+_INTEGERS = frozenset({ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
+                       ValueType.INT32, ValueType.UINT64, ValueType.INT64})
+_STORED_AS: dict[type, tuple[frozenset[ValueType], str]] = {  # what a key read as int, float, ... may hold
+    int: (_INTEGERS, "an integer"),
+    float: (_INTEGERS | {ValueType.FLOAT32, ValueType.FLOAT64}, "a number"),
+    bool: (frozenset({ValueType.BOOL}), "a boolean"),
+    str: (frozenset({ValueType.STRING}), "a string"),
+}
+INT32_MAX = 2**31 - 1  # sizes and counts reach ggml's int32 op parameters
+
+
+def type_name(v: MetaValue) -> str:
+    return f"an ARRAY of {v.sub_type.name}" if v.type == ValueType.ARRAY else f"a {v.type.name}"
+
+
+def typed_scalar(metadata: Mapping[str, MetaValue], key: str, kind: type, where: Path | None = None) -> Any:
+    """The value of `key` as `kind` (int, float, bool or str), None when absent; one line naming
+    the key (and the file `where`) when the file stores another type (llama.cpp's loader
+    checks each key's type too)."""
+    v = metadata.get(key)
+    if v is None:
+        return None
+    types, expected = _STORED_AS[kind]
+    if v.type not in types:
+        raise ModelLoadError(f"{f'{where}: ' if where else ''}metadata {key} is {type_name(v)}, expected {expected}")
+    return kind(v.value)
+
+
+_REQUIRED: Any = object()
+
+
 class GGUFMetadata:
     """What a model's description offers, wherever it lives: metadata by key, tensors by name,
     and each tensor's dimension count as stored. A GGUF file (`GGUFFile`) and a model built
-    in memory (`InMemoryGGUF`) share it, so loading, hyper-parameters and saving read both alike."""
+    in memory (`InMemoryGGUF`) share it, so loading, hyper-parameters and saving read both alike.
+
+    The typed getters (`get_int`, `get_float`, `get_str`, `get_bool`) are how llamapy reads the
+    keys it uses: a value of another type, out of range or not finite is one clear line, never
+    a number that crashes or poisons a computation later. Without a default a key is required."""
 
     path: Path
     metadata: dict[str, MetaValue]
@@ -203,16 +322,46 @@ class GGUFMetadata:
         return key in self.metadata
 
     def get(self, key: str, default: Any = None) -> Any:
-        """A metadata value (numeric arrays as lists), or `default` when the key is absent."""
+        """A metadata value as stored, whatever its type (numeric arrays as lists), or `default`."""
         v = self.metadata.get(key)
         if v is None:
             return default
         return v.value.tolist() if isinstance(v.value, np.ndarray) else v.value
 
-    def require(self, key: str) -> Any:
-        if not self.has(key):
+    def _typed(self, key: str, kind: type, default: Any) -> Any:
+        value = typed_scalar(self.metadata, key, kind, self.path)
+        if value is not None:
+            return value
+        if default is _REQUIRED:
             raise UnsupportedModelError(f"{self.path}: required metadata key {key!r} is missing")
-        return self.get(key)
+        return default
+
+    def _out_of_range(self, key: str, value: Any, rule: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: metadata {key} = {value!r} is out of range ({rule})")
+
+    def get_int(self, key: str, default: int = _REQUIRED, *, at_least: int = 0, at_most: int = INT32_MAX) -> int:
+        value = self._typed(key, int, default)
+        if not at_least <= value <= at_most:
+            raise self._out_of_range(key, value, f"must be in {at_least}..{at_most}")
+        return value
+
+    def get_float(self, key: str, default: float = _REQUIRED, *, at_least: float | None = None,
+                  above: float | None = None) -> float:
+        """A finite number (float32's range: ggml computes with float32)."""
+        value = self._typed(key, float, default)
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise self._out_of_range(key, value, "must be a finite float32")
+        if at_least is not None and value < at_least:
+            raise self._out_of_range(key, value, f"must be at least {at_least}")
+        if above is not None and value <= above:
+            raise self._out_of_range(key, value, f"must be above {above}")
+        return value
+
+    def get_str(self, key: str, default: str | None = _REQUIRED) -> str | None:
+        return self._typed(key, str, default)
+
+    def get_bool(self, key: str, default: bool = _REQUIRED) -> bool:
+        return self._typed(key, bool, default)
 
     def tensor(self, name: str) -> Tensor:
         try:
@@ -259,20 +408,9 @@ class GGUFFile(GGUFMetadata):
         self._reader = None
         self.tensors: dict[str, Tensor] = {}
         self.tensor_n_dims = {info.name: len(info.ne) for info in infos}
-        file_size = self.data.nbytes
-        for info in infos:
-            try:
-                ggml_type = GGMLType(info.type)
-            except ValueError:
-                raise UnsupportedModelError(f"{self.path}: tensor {info.name} has unknown type {info.type}") from None
-            ne = info.ne + (1,) * (4 - len(info.ne))
-            tensor = Tensor(ggml_type, ne, name=info.name)
-            offset = data_start + info.offset
-            if offset + tensor.nbytes() > file_size:
-                raise ModelLoadError(f"{self.path} is truncated: tensor {info.name} extends past the end of the file")
-            if info.name in self.tensors:
-                raise ModelLoadError(f"{self.path} is damaged: tensor {info.name} appears twice")
-            tensor.bind(self.data, offset)
+        for info in infos:  # read_gguf_header checked each one's type, size and place in the file
+            tensor = Tensor(GGMLType(info.type), info.ne + (1,) * (MAX_TENSOR_DIMS - len(info.ne)), name=info.name)
+            tensor.bind(self.data, data_start + info.offset)
             self.tensors[info.name] = tensor
 
     @property

@@ -1,10 +1,11 @@
 """Model hyper-parameters, read from GGUF metadata with llama.cpp's keys and defaults."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
-from .errors import UnsupportedModelError
-from .gguf_file import GGUFMetadata
+from .errors import ModelLoadError, UnsupportedModelError
+from .gguf_file import FLOAT32_MAX, GGUFMetadata
 
 
 @dataclass
@@ -49,6 +50,14 @@ class HParams:
     def rope_base_of(self, il: int) -> float:
         return self.rope_freq_base_swa if self.is_swa(il) else self.rope_freq_base
 
+    def check_finite(self, where: object) -> None:
+        """Every float parameter, derived ones included (1 / rope.scaling.factor), is a finite
+        float32: ggml computes with them as such, and an infinity would make every logit NaN."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                raise ModelLoadError(f"{where}: hyper-parameter {f.name} = {value!r} is not a finite float32")
+
     def set_swa_pattern(self, n_pattern: int) -> None:
         """Every n_pattern-th layer attends globally, the others through the window
         (llama_hparams::set_swa_pattern; n_pattern 0: every layer uses the window)."""
@@ -56,34 +65,45 @@ class HParams:
 
 
 def read_common(f: GGUFMetadata, arch: str, n_vocab: int, rope_type: int) -> HParams:
-    """The keys every transformer architecture shares (LLM_KV_* in llama.cpp)."""
+    """The keys every transformer architecture shares (LLM_KV_* in llama.cpp), each of its
+    type and in its range, and the relations between them that the graph relies on."""
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    n_embd = int(f.require(key("embedding_length")))
-    n_head = int(f.require(key("attention.head_count")))
-    if n_head <= 0 or (n_embd % n_head and not f.has(key("attention.key_length"))):
+    n_embd = f.get_int(key("embedding_length"), at_least=1)
+    n_head = f.get_int(key("attention.head_count"), at_least=1)
+    n_layer = f.get_int(key("block_count"), at_least=1)
+    if n_layer > len(f.tensors):  # every layer has tensors: nothing is planned for layers the file cannot hold
+        raise ModelLoadError(f"{f.path}: {key('block_count')} = {n_layer}, but the file holds only "
+                             f"{len(f.tensors)} tensors")
+    if n_embd % n_head and not (f.has(key("attention.key_length")) and f.has(key("attention.value_length"))):
         raise UnsupportedModelError(f"{f.path}: n_embd {n_embd} is not divisible by n_head {n_head}")
-    n_head_kv = int(f.get(key("attention.head_count_kv"), n_head))
-    head_k = int(f.get(key("attention.key_length"), n_embd // n_head))
-    head_v = int(f.get(key("attention.value_length"), n_embd // n_head))
+    n_head_kv = f.get_int(key("attention.head_count_kv"), n_head, at_least=1)
     if n_head % n_head_kv:
         raise UnsupportedModelError(f"{f.path}: n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
-    scaling = float(f.get(key("rope.scaling.factor")) or f.get(key("rope.scale_linear")) or 0.0)
+    head_k = f.get_int(key("attention.key_length"), n_embd // n_head, at_least=1)
+    head_v = f.get_int(key("attention.value_length"), n_embd // n_head, at_least=1)
+    n_rot = f.get_int(key("rope.dimension_count"), head_k, at_least=2, at_most=head_k)
+    if n_rot % 2:
+        raise ModelLoadError(f"{f.path}: {key('rope.dimension_count')} = {n_rot} is odd: RoPE rotates pairs")
+    # 0 means no scaling, as in llama.cpp
+    scaling = (f.get_float(key("rope.scaling.factor"), 0.0, at_least=0.0)
+               or f.get_float(key("rope.scale_linear"), 0.0, at_least=0.0))
     return HParams(
         arch=arch,
         n_vocab=n_vocab,
-        n_ctx_train=int(f.require(key("context_length"))),
+        n_ctx_train=f.get_int(key("context_length"), at_least=1),
         n_embd=n_embd,
-        n_layer=int(f.require(key("block_count"))),
+        n_layer=n_layer,
         n_head=n_head,
         n_head_kv=n_head_kv,
-        n_ff=int(f.require(key("feed_forward_length"))),
+        n_ff=f.get_int(key("feed_forward_length"), at_least=1),
         n_embd_head_k=head_k,
         n_embd_head_v=head_v,
-        n_rot=int(f.get(key("rope.dimension_count"), head_k)),
-        norm_rms_eps=float(f.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
-        rope_freq_base=float(f.get(key("rope.freq_base"), 10000.0)),
+        n_rot=n_rot,
+        norm_rms_eps=f.get_float(key("attention.layer_norm_rms_epsilon"), 1e-5, above=0.0),
+        # angles are pos * base^(-2i/n_rot): a base below 1 would grow them without bound
+        rope_freq_base=f.get_float(key("rope.freq_base"), 10000.0, at_least=1.0),
         rope_freq_scale=1.0 / scaling if scaling else 1.0,
         rope_type=rope_type,
     )

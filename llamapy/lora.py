@@ -24,6 +24,7 @@ from .gguf_writer import array_out
 from .model import Model
 from .save import write_atomically
 
+# every projection the graph applies adapters to (GraphBuilder.mm); new adapters adapt all of them by default
 DEFAULT_MODULES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -63,8 +64,7 @@ class LoraAdapter:
         rng = np.random.default_rng(seed)
         tensors = {}
         for name, w in model.tensors.items():
-            parts = name.split(".")
-            if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in modules:
+            if _layer_module(name) not in modules:
                 continue
             n_in, n_out = w.ne[0], w.ne[1]
             bound = 1.0 / math.sqrt(n_in)
@@ -79,26 +79,31 @@ class LoraAdapter:
     def load(cls, path: str | os.PathLike, model: Model) -> "LoraAdapter":
         """Read a llama.cpp GGUF LoRA adapter and check it against the model's tensors."""
         f = GGUFFile(path)
-        if f.get("general.type") != "adapter" or f.get("adapter.type") != "lora":
+        if f.get_str("general.type", None) != "adapter" or f.get_str("adapter.type", None) != "lora":
             raise ModelLoadError(f"{f.path}: not a LoRA adapter (general.type/adapter.type)")
-        arch = f.get("general.architecture")
+        arch = f.get_str("general.architecture", None)
         if arch and arch != model.hparams.arch:
             raise ModelLoadError(f"{f.path}: adapter for {arch!r}, model is {model.hparams.arch!r}")
+        alpha = f.get_float("adapter.lora.alpha", 0.0)
         pairs: dict[str, dict[str, Tensor]] = {}
         for name, t in f.tensors.items():
             base, _, kind = name.rpartition(".")
             if kind not in ("lora_a", "lora_b"):
                 raise ModelLoadError(f"{f.path}: unexpected tensor {name!r} in a LoRA adapter")
-            pairs.setdefault(base, {})[kind] = _f32_copy(t, name)
+            pairs.setdefault(base, {})[kind] = t
         tensors = {}
         for base, ab in pairs.items():
             if set(ab) != {"lora_a", "lora_b"} or base not in model.tensors:
                 raise ModelLoadError(f"{f.path}: {base!r} needs lora_a and lora_b and a matching model tensor")
+            if _layer_module(base) not in DEFAULT_MODULES:  # it would be loaded and never applied
+                raise ModelLoadError(f"{f.path}: {base!r} is not a matrix llamapy applies adapters to (each layer's "
+                                     f"{', '.join(DEFAULT_MODULES)})")
             a, b, w = ab["lora_a"], ab["lora_b"], model.tensors[base]
-            if a.ne[0] != w.ne[0] or b.ne[1] != w.ne[1] or a.ne[1] != b.ne[0]:
+            rank = a.ne[1]
+            if a.ne != (w.ne[0], rank, 1, 1) or b.ne != (rank, w.ne[1], 1, 1) or rank < 1 or w.ne[2:] != (1, 1):
                 raise ModelLoadError(f"{f.path}: {base}: shapes a {a.ne[:2]}, b {b.ne[:2]} do not fit {w.ne[:2]}")
-            tensors[base] = (a, b)
-        return cls(float(f.get("adapter.lora.alpha", 0.0)), tensors, arch or model.hparams.arch)
+            tensors[base] = (_f32_copy(a, f"{base}.lora_a"), _f32_copy(b, f"{base}.lora_b"))
+        return cls(alpha, tensors, arch or model.hparams.arch)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the adapter in llama.cpp's GGUF LoRA format, atomically."""
@@ -108,6 +113,12 @@ class LoraAdapter:
                 "adapter.lora.alpha": MetaValue(ValueType.FLOAT32, None, float(self.alpha))}
         tensors = [array_out(name, t.array()[0, 0]) for name, t in self.named_tensors().items()]
         return write_atomically(meta, tensors, Path(path), "LoRA adapter")
+
+
+def _layer_module(name: str) -> str | None:
+    """"attn_q" for "blk.3.attn_q.weight"; None for a tensor outside the layers or not a weight."""
+    parts = name.split(".")
+    return parts[2] if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" else None
 
 
 def _tensor(values: np.ndarray, name: str) -> Tensor:

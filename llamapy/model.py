@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from ggmlpy import Tensor
+from ggmlpy import GGMLType, Tensor
+from ggmlpy.quants import VEC_DOT_TYPE
 
 from .arch import ARCHITECTURES, Architecture
-from .errors import UnsupportedModelError
+from .arch.base import TensorSpec
+from .errors import ModelLoadError, UnsupportedModelError
 from .gguf_file import GGUFFile, GGUFMetadata
 from .hparams import HParams
 from .vocab import Vocab
@@ -72,9 +74,10 @@ def load_model(path: str | os.PathLike) -> Model:
 
 def model_from(source: GGUFMetadata) -> Model:
     """The model a GGUF description holds (a file, or one built in memory): its architecture,
-    vocabulary and hyper-parameters read from the metadata, its required tensors checked.
-    One path for both, so a model built in Python behaves exactly like a loaded one."""
-    arch_name = source.get("general.architecture")
+    vocabulary and hyper-parameters read from the metadata, its tensors checked against what
+    the architecture reads. One path for both, so a model built in Python behaves exactly
+    like a loaded one."""
+    arch_name = source.get_str("general.architecture", None)
     if arch_name is None:
         raise UnsupportedModelError(f"{source.path}: no general.architecture key: not a model file")
     if arch_name not in ARCHITECTURES:
@@ -83,13 +86,42 @@ def model_from(source: GGUFMetadata) -> Model:
     arch = ARCHITECTURES[arch_name]()
     vocab = Vocab.from_gguf(source)
     hp = arch.read_hparams(source, vocab.n_tokens)
-    required = arch.required_tensors(hp)
-    for name in required:
-        source.tensor(name)
-    known = set(required) | set(arch.optional_tensors(hp))
-    unknown = [name for name in source.tensors if name not in known]
+    hp.check_finite(source.path)
+    check_tensors(source, arch_name, arch.tensor_specs(hp))
+    return Model(source, arch, hp, vocab)
+
+
+# Types the graph computes with: vectors (norms, biases, RoPE factors) in F32, matrices in
+# any type ggmlpy has products for (F32, F16, BF16 and the quantized types with a dot kernel).
+VECTOR_TYPES = frozenset({GGMLType.F32})
+MATRIX_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16}) | frozenset(VEC_DOT_TYPE)
+
+
+def check_tensors(source: GGUFMetadata, arch_name: str, specs: dict[str, TensorSpec]) -> None:
+    """Each tensor is one the architecture reads, every required one is there, and each has
+    the shape the hyper-parameters imply (llama.cpp's create_tensor check) and a type the
+    graph uses for its role: anything else is refused with one line before a graph reads it."""
+    unknown = [name for name in source.tensors if name not in specs]
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise UnsupportedModelError(f"{source.path}: tensor {unknown[0]!r}{more} is not part of a {arch_name} model "
                                     "as llamapy builds it; ignoring it would compute a different model")
-    return Model(source, arch, hp, vocab)
+    for name, spec in specs.items():
+        if spec.required:
+            source.tensor(name)
+    for name, t in source.tensors.items():
+        ne = specs[name].ne
+        if t.ne != ne + (1,) * (4 - len(ne)):
+            raise ModelLoadError(f"{source.path}: tensor {name!r} has shape {_shape(t.ne)}, but the hyper-parameters "
+                                 f"make it {_shape(ne)}")
+        allowed, role = (MATRIX_TYPES, "matrix") if len(ne) == 2 else (VECTOR_TYPES, "vector")
+        if t.type not in allowed:
+            raise UnsupportedModelError(f"{source.path}: tensor {name!r} is {t.type.name}, which llamapy does not "
+                                        f"use for a {role} ({', '.join(sorted(x.name for x in allowed))})")
+
+
+def _shape(ne: tuple[int, ...]) -> str:
+    """A shape as llama.cpp prints it: ne0 first, trailing 1s dropped."""
+    while len(ne) > 1 and ne[-1] == 1:
+        ne = ne[:-1]
+    return "[" + ", ".join(map(str, ne)) + "]"

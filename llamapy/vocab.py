@@ -20,8 +20,8 @@ import re
 import struct
 from typing import Callable
 
-from llamapy.errors import InputError, VocabError
-from llamapy.gguf_file import GGUFMetadata, MetaValue, ValueType, metadata_from_reader
+from llamapy.errors import InputError, LlamapyError, VocabError
+from llamapy.gguf_file import GGUFMetadata, MetaValue, ValueType, metadata_from_reader, typed_scalar
 from llamapy.pretokenizers import PRE_TOKENIZERS, PreTokenizer
 from llamapy.text_input import check_text
 
@@ -127,14 +127,11 @@ def _metadata(source) -> dict[str, MetaValue]:
     return metadata_from_reader(source)
 
 
-def _scalar(meta: dict[str, MetaValue], key: str, default=None):
-    """A scalar (number, bool or string) value, or `default` when the key is absent."""
-    v = meta.get(key)
-    if v is None:
-        return default
-    if v.type == ValueType.ARRAY:
-        raise VocabError(f"GGUF key {key} should be a single value, not an array")
-    return v.value
+def _scalar(meta: dict[str, MetaValue], key: str, kind: type, default=None):
+    """A scalar of `kind` (int, bool or str), or `default` when the key is absent; one line
+    when the file stores another type."""
+    value = typed_scalar(meta, key, kind)
+    return default if value is None else value
 
 
 def _array(meta: dict[str, MetaValue], key: str, allowed: tuple) -> list | None:
@@ -445,21 +442,31 @@ class Vocab:
 
     @classmethod
     def from_gguf(cls, source) -> "Vocab":
-        """Rebuild the tokenizer from a GGUF file's tokenizer.ggml.* metadata.
+        """Rebuild the tokenizer from a GGUF file's tokenizer.ggml.* metadata (a refusal names
+        the file when the source has a path)."""
+        try:
+            return cls._from_metadata(_metadata(source))
+        except LlamapyError as e:
+            where = getattr(source, "path", None)
+            if where is None:
+                raise
+            raise type(e)(f"{where}: {e}") from None
 
-        The steps follow llama.cpp's llama_vocab::load, in its order: defaults for the
+    @classmethod
+    def _from_metadata(cls, reader: dict[str, MetaValue]) -> "Vocab":
+        """The steps follow llama.cpp's llama_vocab::load, in its order: defaults for the
         vocab kind, special ids, metadata flags, text-based detection of special tokens,
         the end-of-generation set, then the special-token cache used by tokenize.
         """
-        reader = _metadata(source)
         vocab = cls()
-        model = _scalar(reader, "tokenizer.ggml.model")
+        model = _scalar(reader, "tokenizer.ggml.model", str)
         if model is None:
             raise VocabError("GGUF file has no tokenizer.ggml.model (no vocabulary)")
-        pre_name = _scalar(reader, "tokenizer.ggml.pre", "") or ""
+        pre_name = _scalar(reader, "tokenizer.ggml.pre", str, "")
         vocab._texts = _token_list(reader)
         vocab._types = _per_token(reader, "tokenizer.ggml.token_type", (ValueType.INT32,),
                                   vocab.n_tokens, TYPE_NORMAL)
+        vocab._check_byte_tokens()
         vocab._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in vocab._types]
         defaults, pre = vocab._configure(model, pre_name)
         ids = vocab._special_ids_from(reader, defaults)
@@ -470,7 +477,7 @@ class Vocab:
         vocab.unk_id, vocab.sep_id, vocab.pad_id, vocab.mask_id = ids["unk"], ids["sep"], ids["pad"], ids["mask"]
         vocab._check_add_special()
         vocab._special_ids = vocab._special_token_cache()
-        vocab._set_strip_attrs(_scalar(reader, "general.name", "") or "", pre_name)
+        vocab._set_strip_attrs(_scalar(reader, "general.name", str, ""), pre_name)
         vocab._encode = vocab._build_encoder(reader, pre)
         return vocab
 
@@ -520,19 +527,27 @@ class Vocab:
         for name, value in defaults.items():
             ids[name] = value if value is not None and 0 <= value < n else None
         for name, key in _SPECIAL_ID_KEYS:
-            value = _scalar(reader, key)
-            if isinstance(value, (int, float)) and 0 <= int(value) < n:
-                ids[name] = int(value)
+            value = _scalar(reader, key, int)
+            if value is not None and 0 <= value < n:
+                ids[name] = value
         return ids
 
     def _apply_flags(self, reader: dict[str, MetaValue], pre: PreTokenizer | None) -> None:
         """Metadata overrides of the space-prefix and BOS/EOS/SEP defaults."""
-        self.add_space_prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", self.add_space_prefix))
-        self.add_bos = bool(_scalar(reader, "tokenizer.ggml.add_bos_token", self.add_bos))
-        self.add_eos = bool(_scalar(reader, "tokenizer.ggml.add_eos_token", self.add_eos))
-        self.add_sep = bool(_scalar(reader, "tokenizer.ggml.add_sep_token", self.add_sep))
+        self.add_space_prefix = _scalar(reader, "tokenizer.ggml.add_space_prefix", bool, self.add_space_prefix)
+        self.add_bos = _scalar(reader, "tokenizer.ggml.add_bos_token", bool, self.add_bos)
+        self.add_eos = _scalar(reader, "tokenizer.ggml.add_eos_token", bool, self.add_eos)
+        self.add_sep = _scalar(reader, "tokenizer.ggml.add_sep_token", bool, self.add_sep)
         if pre is not None and pre.force_bos:
             self.add_bos = True
+
+    def _check_byte_tokens(self) -> None:
+        """A BYTE token stands for the byte its text <0xXX> names: any other text is refused
+        (llama.cpp reads past such a text, or a byte from its 4th and 5th characters)."""
+        for i, (text, kind) in enumerate(zip(self._texts, self._types)):
+            if kind == TYPE_BYTE and not _is_byte_piece(text):
+                raise VocabError(f"token {i} ({text!r}) is typed BYTE in tokenizer.ggml.token_type, but its text is "
+                                 "not a byte <0xXX>")
 
     def _check_add_special(self) -> None:
         if self.add_bos and self.bos_id is None:

@@ -344,7 +344,7 @@ def test_cli_reports_unsupported_tokenizer_in_one_line(tmp_path: Path, model: st
     proc = subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", "-m", str(path), "-f", str(text)],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: unsupported "), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"error: {path}: unsupported "), proc.stderr
     assert expected in proc.stderr
 
 

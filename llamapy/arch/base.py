@@ -3,14 +3,18 @@
 Adding an architecture is one module in this package that subclasses `Architecture`,
 decorates it with `@register` and is imported in `__init__.py`: it reads its
 hyper-parameters (most through `hparams.read_common`), names the tensors it needs and
-those it uses when present, and builds one ubatch's graph from the shared pieces of
+those it uses when present (their shapes from `Architecture.shapes`), and builds one ubatch's graph from the shared pieces of
 `GraphBuilder` (whose `mm` adds a projection's bias whenever the model has one).
 
 A file's tensors must all be known to its architecture: a tensor llamapy would not read
 changes the model llama.cpp computes (Llama 3's `rope_freqs.weight`, a bias), so loading
-refuses it with one line instead of computing another model.
+refuses it with one line instead of computing another model. So does a tensor whose
+shape is not the one the hyper-parameters imply, or whose type the graph cannot use for its
+role (model.model_from checks both before any graph is built).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..gguf_file import GGUFMetadata
 from ..hparams import HParams
@@ -19,6 +23,15 @@ ARCHITECTURES: dict[str, type["Architecture"]] = {}
 
 # Tensors that are fixed by the model's design, not learned: never trained.
 FIXED_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor an architecture reads: its shape (ggml order, ne0 first) and whether every
+    file must carry it."""
+
+    ne: tuple[int, ...]
+    required: bool
 
 
 def register(cls: type["Architecture"]) -> type["Architecture"]:
@@ -41,20 +54,44 @@ class Architecture:
     def read_hparams(self, f: GGUFMetadata, n_vocab: int) -> HParams:
         raise NotImplementedError
 
-    def required_tensors(self, hp: HParams) -> list[str]:
-        """Names that must be present in the file (checked at load, for one clear error)."""
-        names = [f"{t}.weight" for t in self.global_tensors]
-        for il in range(hp.n_layer):
-            names += [f"blk.{il}.{t}.weight" for t in self.layer_tensors]
-            names += [f"blk.{il}.{t}.bias" for t in self.layer_biases]
-        return names
+    def shapes(self, hp: HParams) -> dict[str, tuple[int, ...]]:
+        """The shape of each weight (by name without "blk.{il}." and ".weight") that the
+        hyper-parameters imply, in ggml's order (a matrix's ne0 is its inputs): llama.cpp's
+        create_tensor shapes. A bias has one value per output of its matrix."""
+        n_embd, n_ff, n_q, head_k = hp.n_embd, hp.n_ff, hp.n_embd_head_k * hp.n_head, hp.n_embd_head_k
+        return {
+            "token_embd": (n_embd, hp.n_vocab), "output": (n_embd, hp.n_vocab), "output_norm": (n_embd,),
+            "rope_freqs": (hp.n_rot // 2,),
+            "attn_norm": (n_embd,), "attn_q": (n_embd, n_q), "attn_k": (n_embd, hp.n_embd_k_gqa),
+            "attn_v": (n_embd, hp.n_embd_v_gqa), "attn_output": (n_q, n_embd),
+            "attn_q_norm": (head_k,), "attn_k_norm": (head_k,), "post_attention_norm": (n_embd,),
+            "ffn_norm": (n_embd,), "ffn_gate": (n_embd, n_ff), "ffn_up": (n_embd, n_ff), "ffn_down": (n_ff, n_embd),
+            "post_ffw_norm": (n_embd,),
+        }
 
-    def optional_tensors(self, hp: HParams) -> list[str]:
-        """Names the graph uses when the file has them."""
-        names = list(self.optional_global_tensors)
+    def tensor_specs(self, hp: HParams) -> dict[str, TensorSpec]:
+        """Every tensor a model of this architecture may carry, by GGUF name, with its shape
+        and whether it is required (the others are used when present)."""
+        shapes = self.shapes(hp)
+        specs: dict[str, TensorSpec] = {}
+
+        def add(prefix: str, kind: str, required: bool, suffix: str = "weight") -> None:
+            specs[f"{prefix}{kind}.{suffix}"] = TensorSpec(shapes[kind] if suffix == "weight" else shapes[kind][1:],
+                                                           required)
+
+        for t in self.global_tensors:
+            add("", t, True)
         for il in range(hp.n_layer):
-            names += [f"blk.{il}.{t}.bias" for t in self.optional_layer_biases]
-        return names
+            blk = f"blk.{il}."
+            for t in self.layer_tensors:
+                add(blk, t, True)
+            for t in self.layer_biases:
+                add(blk, t, True, "bias")
+            for t in self.optional_layer_biases:
+                add(blk, t, False, "bias")
+        for name in self.optional_global_tensors:
+            add("", name.removesuffix(".weight"), False)
+        return specs
 
     def build(self, g, model):
         """Add the forward graph of one ubatch to GraphBuilder `g`, ending with

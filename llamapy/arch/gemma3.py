@@ -32,11 +32,11 @@ class Gemma3(Architecture):
 
     def read_hparams(self, f, n_vocab: int) -> HParams:
         hp = read_common(f, self.name, n_vocab, gg.ROPE_TYPE_NEOX)
-        hp.n_swa = int(f.get(f"{self.name}.attention.sliding_window", 0))
+        hp.n_swa = f.get_int(f"{self.name}.attention.sliding_window", 0)
         if hp.n_swa > 0:
             hp.set_swa_pattern(SWA_PATTERN)
             hp.rope_freq_base_swa = ROPE_FREQ_BASE_SWA
-        if f.has(f"{self.name}.final_logit_softcapping") and float(f.get(f"{self.name}.final_logit_softcapping")):
+        if f.get_float(f"{self.name}.final_logit_softcapping", 0.0):
             raise UnsupportedModelError(f"{f.path}: gemma3 with final logit softcapping is not supported")
         if hp.n_embd_head_k != hp.n_embd_head_v:
             raise UnsupportedModelError(f"{f.path}: gemma3 needs equal K and V head sizes "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ggmlpy as gg
 
+from ..errors import UnsupportedModelError
 from ..hparams import HParams, read_common
 from .base import Architecture, register
 
@@ -24,7 +25,11 @@ class Llama(Architecture):
     optional_global_tensors = ("output.weight", "rope_freqs.weight")
 
     def read_hparams(self, f, n_vocab: int) -> HParams:
-        return read_common(f, self.name, n_vocab, self.rope_type)
+        hp = read_common(f, self.name, n_vocab, self.rope_type)
+        if not hp.n_rot == hp.n_embd_head_k == hp.n_embd_head_v:  # llama.cpp's graph asserts as much
+            raise UnsupportedModelError(f"{f.path}: {self.name} needs rope.dimension_count ({hp.n_rot}) equal to the "
+                                        f"head size (K {hp.n_embd_head_k}, V {hp.n_embd_head_v})")
+        return hp
 
     def queries_keys_values(self, g, blk: str, cur):
         """Q, K, V of one layer as [head_dim, n_head(_kv), n_tokens], before RoPE."""
