@@ -121,7 +121,7 @@ class SavedResult(Record):
     @model_validator(mode="after")
     def _one_count_per_loss(self) -> SavedResult:
         if len(self.counts) != len(self.losses):
-            raise ValueError(f"epoch_result has {len(self.losses)} losses but {len(self.counts)} counts")
+            raise ValueError(f"{PREFIX}epoch_result has {len(self.losses)} losses but {len(self.counts)} counts")
         return self
 
 
@@ -143,14 +143,15 @@ class SavedState(Record):
             try:
                 np.random.PCG64().state = state
             except (ValueError, TypeError, KeyError, OverflowError):
-                raise ValueError("rng_state is not the state of numpy's PCG64 generator") from None
+                raise ValueError(f"{PREFIX}rng_state is not the state of numpy's PCG64 generator") from None
         return state
 
     @model_validator(mode="after")
     def _epoch_start_is_unshuffled(self) -> SavedState:
         _, ibatch, shuffled = self.position
         if not shuffled and ibatch:
-            raise ValueError(f"position {list(self.position)} is inside an epoch whose windows were not shuffled")
+            raise ValueError(f"{PREFIX}position {list(self.position)} is inside an epoch whose windows were not "
+                             "shuffled")
         return self
 
 
@@ -286,9 +287,9 @@ def _metadata_strings(f: GGUFFile, path: Path) -> dict[str, str]:
     for key, mv in f.metadata.items():
         if mv.type != ValueType.STRING:
             raise InputError(f"{path}: the checkpoint is invalid: {key} is a {ValueType(mv.type).name}, not a string")
-    if (f.get("general.architecture"), f.get("general.type"), f.get(PREFIX + "version")) != (_ARCH, "checkpoint",
-                                                                                               str(VERSION)):
-        raise InputError(f"{path}: not a llamapy checkpoint of version {VERSION}")
+    if (f.get("general.architecture"), f.get("general.type")) != (_ARCH, "checkpoint"):
+        raise InputError(f"{path}: the checkpoint is invalid: it is not marked as one (general.architecture "
+                         f"{_ARCH!r}, general.type 'checkpoint')")
     return {key: mv.value for key, mv in f.metadata.items()}
 
 
