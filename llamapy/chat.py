@@ -98,6 +98,7 @@ for _name, _space in (("mistral-v7", " "), ("mistral-v7-tekken", "")):  # no gen
 
 
 _ENV = TemplateEnvironment()
+MAX_SOURCE_CHARS = 256 * 1024  # about a second to compile at worst; the largest real templates are ~20 kB
 
 
 def _one_line(text: Any, limit: int = 300) -> str:
@@ -121,6 +122,9 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.limits = limits
+        if len(source) > MAX_SOURCE_CHARS:  # compiling takes time in proportion, outside any render's budget
+            raise InputError(f"{name} has {len(source):,} characters, more than the {MAX_SOURCE_CHARS:,} a chat "
+                             "template may have (real ones have a few thousand)")
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as exc:

@@ -160,6 +160,11 @@ def test_templates_too_deep_to_compile_are_refused_in_one_line() -> None:
             ChatTemplate(source, "deep")
 
 
+def test_a_huge_template_is_refused_before_compiling() -> None:
+    with pytest.raises(InputError, match="more than the 262,144 a chat template may have"):
+        ChatTemplate("{{ 1 }}" * 200000, "huge")
+
+
 def test_error_messages_are_short() -> None:
     with pytest.raises(InputError) as e:
         ChatTemplate("{{ raise_exception('x' * 100000) }}", "loud").render([])
