@@ -5,7 +5,13 @@ GGUF files copy). It runs in a jinja2 sandbox set up as transformers sets it up 
 lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, its `tojson`), with the
 variables templates expect: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
 `tools` (None). One difference: whitespace is stripped as llama.cpp's Jinja engine strips it
-(ASCII only), so the text is the one llama.cpp renders at inference. Models without a
+(ASCII only), so the text is the one llama.cpp renders at inference.
+
+Templates are code from model files, rendered unattended (a training set renders thousands
+of conversations), so every render has a budget (`RenderLimits`: a few seconds, a few
+million characters, bounded memory) checked by the template's own code as it runs; past it,
+one InputError names the template and the limit. chat_sandbox.py says how, and why neither
+a subprocess per render nor a watchdog thread. Models without a
 template can use one of llama.cpp's built-in templates by name (`ChatTemplate.named`),
 written here in Jinja so they render what llama.cpp renders.
 
@@ -27,17 +33,14 @@ turn's last end-of-generation token (the newline after chatml's `<|im_end|>` or 
 """
 from __future__ import annotations
 
-import json
 import os
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
-import jinja2.ext
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .chat_sandbox import DEFAULT_LIMITS, Raised, RenderLimitExceeded, RenderLimits, TemplateEnvironment, render
 from .errors import InputError
 from .vocab import Vocab
 
@@ -94,57 +97,14 @@ for _name, _space in (("mistral-v7", " "), ("mistral-v7-tekken", "")):  # no gen
         "{%- endfor -%}")
 
 
-class _Raised(jinja2.TemplateError):
-    """An error the template raised itself (raise_exception): its message is the whole story."""
+_ENV = TemplateEnvironment()
+MAX_SOURCE_CHARS = 256 * 1024  # about a second to compile at worst; the largest real templates are ~20 kB
 
 
-def _raise_exception(message: str) -> None:
-    raise _Raised(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
-    """transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-_C_SPACES = " \t\n\v\f\r"  # C isspace(): what llama.cpp's Jinja engine strips
-
-
-def _trim(value: Any, chars: str | None = None) -> str:
-    return str(value).strip(_C_SPACES if chars is None else chars)
-
-
-class _Environment(ImmutableSandboxedEnvironment):
-    """transformers' sandbox, except that stripping whitespace (`trim`, `.strip()`, `.lstrip()`,
-    `.rstrip()` without arguments) strips C whitespace as llama.cpp does: Python's also strips
-    Unicode spaces (U+00A0, U+3000), which llama.cpp keeps, and the ids must be llama.cpp's."""
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        if isinstance(obj, str) and attribute in ("strip", "lstrip", "rstrip"):
-            method = getattr(obj, attribute)
-            return lambda chars=None: method(_C_SPACES if chars is None else chars)
-        return super().getattr(obj, attribute)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.filters["trim"] = _trim
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-_ENV = _environment()
-
-
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).splitlines()).strip()
+def _one_line(text: Any, limit: int = 300) -> str:
+    """An error message on one line, cut short (a template can raise a megabyte of text)."""
+    line = " ".join(str(text)[:4 * limit].splitlines()).strip()
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _special_text(vocab: Vocab, token: int | None) -> str:
@@ -155,15 +115,23 @@ def _special_text(vocab: Vocab, token: int | None) -> str:
 class ChatTemplate:
     """A Jinja chat template, ready to render conversations and tokenize them for training."""
 
-    def __init__(self, source: str, name: str = "chat template", bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, name: str = "chat template", bos_token: str = "", eos_token: str = "",
+                 limits: RenderLimits = DEFAULT_LIMITS) -> None:
         self.source = source
         self.name = name
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.limits = limits
+        if len(source) > MAX_SOURCE_CHARS:  # compiling takes time in proportion, outside any render's budget
+            raise InputError(f"{name} has {len(source):,} characters, more than the {MAX_SOURCE_CHARS:,} a chat "
+                             "template may have (real ones have a few thousand)")
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
             raise InputError(f"{name} is not a valid Jinja template (line {exc.lineno}): {_one_line(exc.message)}"
+                             ) from None
+        except (RecursionError, SyntaxError) as exc:  # what Python cannot compile (IndentationError among them)
+            raise InputError(f"{name} nests blocks or expressions too deeply to compile ({type(exc).__name__})"
                              ) from None
 
     @classmethod
@@ -224,9 +192,11 @@ class ChatTemplate:
 
     def _render(self, messages: list[Message], add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token, tools=None)
-        except _Raised as exc:
+            return render(self._template, self.limits, {"messages": messages, "add_generation_prompt":
+                          add_generation_prompt, "bos_token": bos_token, "eos_token": eos_token, "tools": None})
+        except RenderLimitExceeded as exc:
+            raise InputError(f"{self.name}: rendering stopped: {exc}") from None
+        except Raised as exc:
             raise InputError(f"{self.name}: {_one_line(exc.message)}") from None
         except Exception as exc:  # the template is code: any error it hits is its failure on these messages
             raise InputError(f"{self.name} failed to render: {type(exc).__name__}: {_one_line(exc)}") from None

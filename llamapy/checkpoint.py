@@ -2,12 +2,27 @@
 
 A checkpoint holds, as tensors, the trained tensors (the model's weights or a LoRA
 adapter's matrices, `param.<name>`), the optimizer state (`opt.m.<name>`, `opt.v.<name>`)
-and the shuffled window order (`data.permutation`); as metadata (`llamapy.checkpoint.*`)
-the optimizer's step count, the position in the run (epoch, next window, whether that
-epoch is shuffled), the shuffle RNG's state, the training result of the epoch so far, the
-training parameters, fingerprints of the model and of the data, and a checksum of every
-tensor byte. It is written atomically (a temp file renamed over the old checkpoint), so a
-kill or a full disk while writing leaves the previous checkpoint intact.
+and the shuffled window order (`data.permutation`); as metadata (`llamapy.checkpoint.*`,
+JSON strings) the optimizer's step count, the position in the run (epoch, next window,
+whether that epoch is shuffled), the shuffle RNG's state, the training result of the epoch
+so far, the training parameters and fingerprints of the model and of the data. It is
+written atomically (a temp file renamed over the old checkpoint), so a kill or a full disk
+while writing leaves the previous checkpoint intact.
+
+Its first metadata entry, `llamapy.checkpoint.checksum`, is a BLAKE2b-256 digest of every
+byte of the file as written (header, every key and value, tensor infos, padding, every
+tensor's bytes), computed with the digest's own 64 characters written as zeros. Reading
+checks it before anything else is believed: any changed, added, lost or truncated byte is
+one line ("truncated or corrupt"). What the digest cannot catch, a file crafted with a
+valid one (or written by a faulty program), is refused by the checks that follow: every
+key present with its type, values in range (counts not negative, a position inside its
+epoch, an RNG state numpy accepts, a permutation of the right length that is one), the
+tensors those of the trained tensors and the optimizer the parameters name. Each refusal
+is an InputError naming the file and the problem.
+
+Checkpoints of earlier versions (1 and 2) had a checksum over the tensors only, so their
+metadata (step count, position, RNG state) cannot be verified: they are refused with one
+line saying so; the run is started again (or finished with the llamapy that wrote it).
 
 Resuming restores all of that into a trainer built with the same structure (same
 trained tensors, optimizer, window size and batch); the run then continues with tensors
@@ -20,26 +35,34 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from ggmlpy import GGMLType
 from ggmlpy.opt import Dataset, FitPosition, Result
-from ggmlpy.records import Int, Record, explain
+from ggmlpy.records import Bool, Int, Record, Str, explain
 
 from .dataset import PackedWindows
 from .errors import InputError, LlamapyError
 from .gguf_file import GGUFFile, MetaValue, ValueType
-from .gguf_writer import array_out
+from .gguf_writer import TensorOut, array_out, write_gguf
 from .save import write_atomically
 from .train_params import TrainParams
 
-VERSION = 2  # 2: params is RunParams' JSON; 1: a flat dict (still read)
+VERSION = 3  # 3: the checksum covers the whole file; 2 and 1 (tensors only) are refused
 PREFIX = "llamapy.checkpoint."
+CHECKSUM_KEY = PREFIX + "checksum"
 _ARCH = "llamapy-checkpoint"
+_DIGEST_CHARS = 64  # BLAKE2b-256 in hex
+# the file's first bytes up to the checksum's value: GGUF magic, version, tensor and key
+# counts, then the first key (its length and name), its type (string) and the value's length
+_HEAD = struct.Struct(f"<4sIQQQ{len(CHECKSUM_KEY)}sIQ")
+_CHUNK = 1 << 24
 
 
 class RunParams(Record):
@@ -64,14 +87,6 @@ class RunParams(Record):
                 **p.model_dump(mode="json", exclude={"lora", "n_ctx_train"}),  # n_ctx is the one that counts
                 "shuffle_seed": self.shuffle_seed, "n_ubatch": self.n_ubatch}
 
-    @classmethod
-    def from_version_1(cls, old: dict[str, Any]) -> "RunParams":
-        """A version-1 checkpoint's flat params dict (its TrainParams fields in part)."""
-        train = TrainParams(optimizer=old["optimizer"], schedule=old["schedule"], lora=old["lora"],
-                            grad_clip=old["grad_clip"], window_bos=old["window_bos"])
-        return cls(train=train, n_ctx=old["n_ctx"], n_batch=old["n_batch"], n_ubatch=old["n_ubatch"],
-                   trained=old["trained"], shuffle_seed=old["shuffle_seed"])
-
 
 @dataclass
 class Checkpoint:
@@ -88,19 +103,90 @@ class Checkpoint:
     data_fingerprint: str
 
 
+# ---- the metadata as read back: every value checked ----------------------------------------------
+Count = Annotated[Int, Field(ge=0)]
+Fingerprint = Annotated[Str, Field(pattern=r"^([0-9a-f]{32})?$")]  # empty: saved before any data
+
+
+class SavedResult(Record):
+    """`epoch_result`: Result.to_dict() of the epoch so far."""
+
+    ndata: Count
+    losses: list[Annotated[float, Field(strict=True)]]  # NaN and inf allowed: a diverged run is a run
+    counts: list[Count]
+    steps: list[Annotated[float, Field(strict=True)]]
+    ncorrect: Annotated[Int, Field(ge=-1)]  # -1: not counted
+    loss_per_datapoint: Bool
+
+    @model_validator(mode="after")
+    def _one_count_per_loss(self) -> SavedResult:
+        if len(self.counts) != len(self.losses):
+            raise ValueError(f"{PREFIX}epoch_result has {len(self.losses)} losses but {len(self.counts)} counts")
+        return self
+
+
+class SavedState(Record):
+    """The `llamapy.checkpoint.*` keys other than the checksum and the parameters."""
+
+    version: Literal[3]
+    n_steps: Count
+    position: tuple[Count, Count, Literal[0, 1]]  # epoch, next batch of the epoch, shuffled
+    rng_state: dict[str, Any] | None
+    epoch_result: SavedResult
+    model_fingerprint: Fingerprint
+    data_fingerprint: Fingerprint
+
+    @field_validator("rng_state")
+    @classmethod
+    def _numpy_accepts(cls, state: dict[str, Any] | None) -> dict[str, Any] | None:
+        if state is not None:
+            try:
+                np.random.PCG64().state = state
+            except (ValueError, TypeError, KeyError, OverflowError):
+                raise ValueError(f"{PREFIX}rng_state is not the state of numpy's PCG64 generator") from None
+        return state
+
+    @model_validator(mode="after")
+    def _epoch_start_is_unshuffled(self) -> SavedState:
+        _, ibatch, shuffled = self.position
+        if not shuffled and ibatch:
+            raise ValueError(f"{PREFIX}position {list(self.position)} is inside an epoch whose windows were not "
+                             "shuffled")
+        return self
+
+
+_STATE_KEYS = tuple(SavedState.model_fields)
+_KEYS = {"general.architecture", "general.type", CHECKSUM_KEY, PREFIX + "params"} | {PREFIX + k for k in _STATE_KEYS}
+
+
+# ---- writing -----------------------------------------------------------------------------------
+class _Digest:
+    """A write-only file that hashes what is written to it."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.blake2b(digest_size=_DIGEST_CHARS // 2)
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.hash.update(data)
+        return len(data)
+
+
+def write_checkpoint_file(metadata: dict[str, MetaValue], tensors: list[TensorOut], path: str | os.PathLike) -> Path:
+    """Write a checkpoint's metadata (its checksum entry excluded) and tensors to `path`,
+    atomically, sealed with the checksum of every byte (SaveError with one line)."""
+    metadata = {CHECKSUM_KEY: MetaValue(ValueType.STRING, None, "0" * _DIGEST_CHARS), **metadata}
+    digest = _Digest()
+    write_gguf(digest, metadata, tensors)  # the very bytes the file gets, the checksum written as zeros
+    metadata[CHECKSUM_KEY] = MetaValue(ValueType.STRING, None, digest.hash.hexdigest())
+    return write_atomically(metadata, tensors, Path(path), "checkpoint")
+
+
 def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
     """Write `ckpt` to `path` atomically (SaveError with one line when it cannot)."""
-    digest = hashlib.blake2b(digest_size=16)
     arrays: list[tuple[str, np.ndarray]] = [(f"param.{n}", a) for n, a in ckpt.tensors.items()]
     arrays += [(n, a) for n, a in ckpt.optimizer.items() if n != "opt.n_steps"]
     arrays.append(("data.permutation", ckpt.permutation.astype(np.int64)))
-    tensors = []
-    for name, a in arrays:
-        t = array_out(name, a)
-        digest.update(name.encode())
-        digest.update(t.data)
-        tensors.append(t)
-    meta = {
+    state = {
         "version": VERSION,
         "n_steps": int(np.asarray(ckpt.optimizer.get("opt.n_steps", [0])).reshape(-1)[0]),
         "position": [ckpt.position.epoch, ckpt.position.ibatch, int(ckpt.position.shuffled)],
@@ -110,59 +196,129 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike) -> Path:
         "data_fingerprint": ckpt.data_fingerprint,
     }
     strings = {"general.architecture": _ARCH, "general.type": "checkpoint"}
-    strings.update((PREFIX + key, json.dumps(value, sort_keys=True)) for key, value in meta.items())
+    strings.update((PREFIX + key, json.dumps(value, sort_keys=True)) for key, value in state.items())
     strings[PREFIX + "params"] = ckpt.params.model_dump_json()
-    strings[PREFIX + "checksum"] = digest.hexdigest()
-    return write_atomically({k: MetaValue(ValueType.STRING, None, v) for k, v in strings.items()}, tensors,
-                            Path(path), "checkpoint")
+    return write_checkpoint_file({k: MetaValue(ValueType.STRING, None, v) for k, v in strings.items()},
+                                 [array_out(name, a) for name, a in arrays], path)
 
 
+# ---- reading -----------------------------------------------------------------------------------
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read and verify a checkpoint; InputError with one line when it is missing, not a
-    checkpoint, truncated or corrupt."""
+    """Read and verify a checkpoint (see the module docstring); InputError with one line
+    when it is missing, not a checkpoint, of an older version, truncated, corrupt or invalid."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"checkpoint not found: {path}")
+    _verify_checksum(path)
     try:
         f = GGUFFile(path)
     except LlamapyError as e:
-        raise InputError(f"{path}: not a readable checkpoint (truncated or corrupt: {e})") from None
+        raise InputError(f"{path}: not a readable checkpoint ({e})") from None
+    strings = _metadata_strings(f, path)
     try:
-        meta = {k[len(PREFIX):]: json.loads(v.value) for k, v in f.metadata.items()
-                if k.startswith(PREFIX) and k not in (PREFIX + "checksum", PREFIX + "params")}
-    except (ValueError, TypeError) as e:
-        raise InputError(f"{path}: checkpoint is corrupt ({e})") from None
-    checksum = f.get(PREFIX + "checksum")
-    if "version" not in meta or checksum is None:
-        raise InputError(f"{path}: not a llamapy checkpoint")
-    if meta["version"] not in (1, VERSION):
-        raise InputError(f"{path}: checkpoint version {meta['version']} is not supported (this llamapy writes {VERSION})")
-    try:
-        saved = f.get(PREFIX + "params") or "null"
-        params = (RunParams.model_validate_json(saved) if meta["version"] == VERSION
-                  else RunParams.from_version_1(json.loads(saved)))
+        state = SavedState.model_validate({k: json.loads(strings[PREFIX + k]) for k in _STATE_KEYS})
+        params = RunParams.model_validate_json(strings[PREFIX + "params"])
     except ValidationError as e:
-        raise InputError(f"{path}: the checkpoint's training parameters are not valid ({explain(e)[1]})") from None
-    except (ValueError, TypeError, KeyError) as e:
-        raise InputError(f"{path}: checkpoint is corrupt (training parameters: {e})") from None
-    digest = hashlib.blake2b(digest_size=16)
-    arrays: dict[str, np.ndarray] = {}
-    for name, t in f.tensors.items():
-        a = t.numpy().reshape(t.ne[:f.tensor_n_dims[name]][::-1])  # a copy off the map, in its saved shape
-        digest.update(name.encode())
-        digest.update(a.view(np.uint8).reshape(-1))
-        arrays[name] = a
-    if digest.hexdigest() != checksum:
-        raise InputError(f"{path}: checkpoint is corrupt (checksum mismatch)")
-    epoch, ibatch, shuffled = meta["position"]
+        line = explain(e)[1].replace("SavedState.", PREFIX).replace("SavedResult.", PREFIX + "epoch_result.")
+        raise InputError(f"{path}: the checkpoint is invalid: {line}") from None
+    except (ValueError, RecursionError) as e:  # json
+        raise InputError(f"{path}: the checkpoint is invalid: a value is not JSON ({e})") from None
+    arrays = _tensors(f, path, params)
     optimizer = {n: a for n, a in arrays.items() if n.startswith("opt.")}
-    optimizer["opt.n_steps"] = np.array([meta["n_steps"]], dtype=np.int64)
+    optimizer["opt.n_steps"] = np.array([state.n_steps], dtype=np.int64)
+    epoch, ibatch, shuffled = state.position
     return Checkpoint(
         tensors={n[len("param."):]: a for n, a in arrays.items() if n.startswith("param.")},
-        optimizer=optimizer, position=FitPosition(int(epoch), int(ibatch), bool(shuffled)),
-        rng_state=meta["rng_state"], permutation=arrays["data.permutation"].astype(np.int64).reshape(-1),
-        epoch_result=Result.from_dict(meta["epoch_result"]), params=params,
-        model_fingerprint=meta["model_fingerprint"], data_fingerprint=meta["data_fingerprint"])
+        optimizer=optimizer, position=FitPosition(epoch, ibatch, bool(shuffled)), rng_state=state.rng_state,
+        permutation=arrays["data.permutation"], epoch_result=Result.from_dict(state.epoch_result.model_dump()),
+        params=params, model_fingerprint=state.model_fingerprint, data_fingerprint=state.data_fingerprint)
+
+
+def _verify_checksum(path: Path) -> None:
+    """Hash the file as written (its checksum as zeros) and compare; nothing of it is
+    believed before. A file without the checksum in front is an older checkpoint or none."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD.size + _DIGEST_CHARS)
+            if len(head) < _HEAD.size + _DIGEST_CHARS:
+                raise InputError(f"{path}: not a llamapy checkpoint, or truncated ({len(head)} bytes)")
+            magic, _, _, _, key_len, key, value_type, value_len = _HEAD.unpack_from(head)
+            if (magic, key_len, key) != (b"GGUF", len(CHECKSUM_KEY), CHECKSUM_KEY.encode()):
+                raise _not_current(path, magic)
+            saved = head[_HEAD.size:]
+            if value_type != ValueType.STRING or value_len != _DIGEST_CHARS:
+                raise InputError(f"{path}: checkpoint is truncated or corrupt (its checksum entry is damaged)")
+            digest = hashlib.blake2b(head[:_HEAD.size], digest_size=_DIGEST_CHARS // 2)
+            digest.update(b"0" * _DIGEST_CHARS)
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    except OSError as e:
+        raise InputError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    if digest.hexdigest().encode() != saved:
+        raise InputError(f"{path}: checkpoint is truncated or corrupt (its checksum does not match its contents: "
+                         "the file was damaged or changed after it was written)")
+
+
+def _not_current(path: Path, magic: bytes) -> InputError:
+    """Why a file without the checksum in front is refused: an older checkpoint, a damaged
+    one, or none."""
+    if magic != b"GGUF":
+        return InputError(f"{path}: not a llamapy checkpoint (not a GGUF file)")
+    try:
+        f = GGUFFile(path)
+    except LlamapyError as e:
+        return InputError(f"{path}: not a readable checkpoint ({e})")
+    version = f.get(PREFIX + "version")
+    if version not in ("1", "2"):
+        if any(key.startswith(PREFIX) for key in f.metadata):
+            return InputError(f"{path}: checkpoint is truncated or corrupt (its checksum entry is damaged)")
+        return InputError(f"{path}: not a llamapy checkpoint")
+    return InputError(f"{path}: checkpoint version {version} was written by an older llamapy, whose "
+                      "checksum does not cover the step count, position and RNG state: it cannot be verified and "
+                      f"is not resumed (this llamapy writes version {VERSION}); start the run again")
+
+
+def _metadata_strings(f: GGUFFile, path: Path) -> dict[str, str]:
+    """The metadata, exactly the keys a checkpoint has, each a string."""
+    missing, extra = sorted(_KEYS - set(f.metadata)), sorted(set(f.metadata) - _KEYS)
+    if missing or extra:
+        what = f"has no {missing[0]}" if missing else f"has an unexpected key {extra[0][:80]!r}"
+        raise InputError(f"{path}: the checkpoint is invalid: it {what}")
+    for key, mv in f.metadata.items():
+        if mv.type != ValueType.STRING:
+            raise InputError(f"{path}: the checkpoint is invalid: {key} is a {ValueType(mv.type).name}, not a string")
+    if (f.get("general.architecture"), f.get("general.type")) != (_ARCH, "checkpoint"):
+        raise InputError(f"{path}: the checkpoint is invalid: it is not marked as one (general.architecture "
+                         f"{_ARCH!r}, general.type 'checkpoint')")
+    return {key: mv.value for key, mv in f.metadata.items()}
+
+
+def _tensors(f: GGUFFile, path: Path, params: RunParams) -> dict[str, np.ndarray]:
+    """The tensors (copies, in their saved shapes), checked: exactly the trained tensors of
+    `params` with their sizes, their optimizer moments (AdamW) and a permutation."""
+    trained = {name: int(np.prod(ne, dtype=np.int64)) for name, ne in params.trained}
+    moments = ("opt.m.", "opt.v.") if params.train.optimizer.kind == "adamw" else ()
+    expected = {f"param.{n}": (GGMLType.F32, size) for n, size in trained.items()}
+    expected.update((f"{m}{n}", (GGMLType.F32, size)) for m in moments for n, size in trained.items())
+    found = set(f.tensors)
+    if found != set(expected) | {"data.permutation"}:
+        missing, extra = sorted(set(expected) - found), sorted(found - set(expected) - {"data.permutation"})
+        what = (f"has no tensor {missing[0]}" if missing else "has no window order (data.permutation)"
+                if "data.permutation" not in found else f"has an unexpected tensor {extra[0][:80]!r}")
+        raise InputError(f"{path}: the checkpoint is invalid: it {what}")
+    arrays = {}
+    for name, t in f.tensors.items():
+        want_type, size = expected.get(name, (GGMLType.I64, None))
+        if t.type != want_type or (size is not None and t.nelements() != size):
+            raise InputError(f"{path}: the checkpoint is invalid: tensor {name} is {t.type.name} with "
+                             f"{t.nelements()} values, not {want_type.name}" + (f" with {size}" if size else ""))
+        arrays[name] = t.numpy().reshape(t.ne[:f.tensor_n_dims[name]][::-1])  # a copy off the map
+    perm = arrays["data.permutation"].reshape(-1)
+    if not np.array_equal(np.sort(perm), np.arange(perm.size)):
+        raise InputError(f"{path}: the checkpoint is invalid: its window order (data.permutation) is not a "
+                         f"permutation of 0..{perm.size - 1}")
+    arrays["data.permutation"] = perm
+    return arrays
 
 
 # ---- fingerprints ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ggmlpy.opt import (
     evaluate_batches,
     fit_epochs,
     loss_and_accuracy,
+    train_batches,
 )
 
 from .checkpoint import (
@@ -193,7 +194,8 @@ def load_checkpoint_into(trainer, path, force: bool) -> list[str]:
 
 
 def _apply_resume(trainer, pending, force: bool) -> tuple[FitPosition, Result]:
-    """Put the data order, RNG and position of a loaded checkpoint into the run."""
+    """Put the data order, RNG and position of a loaded checkpoint into the run, once all
+    three are known to fit it (the checkpoint checked them against themselves)."""
     path, ckpt = pending
     run = trainer.run
     if ckpt.data_fingerprint != run.data_fingerprint() and not force:
@@ -202,16 +204,19 @@ def _apply_resume(trainer, pending, force: bool) -> tuple[FitPosition, Result]:
     if (ckpt.rng_state is None) != (run.rng is None):
         raise InputError(f"{path}: the checkpointed run {'did not shuffle' if ckpt.rng_state is None else 'shuffled'} "
                          "its windows; resume it with the same --seed")
-    if run.rng is not None:
-        run.rng.bit_generator.state = ckpt.rng_state
+    position = ckpt.position
+    per_step = train_batches(trainer.opt, run.dataset, run.idata_split)[1]
+    if position.ibatch > run.n_train_batches or position.ibatch % per_step:
+        raise InputError(f"{path}: the checkpoint's position (batch {position.ibatch} of the epoch) is not a step of "
+                         f"this run's epoch ({run.n_train_batches} batches, {per_step} per optimizer step)")
     perm = run.dataset.permutation
+    if ckpt.permutation.shape != perm.shape and not force:
+        raise InputError(f"{path}: the checkpoint's window order ({ckpt.permutation.size} windows) does not fit this "
+                         f"text ({perm.size})")
     if ckpt.permutation.shape == perm.shape:
         perm[...] = ckpt.permutation
-    elif not force:
-        raise InputError(f"{path}: the checkpoint's window order does not fit this text")
-    position = ckpt.position
-    if position.ibatch > run.n_train_batches:
-        raise InputError(f"{path}: the checkpoint's position (window {position.ibatch}) is past this run's epoch")
+    if run.rng is not None:
+        run.rng.bit_generator.state = ckpt.rng_state
     return position, ckpt.epoch_result
 
 
