@@ -8,12 +8,16 @@ Ctrl-C while checkpointing asks the run to stop after the step in progress (the 
 are never saved half-updated); a second one stops at once.
 
 Over several ranks (a trainer made with a communicator) only rank 0 prints and writes
-checkpoints; a stop request on any rank stops every rank after the same step; every
-epoch ends with a check that all ranks hold the same weights; and an error on one rank
-ends the whole job with one line instead of leaving the others waiting.
+checkpoints; before the first step every rank checks that it runs what rank 0 runs (model,
+data, parameters, epochs, checkpointing, resumed position and weights); a stop request on
+any rank stops every rank after the same step; every epoch ends with a check that all
+ranks hold the same weights; and an error on one rank ends the whole job with one line
+(naming the rank, and the exception's type when it is not llamapy's) instead of leaving
+the others waiting.
 """
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -27,7 +31,8 @@ from ggmlpy.opt import EpochResult, FitPosition, ProgressBar, Result, evaluate_b
 
 from .checkpoint import Checkpoint, compare_params, load_checkpoint, model_fingerprint, save_checkpoint
 from .dataset import join_windows
-from .distributed import abort_job, any_rank, check_same_weights
+from .distributed import (Setting, abort_job, any_rank, check_ranks_agree, check_same_weights, describe_error,
+                          weights_digest)
 from .errors import InputError, TrainingInterrupted
 
 
@@ -40,7 +45,7 @@ def fit(lctx, dataset, **kwargs) -> list[EpochResult]:
         return _fit(lctx, dataset, **kwargs)
     except BaseException as e:  # noqa: BLE001 - any failure of one rank must end all of them
         if not getattr(e, "on_every_rank", False):  # a shared stop or check ends every rank by itself
-            abort_job(comm, str(e) or type(e).__name__)
+            abort_job(comm, describe_error(e))
         raise
 
 
@@ -85,6 +90,8 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
         run.pending = None
         say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
             f"optimizer steps")
+    if comm.size > 1:
+        check_ranks_agree(comm, _run_settings(trainer, epochs, start, checkpoint, save_every, eval_every))
 
     def prefix(is_train: bool) -> str:
         text = f"epoch {trainer.epoch + 1}: "
@@ -137,6 +144,33 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
         return fit_epochs(trainer.opt, dataset, epochs, idata_split, shuffle=run.rng, callback_train=bar,
                           callback_eval=bar, before_epoch=start_epoch, on_epoch=end_epoch, start=start,
                           start_result=start_result, on_position=on_position)
+
+
+def _run_settings(trainer, epochs: int, start: FitPosition, checkpoint, save_every: int | None,
+                  eval_every: int | None) -> dict[str, Setting]:
+    """What every rank of a data-parallel fit must share, in the order a difference is
+    reported: the model, the data and its split, the training parameters, the fit's
+    arguments that decide its steps and collectives, and where a resumed run starts."""
+    run = trainer.run
+    settings = {
+        "model": Setting("model", model_fingerprint(trainer.model, set(trainer.trained)), hidden=True),
+        "data": Setting("training data", run.data_fingerprint(),
+                        hidden=True),
+    }
+    for key, value in trainer.describe_params(run.shuffle_seed).summary().items():
+        settings[f"params.{key}"] = Setting(f"training parameter {key}", value, text=json.dumps(value, sort_keys=True),
+                                            hidden=key == "trained")
+    settings.update({
+        "epochs": Setting("epochs", epochs),
+        "checkpoint": Setting("checkpoint", checkpoint is not None, text="a file" if checkpoint is not None else "none"),
+        "save_every": Setting("save_every", save_every),
+        "eval_every": Setting("eval_every", eval_every),
+        "start": Setting("resumed position (epoch, window, optimizer steps)",
+                         [start.epoch + 1, start.ibatch, trainer.n_steps],
+                         text=f"epoch {start.epoch + 1}, window {start.ibatch}, {trainer.n_steps} steps"),
+        "weights": Setting("trained weights", weights_digest(trainer.trained.values()), hidden=True),
+    })
+    return settings
 
 
 def save_checkpoint_of(trainer, path) -> Path:

@@ -164,7 +164,9 @@ class Tool:
             common.note_first_run()
             for note in self._notes:
                 common.log(note)
-            common.debug(_describe_flags(values.pop("typer_context"), values))
+            typer_context = values.pop("typer_context")
+            common.parsed_flags = _parsed_flags(typer_context, values, getattr(self, "_args", []))
+            common.debug(_describe_flags(typer_context, values))
             for name, cls in sets.items():
                 values[name] = cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
             function(**values)
@@ -242,6 +244,7 @@ class Tool:
 
         def run() -> None:
             args, self._notes = self.prescan(argv)
+            self._args = args
             try:
                 command.main(args, prog_name=self.name, standalone_mode=False)
             except typer.Exit as e:
@@ -265,6 +268,28 @@ def _describe_flags(ctx: typer.Context, values: dict[str, Any]) -> str:
             shown = str(value) if isinstance(value, (Path, int, float)) else repr(value)
             given.append(f"{param.opts[0]} {shown} ({where})")
     return "flags: " + (", ".join(given) or "all at their defaults")
+
+
+def _parsed_flags(ctx: typer.Context, values: dict[str, Any], argv: Sequence[str]) -> dict[str, tuple[str, Any]]:
+    """Every option's value by its parameter name, with the flag as the user gave it: the
+    name typed on the command line (`-c`, `--ctx-size`), the environment variable it came
+    from, or (at its default) its long name; a flag pair (`--shuffle/--no-shuffle`) by its
+    first name."""
+    typed = {token.split("=", 1)[0] if token.startswith("--") else token for token in argv if token.startswith("-")}
+    out = {}
+    for param in ctx.command.params:
+        if param.name not in values or not isinstance(param, typer.core.TyperOption):
+            continue
+        source = ctx.get_parameter_source(param.name)
+        given = [name for name in param.opts if name in typed]
+        if source is not None and source.name == "ENVIRONMENT" and isinstance(param.envvar, str):
+            label = param.envvar
+        elif given and not param.secondary_opts:
+            label = given[0]
+        else:
+            label = next((name for name in param.opts if name.startswith("--")), param.opts[0])
+        out[param.name] = (label, values[param.name])
+    return out
 
 
 def typing_option(annotation: Any) -> Any:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from llamapy.errors import InputError, LlamapyError
 
 
 _COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
+# the command's flags as parsed: parameter name -> (the flag as the user gave it, its value)
+parsed_flags: dict[str, tuple[str, object]] = {}
 
 
 def job():
@@ -36,9 +39,15 @@ def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
 
 
 def guarded(main: Callable[[], None]) -> Callable[[], None]:
-    """Run a CLI so that user errors print one clear line and exit non-zero, never a traceback."""
+    """Run a CLI so that user errors print one clear line and exit non-zero, never a traceback.
+    Under MPI every exception ends the job that way, the unexpected ones too (a bug, a
+    library's error): a rank that raised and exited would leave the others waiting in a
+    collective for ever (its MPI_Finalize waits for them too); its line names the exception's
+    type, and -v adds the traceback."""
     def run() -> None:
+        from llamapy.distributed import describe_error, watch_rank
         try:
+            watch_rank()  # under mpirun: a watcher that names this rank if a signal kills it
             job()  # under an MPI launcher: find the other ranks before anything is printed
             main()
         except LlamapyError as e:
@@ -49,6 +58,12 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
             fail("out of memory")
         except OSError as e:
             fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+        except Exception as e:
+            if _COMM is None or _COMM.size == 1:
+                raise
+            if _Log.level >= DEBUG:
+                traceback.print_exc()
+            fail(describe_error(e))
     return run
 
 
@@ -61,12 +76,18 @@ def read_text(path: Path) -> str:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
 
 
-def random_seed() -> int:
-    """llama.cpp's `--seed -1`: a random seed, printed so that the run can be repeated."""
-    import secrets
-    seed = secrets.randbelow(2**31)
+def random_seed(seed: int | None = None) -> int:
+    """llama.cpp's `--seed -1`: a random seed (`seed`, when already drawn: rank 0's under
+    MPI), printed so that the run can be repeated."""
+    if seed is None:
+        seed = draw_seed()
     log(f"seed: {seed} (random: --seed {seed} repeats this run)")
     return seed
+
+
+def draw_seed() -> int:
+    import secrets
+    return secrets.randbelow(2**31)
 
 
 def default_threads() -> int:

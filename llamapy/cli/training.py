@@ -15,15 +15,17 @@ from pydantic import ValidationError
 
 from ggmlpy.opt import loss_and_accuracy
 from ggmlpy.records import explain
+from llamapy.checkpoint import data_fingerprint
 from llamapy.context import Context, validation_windows
-from llamapy.distributed import oversubscription_warning
+from llamapy.distributed import Setting, check_ranks_agree, oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import DEFAULT_LORA_MODULES, SGD, AdamW, LRSchedule, TrainParams, has_quantized_matrices
 
+from . import common
 from .args import CHECKPOINTS, DATA, OUTPUT, SCHEDULE, TRAINING, as_flag, flag, flag_field
-from .common import default_threads, fail, job, log, progress_stream, random_seed
+from .common import default_threads, draw_seed, fail, job, log, progress_stream, random_seed
 from .flags import ChatTemplate
 from .training_data import DataOptions, TrainingData, load_training_data
 
@@ -153,9 +155,12 @@ class TrainingArgs:
     plot: Path | None = flag_field(Plot, None)
 
     def check(self) -> None:
-        """What the flags' types cannot say; `--seed -1` becomes a random seed, printed."""
+        """What the flags' types cannot say; `--seed -1` becomes a random seed, printed. Under
+        MPI, first (once) that every rank was given the flags rank 0 was (`check_flags_agree`),
+        and a random seed is rank 0's."""
+        shared_seed = check_flags_agree()
         if self.seed == -1:
-            self.seed = random_seed()
+            self.seed = random_seed(shared_seed)
         elif self.seed < 0:
             raise InputError(f"--seed must be >= 0, or -1 for a random one, not {self.seed}")
         if self.optimizer.lower() not in ("adamw", "sgd"):
@@ -201,6 +206,46 @@ class TrainingArgs:
 
 
 
+# flags each rank may set its own way: its threads and logging, and what only rank 0 writes
+RANK_LOCAL = frozenset({"threads", "output", "lora_out", "plot", "predict", "prompt",
+                        "verbose", "verbosity", "log_disable", "log_file"})
+# files every rank reads: compared by their contents once read (Context.opt_fit compares the
+# model, the windows and a resumed checkpoint's state), as another machine may mount them elsewhere
+READ_BY_CONTENT = frozenset({"model", "file", "data", "val_file", "checkpoint_in", "vocab_model"})
+# and of --checkpoint-out, whether it is given: every rank then joins the checkpoints' stop check
+PRESENCE_ONLY = frozenset({"checkpoint_out"})
+_flags_agreed: list[int | None] = []  # once checked: rank 0's random seed
+
+
+def check_flags_agree() -> int | None:
+    """Stop (one line, on every rank) when some rank was given other training flags than rank
+    0: `error: rank 1's --epochs (3) differs from rank 0's (2)`. Every flag counts except
+    RANK_LOCAL, and READ_BY_CONTENT and PRESENCE_ONLY in their way; it is checked once, right
+    after parsing and before anything rank-dependent, so that no rank can enter a collective
+    the others never reach. Returns rank 0's random seed draw (used for `--seed -1`), None
+    outside MPI."""
+    comm = job()
+    if comm.size == 1:
+        return None
+    if not _flags_agreed:
+        settings = {}
+        for name, (label, value) in common.parsed_flags.items():
+            if name in RANK_LOCAL or name in READ_BY_CONTENT:
+                continue
+            if name in PRESENCE_ONLY:
+                value = value is not None
+            settings[name] = Setting(label, value, text=_shown(value))
+        draws = check_ranks_agree(comm, settings, payload=draw_seed())
+        _flags_agreed.append(draws[0])
+    return _flags_agreed[0]
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "default" if value is None else str(value)
+
+
 def check_writable(path: Path) -> None:
     parent = path.resolve().parent
     if path.is_dir():
@@ -237,6 +282,9 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     ctx = Context(model, n_ctx=max(args.ctx_size, n_batch), n_batch=n_batch, n_ubatch=args.ubatch_size,
                   n_threads=n_threads)
     if comm.size > 1:
+        # opt_fit compares the model, windows and parameters; the test set is the CLI's own
+        test = data_fingerprint(data.test, data.test.ndata) if data.test is not None else None
+        check_ranks_agree(comm, {"test": Setting("test data (test.jsonl of --data)", test, hidden=True)})
         log(f"distributed: {comm.size} ranks, {n_batch} tokens per step each ({n_batch * comm.size} per step in all)")
         warning = oversubscription_warning(comm, n_threads)
         if warning:
