@@ -36,8 +36,8 @@ from ggmlpy.distributed import Communicator, MPIComm, Solo, as_communicator
 from .errors import InputError, LlamapyError
 from .rank_watch import JOB_SIGNALS, wait_until_read, watch
 
-__all__ = ["Communicator", "DistributedError", "RanksDiffer", "Setting", "Solo", "WeightsDiffer", "abort_job",
-           "any_rank", "as_communicator", "check_ranks_agree", "check_same_weights", "describe_error",
+__all__ = ["Communicator", "DistributedError", "RanksDiffer", "RanksFailed", "Setting", "Solo", "WeightsDiffer",
+           "abort_job", "any_rank", "as_communicator", "check_ranks_agree", "check_same_weights", "describe_error",
            "launched_ranks", "oversubscription_warning", "watch_rank", "world"]
 
 # what MPI launchers put in every rank's environment: MPICH/Hydra (PMI), Open MPI, PMIx
@@ -59,6 +59,17 @@ class RanksDiffer(DistributedError):
     a collective check on every rank, before the first step)."""
 
     on_every_rank = True
+
+
+class RanksFailed(DistributedError):
+    """Some rank failed while the ranks set up a run; it said so at the next collective check,
+    where every rank stops with this error (its message names the rank) and `code`."""
+
+    on_every_rank = True
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def launched_ranks() -> int:
@@ -102,17 +113,33 @@ class Setting:
         return None if self.hidden else self.text if self.text is not None else str(self.value)
 
 
-def check_ranks_agree(comm: Communicator, settings: Mapping[str, Setting], payload: Any = None) -> list[Any]:
+def check_ranks_agree(comm: Communicator, settings: Mapping[str, Setting], payload: Any = None,
+                      error: tuple[str, int] | None = None) -> list[Any]:
     """Stop the run (RanksDiffer, raised on every rank: each exits by itself, rank 0 says why)
     when some rank's `settings` differ from rank 0's: the first differing setting, in rank
     0's order, of the lowest such rank, with both values: "rank 1's --epochs (3) differs from
     rank 0's (2)". One collective (an allgather of a few hundred bytes), to be made by every
     rank at the same point, before any collective whose shape depends on these settings.
-    Returns every rank's `payload` (e.g. a random seed of which rank 0's is used)."""
+    Returns every rank's `payload` (e.g. a random seed of which rank 0's is used).
+
+    A rank that failed on its way here comes with its `error` (message, exit code) instead
+    of settings: every rank then raises RanksFailed naming it ("rank 1: text file not found:
+    ..."; "every rank: ..." when all failed alike), so that a rank's failure before training
+    ends every rank at the same point, with one line and no abort."""
     if comm.size == 1:
+        if error is not None:
+            raise RanksFailed(error[0], error[1])
         return [payload]
     mine = {key: (s.label, _canonical(s.value), s.shown()) for key, s in settings.items()}
-    gathered = comm.allgather((mine, payload))
+    gathered = comm.allgather((mine, payload, error))
+    failed = [(rank, err) for rank, (_, _, err) in enumerate(gathered) if err is not None]
+    if failed:
+        rank, (message, code) = failed[0]
+        if len(failed) == comm.size and all(err[0] == message for _, err in failed):
+            raise RanksFailed(f"every rank: {message}", code)
+        others = [str(r) for r, _ in failed[1:]]
+        also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(others)} failed too)" if others else ""
+        raise RanksFailed(f"rank {rank}: {message}{also}", code)
     first = gathered[0][0]
     for rank in range(1, comm.size):
         theirs = gathered[rank][0]
@@ -124,7 +151,7 @@ def check_ranks_agree(comm: Communicator, settings: Mapping[str, Setting], paylo
                 if shown is None or shown0 is None:
                     raise RanksDiffer(f"rank {rank}'s {label} differs from rank 0's")
                 raise RanksDiffer(f"rank {rank}'s {label} ({_short(shown)}) differs from rank 0's ({_short(shown0)})")
-    return [p for _, p in gathered]
+    return [p for _, p, _ in gathered]
 
 
 def _canonical(value: Any) -> str:

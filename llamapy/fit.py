@@ -31,8 +31,8 @@ from ggmlpy.opt import EpochResult, FitPosition, ProgressBar, Result, evaluate_b
 
 from .checkpoint import Checkpoint, compare_params, load_checkpoint, model_fingerprint, save_checkpoint
 from .dataset import join_windows
-from .distributed import (Setting, abort_job, any_rank, check_ranks_agree, check_same_weights, describe_error,
-                          weights_digest)
+from .distributed import (RanksFailed, Setting, abort_job, any_rank, check_ranks_agree, check_same_weights,
+                          describe_error, weights_digest)
 from .errors import InputError, TrainingInterrupted
 
 
@@ -57,41 +57,51 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
     comm = trainer.comm
     silent = silent or comm.rank != 0
     epochs = epochs or trainer.params.schedule.epochs
-    if not 0.0 <= val_split < 1.0:
-        raise InputError(f"val_split must be in [0, 1), got {val_split}")
-    if save_every is not None and (save_every <= 0 or checkpoint is None):
-        raise InputError(f"save_every must be a positive number of optimizer steps, with a checkpoint file "
-                         f"(got {save_every}, checkpoint {checkpoint})")
-    n_windows = dataset.ndata
-    if val_data is not None:  # validation windows given apart: they follow the training windows
-        dataset, idata_split = join_windows(dataset, val_data)
-        held_out = ""
-    else:
-        idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
-        held_out = f" after holding out {val_split:.0%} for validation"
-    if idata_split < trainer.windows_per_step:
-        raise InputError(f"the text gives {n_windows} windows; {trainer.windows_per_step} are needed for one "
-                         f"optimizer step{held_out}")
-    if eval_every is not None and (eval_every <= 0 or idata_split == dataset.ndata):
-        raise InputError(f"eval_every must be a positive number of optimizer steps, with validation data "
-                         f"(got {eval_every}, {dataset.ndata - idata_split} validation windows)")
-    trainer.set_split(dataset, idata_split)
-    run = trainer.run
-    run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
-    stream = stream or sys.stderr
-    tty = hasattr(stream, "isatty") and stream.isatty()
-    say = (lambda line: None) if silent else (lambda line: _write_line(stream, line, tty))
-    if resume is not None:
-        for note in load_checkpoint_into(trainer, resume, force_resume):
-            say(f"resume: {note}")
-    start, start_result = FitPosition(), None
-    if run.pending is not None:
-        start, start_result = _apply_resume(trainer, run.pending, force_resume)
-        run.pending = None
-        say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
-            f"optimizer steps")
+    error = None  # a rank's failure while setting up: said at the check below, where every rank stops
+    try:
+        if not 0.0 <= val_split < 1.0:
+            raise InputError(f"val_split must be in [0, 1), got {val_split}")
+        if save_every is not None and (save_every <= 0 or checkpoint is None):
+            raise InputError(f"save_every must be a positive number of optimizer steps, with a checkpoint file "
+                             f"(got {save_every}, checkpoint {checkpoint})")
+        n_windows = dataset.ndata
+        if val_data is not None:  # validation windows given apart: they follow the training windows
+            dataset, idata_split = join_windows(dataset, val_data)
+            held_out = ""
+        else:
+            idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
+            held_out = f" after holding out {val_split:.0%} for validation"
+        if idata_split < trainer.windows_per_step:
+            raise InputError(f"the text gives {n_windows} windows; {trainer.windows_per_step} are needed for one "
+                             f"optimizer step{held_out}")
+        if eval_every is not None and (eval_every <= 0 or idata_split == dataset.ndata):
+            raise InputError(f"eval_every must be a positive number of optimizer steps, with validation data "
+                             f"(got {eval_every}, {dataset.ndata - idata_split} validation windows)")
+        trainer.set_split(dataset, idata_split)
+        run = trainer.run
+        run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
+        stream = stream or sys.stderr
+        tty = hasattr(stream, "isatty") and stream.isatty()
+        say = (lambda line: None) if silent else (lambda line: _write_line(stream, line, tty))
+        if resume is not None:
+            for note in load_checkpoint_into(trainer, resume, force_resume):
+                say(f"resume: {note}")
+        start, start_result = FitPosition(), None
+        if run.pending is not None:
+            start, start_result = _apply_resume(trainer, run.pending, force_resume)
+            run.pending = None
+            say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
+                f"optimizer steps")
+    except Exception as e:
+        if comm.size == 1:
+            raise
+        error = e
     if comm.size > 1:
-        check_ranks_agree(comm, _run_settings(trainer, epochs, start, checkpoint, save_every, eval_every))
+        try:
+            check_ranks_agree(comm, _run_settings(trainer, epochs, start, checkpoint, save_every, eval_every)
+                              if error is None else {}, error=(describe_error(error), 1) if error else None)
+        except RanksFailed as shared:
+            raise shared from error
 
     def prefix(is_train: bool) -> str:
         text = f"epoch {trainer.epoch + 1}: "

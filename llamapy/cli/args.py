@@ -126,10 +126,13 @@ class _Option:
 class Tool:
     """One command-line tool: a typer command with llama.cpp's conventions (module docstring).
 
-    `llama_cpp`: the llama.cpp tools whose flags this one accepts (see llama_cpp.py)."""
+    `llama_cpp`: the llama.cpp tools whose flags this one accepts (see llama_cpp.py);
+    `distributed`: a tool whose ranks train together under MPI and meet before training
+    (common.meet), so that a rank's error there ends every rank with one line."""
 
-    def __init__(self, name: str, llama_cpp: Sequence[str]) -> None:
+    def __init__(self, name: str, llama_cpp: Sequence[str], distributed: bool = False) -> None:
         self.name = name
+        self.distributed = distributed
         self.llama_cpp_tools = tuple(llama_cpp)
         self.app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
         self._command: typer.core.TyperCommand | None = None
@@ -254,6 +257,8 @@ class Tool:
                 raise KeyboardInterrupt from None
             except typer.TyperException as e:  # click's usage errors, as typer raises them
                 raise InputError(_one_line(e)) from None
+        if self.distributed:
+            common.begin_setup()
         common.guarded(run)()
 
 

@@ -24,10 +24,44 @@ def job():
     return _COMM
 
 
+class _Setup:
+    """Under MPI, the ranks of a training tool meet at fixed points before training starts
+    (`meet`: the flags right after parsing, then the inputs just before the first step).
+    Until the last, a rank that fails goes to its next meeting with its error instead of
+    aborting: every rank stops there, with one line ("rank 1: ..." or "every rank: ...")."""
+
+    open = False  # a training tool under MPI, before its last meeting
+
+
+def begin_setup() -> None:
+    """A training tool starts: its ranks will meet (module docstring of _Setup)."""
+    _Setup.open = True
+
+
+def meet(settings, payload=None, *, last: bool = False, error: tuple[str, int] | None = None) -> list:
+    """One of the setup's meetings: llamapy.distributed.check_ranks_agree over the job
+    (RanksDiffer or RanksFailed on every rank when they differ or one failed); `last`: the
+    one before the first step, after which a failing rank aborts the job."""
+    from llamapy.distributed import check_ranks_agree
+    try:
+        return check_ranks_agree(job(), settings, payload, error)
+    finally:
+        if last or error is not None:
+            _Setup.open = False
+
+
 def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
     """One line and a non-zero exit. Under MPI, an error of one rank names the rank and ends
-    every rank; one that every rank meets at the same point (`every_rank`) is rank 0's line,
-    and each rank exits by itself."""
+    every rank: before training, at the ranks' next meeting (`meet`), once training runs,
+    by aborting the job; one that every rank meets at the same point (`every_rank`) is rank
+    0's line, and each rank exits by itself."""
+    if _COMM is not None and _COMM.size > 1 and not every_rank:
+        if _Setup.open:
+            from llamapy.distributed import RanksFailed
+            try:
+                meet({}, error=(message, code))
+            except RanksFailed as shared:
+                message, code, every_rank = str(shared), shared.code, True
     if _COMM is not None and _COMM.size > 1 and not every_rank:
         from llamapy.distributed import abort_job
         abort_job(_COMM, message, code)
@@ -51,8 +85,11 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
             job()  # under an MPI launcher: find the other ranks before anything is printed
             main()
         except LlamapyError as e:
-            fail(str(e), every_rank=e.on_every_rank)
+            fail(str(e), getattr(e, "code", 1), every_rank=e.on_every_rank)
         except KeyboardInterrupt as e:
+            # every rank has the signal, some maybe inside a meeting: meeting again could pair
+            # different meetings; each says so and the job is aborted
+            _Setup.open = False
             fail(str(e) or "interrupted", 130)
         except MemoryError:
             fail("out of memory")

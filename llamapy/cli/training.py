@@ -17,7 +17,7 @@ from ggmlpy.opt import loss_and_accuracy
 from ggmlpy.records import explain
 from llamapy.checkpoint import data_fingerprint
 from llamapy.context import Context, validation_windows
-from llamapy.distributed import Setting, check_ranks_agree, oversubscription_warning
+from llamapy.distributed import Setting, oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
@@ -204,25 +204,22 @@ class TrainingArgs:
             raise InputError(str(e)) from None
 
 
-
-
 # flags each rank may set its own way: its threads and logging, and what only rank 0 writes
 RANK_LOCAL = frozenset({"threads", "output", "lora_out", "plot", "predict", "prompt",
                         "verbose", "verbosity", "log_disable", "log_file"})
-# files every rank reads: compared by their contents once read (Context.opt_fit compares the
-# model, the windows and a resumed checkpoint's state), as another machine may mount them elsewhere
-READ_BY_CONTENT = frozenset({"model", "file", "data", "val_file", "checkpoint_in", "vocab_model"})
-# and of --checkpoint-out, whether it is given: every rank then joins the checkpoints' stop check
-PRESENCE_ONLY = frozenset({"checkpoint_out"})
+# flags compared by whether they are given: files every rank reads (Context.opt_fit compares
+# their contents once read: the model, the windows, a resumed checkpoint's state; another
+# machine may mount them elsewhere) and --checkpoint-out (every rank joins its stop check)
+GIVEN_OR_NOT = frozenset({"model", "file", "data", "val_file", "checkpoint_in", "vocab_model", "checkpoint_out"})
 _flags_agreed: list[int | None] = []  # once checked: rank 0's random seed
 
 
 def check_flags_agree() -> int | None:
     """Stop (one line, on every rank) when some rank was given other training flags than rank
     0: `error: rank 1's --epochs (3) differs from rank 0's (2)`. Every flag counts except
-    RANK_LOCAL, and READ_BY_CONTENT and PRESENCE_ONLY in their way; it is checked once, right
-    after parsing and before anything rank-dependent, so that no rank can enter a collective
-    the others never reach. Returns rank 0's random seed draw (used for `--seed -1`), None
+    RANK_LOCAL, and GIVEN_OR_NOT by whether it is given. It is the ranks' first meeting
+    (common.meet), right after parsing and before anything rank-dependent, so that no rank
+    can enter a collective the others never reach. Returns rank 0's random seed draw (used for `--seed -1`), None
     outside MPI."""
     comm = job()
     if comm.size == 1:
@@ -230,12 +227,13 @@ def check_flags_agree() -> int | None:
     if not _flags_agreed:
         settings = {}
         for name, (label, value) in common.parsed_flags.items():
-            if name in RANK_LOCAL or name in READ_BY_CONTENT:
+            if name in RANK_LOCAL:
                 continue
-            if name in PRESENCE_ONLY:
-                value = value is not None
-            settings[name] = Setting(label, value, text=_shown(value))
-        draws = check_ranks_agree(comm, settings, payload=draw_seed())
+            if name in GIVEN_OR_NOT:
+                settings[name] = Setting(label, value is not None, text="given" if value is not None else "not given")
+            else:
+                settings[name] = Setting(label, value, text=_shown(value))
+        draws = common.meet(settings, payload=draw_seed())
         _flags_agreed.append(draws[0])
     return _flags_agreed[0]
 
@@ -260,8 +258,9 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     args.check()
     comm = job()
     main_rank = comm.rank == 0
-    for path in [output] + [p for p in (args.plot, args.checkpoint_out) if p]:
-        check_writable(path)
+    if main_rank:  # only rank 0 writes
+        for path in [output] + [p for p in (args.plot, args.checkpoint_out) if p]:
+            check_writable(path)
     dataset = data.train
     n_batch = args.batch_size or args.ctx_size
     if data.val is not None:
@@ -282,13 +281,7 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     ctx = Context(model, n_ctx=max(args.ctx_size, n_batch), n_batch=n_batch, n_ubatch=args.ubatch_size,
                   n_threads=n_threads)
     if comm.size > 1:
-        # opt_fit compares the model, windows and parameters; the test set is the CLI's own
-        test = data_fingerprint(data.test, data.test.ndata) if data.test is not None else None
-        check_ranks_agree(comm, {"test": Setting("test data (test.jsonl of --data)", test, hidden=True)})
         log(f"distributed: {comm.size} ranks, {n_batch} tokens per step each ({n_batch * comm.size} per step in all)")
-        warning = oversubscription_warning(comm, n_threads)
-        if warning:
-            log(f"warning: {warning}")
     ctx.opt_init(params, comm)
     adapter = ctx.trainer.adapter
     plan = ctx.trainer.memory_plan()
@@ -305,6 +298,14 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     if adapter:
         log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices "
             f"({', '.join(params.lora.modules)})")
+    if comm.size > 1:
+        # the setup's last meeting (a rank that failed setting up says so here); opt_fit then
+        # compares the model, windows and parameters; the test set is the CLI's own
+        test = data_fingerprint(data.test, data.test.ndata) if data.test is not None else None
+        common.meet({"test": Setting("test data (test.jsonl of --data)", test, hidden=True)}, last=True)
+        warning = oversubscription_warning(comm, n_threads)
+        if warning:
+            log(f"warning: {warning}")
     start = time.perf_counter()
     try:
         history = ctx.opt_fit(dataset, epochs=args.epochs, val_split=args.val_split,
