@@ -172,8 +172,8 @@ def describe_error(e: BaseException) -> str:
         return str(e) or "interrupted"
     if isinstance(e, MemoryError):
         return "out of memory"
-    if isinstance(e, OSError) and (e.strerror or e.filename):
-        return f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror)
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror or e)
     message = " ".join(str(e).split())
     return f"{type(e).__name__}: {message}" if message else type(e).__name__
 

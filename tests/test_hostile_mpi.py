@@ -87,6 +87,8 @@ def test_an_unexpected_exception_is_named_by_its_type():
     assert describe_error(KeyError("n_layer")) == "KeyError: 'n_layer'"
     assert describe_error(InputError("text file not found: x")) == "text file not found: x"
     assert describe_error(OSError(28, "No space left on device")) == "No space left on device"
+    assert describe_error(OSError("No space left on device")) == "No space left on device"
+    assert describe_error(FileNotFoundError(2, "No such file or directory", "x.txt")) == "No such file or directory: x.txt"
     assert describe_error(RuntimeError()) == "RuntimeError"
     assert death_line("1", 9) == "error: rank 1: killed by signal 9 (SIGKILL: sent by a user, or by the kernel when memory runs out)"
 

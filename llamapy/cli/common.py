@@ -94,7 +94,7 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
         except MemoryError:
             fail("out of memory")
         except OSError as e:
-            fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+            fail(describe_error(e))
         except Exception as e:
             if _COMM is None or _COMM.size == 1:
                 raise
