@@ -2,25 +2,25 @@
 overtakes it (`wait_until_read`), and the watcher that names a rank killed by a signal.
 
 Why a watcher. Under MPICH's Hydra launcher, when a rank dies of a signal (SIGKILL from a
-user or the kernel's out-of-memory killer, SIGSEGV), Hydra ends every other rank with
-SIGKILL within milliseconds and prints the dead process's pid and signal, not its rank.
-No surviving rank can name the dead one: SIGKILL cannot be caught, so a survivor gets no
-chance to notice that its collective will never complete (measured: two ranks looping on
-allgather with handlers for every catchable signal, the second one SIGKILLed; the first
-printed nothing). Hydra's fault-tolerant mode (`mpirun -disable-auto-cleanup`) would let
-rank 0's collective fail and report which rank is gone, but it is not the default, and a
+user or the kernel's out-of-memory killer, SIGSEGV), Hydra ends every other rank at once
+with a signal it cannot catch and prints the dead process's pid and signal, not its rank.
+No surviving rank can name the dead one (measured: two ranks looping on allgather, the
+second one SIGKILLed; the first, with handlers for SIGINT, SIGTERM and SIGHUP, printed
+nothing, and neither did the idle Python parent of a rank), and rank 0's collective never
+gets to time out. Hydra's `mpirun -disable-auto-cleanup` would keep the survivors alive
+for a fault-tolerant MPI to report the dead rank, but it is not the default, and a
 launcher's default is what users run.
 
-So the process Hydra starts for a rank forks before MPI starts: the child runs the rank,
-and the parent becomes this module's `watch` (exec'd as a small Python of ~10 MB that
-imports only the standard library). The watcher waits for the rank; when it exits, the
-watcher exits with its code; when a signal kills it that the watcher did not also receive
-(Hydra signals a rank's whole process group: a Ctrl-C, a job ended by the launcher), it
-writes `error: rank R: killed by signal 9 (SIGKILL: ...)`, waits until the launcher has
-read the line, and dies of the same signal, so that Hydra reports and ends the job exactly
-as it did before. The child dies with the watcher (PR_SET_PDEATHSIG), so a watcher that is
-itself killed leaves no rank behind; Hydra then reports the watcher's pid and signal only.
-A machine that is lost (power, network) ends with Hydra's message alone.
+So the process Hydra launches for a rank runs the same command again as its child, the
+rank (llamapy.distributed.watch_rank), and becomes this module's `watch`: a small Python of
+~10 MB that imports only the standard library. The watcher waits for the rank; when it
+exits, the watcher exits with its code; when a signal kills it that the watcher did not
+also receive (Hydra signals a rank's whole process group: a Ctrl-C, a job ended by the
+launcher), it writes `error: rank R: killed by signal 9 (SIGKILL: ...)`, waits until the
+launcher has read the line, and dies of the same signal, so that Hydra reports and ends
+the job exactly as it did before. The rank dies with the watcher (PR_SET_PDEATHSIG), so a
+watcher that is itself killed leaves no rank behind; Hydra then reports the watcher's pid
+and signal only. A machine that is lost (power, network) ends with Hydra's message alone.
 
 This file is also run as a script (`python -I -S rank_watch.py PID RANK`): it must import
 nothing but the standard library.

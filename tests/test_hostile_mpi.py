@@ -210,6 +210,7 @@ def test_an_unexpected_exception_on_one_rank_ends_the_job_in_one_line(texts, whe
     (["-f", "/nonexistent/b.txt"], "error: rank 1: training data not found: /nonexistent/b.txt"),
     (["--checkpoint-in", "/nonexistent/run.ckpt"],  # a flag: named before any file is read
      "error: rank 1's --checkpoint-in (given) differs from rank 0's (not given)"),
+    (["-h"], "error: rank 1: stopped before training (it was given -h or --version)"),
 ])
 def test_a_rank_that_fails_setting_up_stops_every_rank_at_the_next_check(texts, rank1, line):
     """No abort: rank 0 waits at the ranks' next check, where rank 1 brings its error."""

@@ -50,6 +50,20 @@ def meet(settings, payload=None, *, last: bool = False, error: tuple[str, int] |
             _Setup.open = False
 
 
+_STOPPED_EARLY = "stopped before training (it was given -h or --version)"
+
+
+def _stopped_early() -> None:
+    """A training tool that ended without training (-h, --version) goes to the ranks' next
+    meeting: every rank ended so: all exit; else the others stop there with one line."""
+    from llamapy.distributed import RanksFailed
+    try:
+        meet({}, error=(_STOPPED_EARLY, 1))
+    except RanksFailed as e:
+        if str(e) != f"every rank: {_STOPPED_EARLY}":
+            fail(str(e), e.code, every_rank=True)
+
+
 def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
     """One line and a non-zero exit. Under MPI, an error of one rank names the rank and ends
     every rank: before training, at the ranks' next meeting (`meet`), once training runs,
@@ -84,6 +98,8 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
             watch_rank()  # under mpirun: a watcher that names this rank if a signal kills it
             job()  # under an MPI launcher: find the other ranks before anything is printed
             main()
+            if _Setup.open and _COMM.size > 1:  # -h or --version: the other ranks may be waiting
+                _stopped_early()
         except LlamapyError as e:
             fail(str(e), getattr(e, "code", 1), every_rank=e.on_every_rank)
         except KeyboardInterrupt as e:
