@@ -244,12 +244,11 @@ def watch_rank() -> None:
     unsafe), then becomes the watcher, a small Python of ~10 MB; the child is the rank. The
     command-line tools call this first thing, before MPI starts; in the child it returns at
     once. Does nothing elsewhere, and with LLAMAPY_RANK_WATCH=0."""
-    watcher = os.environ.get(_WATCHER)
+    watcher = os.environ.pop(_WATCHER, None)  # (not for the processes this rank starts)
     if watcher is not None:  # the rank, started by its watcher: dies with it
-        if watcher == str(os.getppid()):
-            _die_with_parent()
-            if os.getppid() != int(watcher):  # the watcher died before that
-                os._exit(1)
+        _die_with_parent()
+        if str(os.getppid()) != watcher:  # the watcher died before that: the job is ending
+            os._exit(1)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
         return
     if (not _hydra_rank() or launched_ranks() <= 1 or os.environ.get("LLAMAPY_RANK_WATCH", "1") == "0"

@@ -167,7 +167,7 @@ def _run_settings(trainer, epochs: int, start: FitPosition, checkpoint, save_eve
         "data": Setting("training data", run.data_fingerprint(),
                         hidden=True),
     }
-    for key, value in trainer.describe_params(run.shuffle_seed).summary().items():
+    for key, value in _flat(trainer.describe_params(run.shuffle_seed).summary()):
         settings[f"params.{key}"] = Setting(f"training parameter {key}", value, text=json.dumps(value, sort_keys=True),
                                             hidden=key == "trained")
     settings.update({
@@ -181,6 +181,15 @@ def _run_settings(trainer, epochs: int, start: FitPosition, checkpoint, save_eve
         "weights": Setting("trained weights", weights_digest(trainer.trained.values()), hidden=True),
     })
     return settings
+
+
+def _flat(record: dict, prefix: str = ""):
+    """(dotted key, value) of a nested dict's leaves: `schedule.lr0`, not the whole schedule."""
+    for key, value in record.items():
+        if isinstance(value, dict) and value:
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def save_checkpoint_of(trainer, path) -> Path:

@@ -229,3 +229,41 @@ def test_an_error_every_rank_meets_is_one_line(texts):
     r, _ = launch(args, args)
     assert one_error_line(r).startswith("error: every rank: the text gives ")
     assert "MPI_Abort" not in r.stderr + r.stdout
+
+
+API = """
+import json, sys
+import llamapy
+from llamapy.dataset import text_windows
+from llamapy.distributed import DistributedError, world
+from llamapy.train_params import LRSchedule, TrainParams
+comm = world()
+model = llamapy.load_model(MODEL)
+ds = text_windows(model.vocab, open(TEXT).read(), 32)
+ctx = llamapy.Context(model, n_ctx=32, n_batch=32, n_ubatch=32, n_threads=1)
+r = comm.rank
+cases = {"epochs": dict(epochs=1 + r), "lr": dict(params=TrainParams(schedule=LRSchedule(lr0=1e-3 * (1 + r)))),
+         "val_split": dict(val_split=0.05 if r == 0 else 2.0)}
+try:
+    ctx.opt_fit(ds, silent=True, comm=comm.comm, **{"epochs": 1, **cases[sys.argv[1]]})
+    print(json.dumps([r, "trained"]))
+except DistributedError as e:
+    print(json.dumps([r, type(e).__name__, str(e)]))
+"""
+
+
+@pytest.mark.parametrize("case, error", [
+    ("epochs", ["RanksDiffer", "rank 1's epochs (2) differs from rank 0's (1)"]),
+    ("lr", ["RanksDiffer", "rank 1's training parameter schedule.lr0 (0.002) differs from rank 0's (0.001)"]),
+    ("val_split", ["RanksFailed", "rank 1: val_split must be in [0, 1), got 2.0"]),
+])
+def test_python_api_ranks_that_differ_or_fail_get_the_same_exception(texts, case, error):
+    """Context.opt_fit over MPI: every rank raises the same exception before the first step
+    (no abort, no hang): a Python program decides what to do."""
+    script = texts / "api.py"
+    script.write_text(API.replace("MODEL", repr(str(shared_path("models", "stories260K.gguf"))))
+                      .replace("TEXT", repr(str(texts / "a.txt"))))
+    r = subprocess.run([MPIRUN, "-n", "2", sys.executable, str(script), case], capture_output=True, text=True,
+                       cwd=REPO_ROOT, env=ENV, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert sorted(json.loads(line) for line in r.stdout.splitlines()) == [[0, *error], [1, *error]]

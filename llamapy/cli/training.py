@@ -219,8 +219,8 @@ def check_flags_agree() -> int | None:
     0: `error: rank 1's --epochs (3) differs from rank 0's (2)`. Every flag counts except
     RANK_LOCAL, and GIVEN_OR_NOT by whether it is given. It is the ranks' first meeting
     (common.meet), right after parsing and before anything rank-dependent, so that no rank
-    can enter a collective the others never reach. Returns rank 0's random seed draw (used for `--seed -1`), None
-    outside MPI."""
+    can enter a collective the others never reach. Returns rank 0's random seed draw (for
+    `--seed -1`), None outside MPI."""
     comm = job()
     if comm.size == 1:
         return None
