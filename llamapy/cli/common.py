@@ -80,7 +80,7 @@ def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
         from llamapy.distributed import abort_job
         abort_job(_COMM, message, code)
     if _COMM is None or _COMM.rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        _line(sys.stderr, f"error: {message}")
         if _Log.file is not None:
             print(f"error: {message}", file=_Log.file, flush=True)
     raise SystemExit(code)
@@ -200,9 +200,16 @@ def log(message: str, level: int = INFO) -> None:
     """A progress line on stderr (rank 0's only, under MPI), if the log level shows it."""
     if level > _Log.level or (_COMM is not None and _COMM.rank != 0):
         return
-    print(message, file=sys.stderr, flush=True)
+    _line(sys.stderr, message)
     if _Log.file is not None:
         print(message, file=_Log.file, flush=True)
+
+
+def _line(stream, text: str) -> None:
+    """A line in one write: under MPI the launcher merges the ranks' stderr as written, and
+    print's two writes (text, newline) let another rank's line in between."""
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def warn(message: str) -> None:
