@@ -8,12 +8,16 @@ Ctrl-C while checkpointing asks the run to stop after the step in progress (the 
 are never saved half-updated); a second one stops at once.
 
 Over several ranks (a trainer made with a communicator) only rank 0 prints and writes
-checkpoints; a stop request on any rank stops every rank after the same step; every
-epoch ends with a check that all ranks hold the same weights; and an error on one rank
-ends the whole job with one line instead of leaving the others waiting.
+checkpoints; before the first step every rank checks that it runs what rank 0 runs (model,
+data, parameters, epochs, checkpointing, resumed position and weights); a stop request on
+any rank stops every rank after the same step; every epoch ends with a check that all
+ranks hold the same weights; and an error on one rank ends the whole job with one line
+(naming the rank, and the exception's type when it is not llamapy's) instead of leaving
+the others waiting.
 """
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -42,7 +46,8 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .dataset import join_windows
-from .distributed import abort_job, any_rank, check_same_weights
+from .distributed import (RanksFailed, Setting, abort_job, any_rank, check_ranks_agree, check_same_weights,
+                          describe_error, weights_digest)
 from .errors import InputError, TrainingInterrupted
 
 
@@ -55,7 +60,7 @@ def fit(lctx, dataset, **kwargs) -> list[EpochResult]:
         return _fit(lctx, dataset, **kwargs)
     except BaseException as e:  # noqa: BLE001 - any failure of one rank must end all of them
         if not getattr(e, "on_every_rank", False):  # a shared stop or check ends every rank by itself
-            abort_job(comm, str(e) or type(e).__name__)
+            abort_job(comm, describe_error(e))
         raise
 
 
@@ -67,39 +72,51 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
     comm = trainer.comm
     silent = silent or comm.rank != 0
     epochs = epochs or trainer.params.schedule.epochs
-    if not 0.0 <= val_split < 1.0:
-        raise InputError(f"val_split must be in [0, 1), got {val_split}")
-    if save_every is not None and (save_every <= 0 or checkpoint is None):
-        raise InputError(f"save_every must be a positive number of optimizer steps, with a checkpoint file "
-                         f"(got {save_every}, checkpoint {checkpoint})")
-    n_windows = dataset.ndata
-    if val_data is not None:  # validation windows given apart: they follow the training windows
-        dataset, idata_split = join_windows(dataset, val_data)
-        held_out = ""
-    else:
-        idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
-        held_out = f" after holding out {val_split:.0%} for validation"
-    if idata_split < trainer.windows_per_step:
-        raise InputError(f"the text gives {n_windows} windows; {trainer.windows_per_step} are needed for one "
-                         f"optimizer step{held_out}")
-    if eval_every is not None and (eval_every <= 0 or idata_split == dataset.ndata):
-        raise InputError(f"eval_every must be a positive number of optimizer steps, with validation data "
-                         f"(got {eval_every}, {dataset.ndata - idata_split} validation windows)")
-    trainer.set_split(dataset, idata_split)
-    run = trainer.run
-    run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
-    stream = stream or sys.stderr
-    tty = hasattr(stream, "isatty") and stream.isatty()
-    say = (lambda line: None) if silent else (lambda line: _write_line(stream, line, tty))
-    if resume is not None:
-        for note in load_checkpoint_into(trainer, resume, force_resume):
-            say(f"resume: {note}")
-    start, start_result = FitPosition(), None
-    if run.pending is not None:
-        start, start_result = _apply_resume(trainer, run.pending, force_resume)
-        run.pending = None
-        say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
-            f"optimizer steps")
+    error = None  # a rank's failure while setting up: said at the check below, where every rank stops
+    try:
+        if not 0.0 <= val_split < 1.0:
+            raise InputError(f"val_split must be in [0, 1), got {val_split}")
+        if save_every is not None and (save_every <= 0 or checkpoint is None):
+            raise InputError(f"save_every must be a positive number of optimizer steps, with a checkpoint file "
+                             f"(got {save_every}, checkpoint {checkpoint})")
+        n_windows = dataset.ndata
+        if val_data is not None:  # validation windows given apart: they follow the training windows
+            dataset, idata_split = join_windows(dataset, val_data)
+            held_out = ""
+        else:
+            idata_split = dataset.ndata - validation_windows(dataset.ndata, val_split)
+            held_out = f" after holding out {val_split:.0%} for validation"
+        if idata_split < trainer.windows_per_step:
+            raise InputError(f"the text gives {n_windows} windows; {trainer.windows_per_step} are needed for one "
+                             f"optimizer step{held_out}")
+        if eval_every is not None and (eval_every <= 0 or idata_split == dataset.ndata):
+            raise InputError(f"eval_every must be a positive number of optimizer steps, with validation data "
+                             f"(got {eval_every}, {dataset.ndata - idata_split} validation windows)")
+        trainer.set_split(dataset, idata_split)
+        run = trainer.run
+        run.rng, run.shuffle_seed = (np.random.default_rng(seed) if seed is not None else None), seed
+        stream = stream or sys.stderr
+        tty = hasattr(stream, "isatty") and stream.isatty()
+        say = (lambda line: None) if silent else (lambda line: _write_line(stream, line, tty))
+        if resume is not None:
+            for note in load_checkpoint_into(trainer, resume, force_resume):
+                say(f"resume: {note}")
+        start, start_result = FitPosition(), None
+        if run.pending is not None:
+            start, start_result = _apply_resume(trainer, run.pending, force_resume)
+            run.pending = None
+            say(f"resume: epoch {start.epoch + 1}, window {start.ibatch} of the epoch, after {trainer.n_steps} "
+                f"optimizer steps")
+    except Exception as e:
+        if comm.size == 1:
+            raise
+        error = e
+    if comm.size > 1:
+        try:
+            check_ranks_agree(comm, _run_settings(trainer, epochs, start, checkpoint, save_every, eval_every)
+                              if error is None else {}, error=(describe_error(error), 1) if error else None)
+        except RanksFailed as shared:
+            raise shared from error
 
     def prefix(is_train: bool) -> str:
         text = f"epoch {trainer.epoch + 1}: "
@@ -152,6 +169,42 @@ def _fit(lctx, dataset, *, epochs: int | None, val_split: float, silent: bool, s
         return fit_epochs(trainer.opt, dataset, epochs, idata_split, shuffle=run.rng, callback_train=bar,
                           callback_eval=bar, before_epoch=start_epoch, on_epoch=end_epoch, start=start,
                           start_result=start_result, on_position=on_position)
+
+
+def _run_settings(trainer, epochs: int, start: FitPosition, checkpoint, save_every: int | None,
+                  eval_every: int | None) -> dict[str, Setting]:
+    """What every rank of a data-parallel fit must share, in the order a difference is
+    reported: the model, the data and its split, the training parameters, the fit's
+    arguments that decide its steps and collectives, and where a resumed run starts."""
+    run = trainer.run
+    settings = {
+        "model": Setting("model", model_fingerprint(trainer.model, set(trainer.trained)), hidden=True),
+        "data": Setting("training data", run.data_fingerprint(),
+                        hidden=True),
+    }
+    for key, value in _flat(trainer.describe_params(run.shuffle_seed).summary()):
+        settings[f"params.{key}"] = Setting(f"training parameter {key}", value, text=json.dumps(value, sort_keys=True),
+                                            hidden=key == "trained")
+    settings.update({
+        "epochs": Setting("epochs", epochs),
+        "checkpoint": Setting("checkpoint", checkpoint is not None, text="a file" if checkpoint is not None else "none"),
+        "save_every": Setting("save_every", save_every),
+        "eval_every": Setting("eval_every", eval_every),
+        "start": Setting("resumed position (epoch, window, optimizer steps)",
+                         [start.epoch + 1, start.ibatch, trainer.n_steps],
+                         text=f"epoch {start.epoch + 1}, window {start.ibatch}, {trainer.n_steps} steps"),
+        "weights": Setting("trained weights", weights_digest(trainer.trained.values()), hidden=True),
+    })
+    return settings
+
+
+def _flat(record: dict, prefix: str = ""):
+    """(dotted key, value) of a nested dict's leaves: `schedule.lr0`, not the whole schedule."""
+    for key, value in record.items():
+        if isinstance(value, dict) and value:
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def save_checkpoint_of(trainer, path) -> Path:

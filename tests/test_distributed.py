@@ -97,36 +97,57 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(text, tmp_path):
 
 
 def python_processes_of(pids: set[int]) -> set[int]:
+    """Those of `pids` still running. A zombie is dead: a rank whose watcher the launcher
+    killed with it is reparented to init until init reaps it."""
     alive = set()
     for pid in pids:
         try:
-            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            try:
+                os.kill(pid, 0)  # no /proc: assume running while it exists
+                state = "R"
+            except ProcessLookupError:
+                continue
+        if state != "Z":
             alive.add(pid)
-        except ProcessLookupError:
-            pass
     return alive
 
 
 def rank_pids(root: int) -> set[int]:
-    """The python processes under the launcher `root` (its ranks)."""
+    """The python processes under the launcher `root`: the ranks and their watchers."""
+    return set(python_tree(root))
+
+
+def python_tree(root: int) -> dict[int, int]:
+    """The python processes under `root`, each with its parent's pid."""
     out = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout.split("\n")
     children: dict[int, list[tuple[int, str]]] = {}
     for line in out:
         parts = line.split(None, 2)
         if len(parts) == 3:
             children.setdefault(int(parts[1]), []).append((int(parts[0]), parts[2]))
-    found, todo = set(), [root]
+    found, todo = {}, [root]
     while todo:
-        for pid, comm in children.get(todo.pop(), []):
+        parent = todo.pop()
+        for pid, comm in children.get(parent, []):
             todo.append(pid)
             if comm.startswith("python"):
-                found.add(pid)
+                found[pid] = parent
     return found
+
+
+def rank_processes(root: int) -> list[int]:
+    """The ranks themselves, in rank order when their watchers are in pid order: the python
+    processes whose parent is a python process (llamapy.rank_watch)."""
+    tree = python_tree(root)
+    return [pid for parent, pid in sorted((parent, pid) for pid, parent in tree.items() if parent in tree)]
 
 
 def start_long_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, set[int]]:
     """A two-rank finetune long enough to interrupt (5 epochs of 400 KB), some seconds into
-    training: the launcher and its two ranks' pids."""
+    training: the launcher, and the pids of its two ranks and their watchers."""
     big = tmp_path / "long.txt"
     big.write_text(shared_path("data", "tinystories_sample.txt").read_text(encoding="utf-8")[:400_000])
     cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "llamapy.cli.finetune",
@@ -134,10 +155,10 @@ def start_long_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, set[int]]:
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=ENV)
     ranks: set[int] = set()
     deadline = time.time() + 60
-    while len(ranks) < 2 and time.time() < deadline:
+    while len(rank_processes(job.pid)) < 2 and time.time() < deadline:
         time.sleep(0.5)
-        ranks = rank_pids(job.pid)
-    if len(ranks) < 2:
+    ranks = rank_pids(job.pid)
+    if len(rank_processes(job.pid)) < 2:
         job.kill()
         pytest.fail("the two ranks did not start")
     time.sleep(5)  # well into training
@@ -145,10 +166,15 @@ def start_long_run(tmp_path, *extra: str) -> tuple[subprocess.Popen, set[int]]:
     return job, ranks
 
 
-def test_killing_one_rank_ends_the_job(tmp_path):
+@pytest.mark.parametrize("victim", ["rank", "watcher"])
+def test_killing_one_rank_ends_the_job(tmp_path, victim):
+    """A rank killed by SIGKILL (the kernel's out-of-memory killer sends it too): its watcher
+    names it in one line, and the launcher ends the others. A watcher killed takes its rank
+    with it: the launcher ends the job with its own message."""
     job, ranks = start_long_run(tmp_path)
     try:
-        os.kill(max(ranks), signal.SIGKILL)
+        rank = rank_processes(job.pid)[1]
+        os.kill(rank if victim == "rank" else python_tree(job.pid)[rank], signal.SIGKILL)
         t0 = time.time()
         out, err = job.communicate(timeout=30)
         assert time.time() - t0 < 10
@@ -156,9 +182,15 @@ def test_killing_one_rank_ends_the_job(tmp_path):
         if job.poll() is None:
             job.kill()
     assert job.returncode != 0
-    assert "signal 9" in out + err  # the launcher names the dead rank's signal
+    assert "signal 9" in out + err  # the launcher names the dead process's signal
+    if victim == "rank":
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert lines == ["error: rank 1: killed by signal 9 (SIGKILL: sent by a user, or by the kernel when memory "
+                         "runs out)"], err
     time.sleep(1)
-    assert python_processes_of(ranks) == set()  # no rank left behind
+    left = python_processes_of(ranks)
+    assert left == set(), subprocess.run(["ps", "-o", "pid,ppid,stat,etime,args", "-p", ",".join(map(str, left))],
+                                         capture_output=True, text=True).stdout  # no rank left behind
     assert not (tmp_path / "never.gguf").exists()
 
 

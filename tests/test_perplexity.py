@@ -144,7 +144,6 @@ def test_a_bare_cli_run_gives_llama_cpps_bare_run(stories_path, wiki_path):
     """Acceptance: no -c, as a llama.cpp user types it: llama-perplexity's defaults (-c 512,
     -b 2048) and its numbers (tests/data, recorded by tests/record_llama_cpp_cli.py)."""
     golden_path = Path(__file__).parent / "data" / "llama_cpp_ppl_stories260K_bare.txt"
-    golden = running_ppl(golden_path)
     proc = run_cli("-m", str(stories_path), "-f", str(wiki_path))
     assert proc.returncode == 0, proc.stderr
     ours = dict(re.findall(r"\[(\d+)\]([0-9.]+)", proc.stdout))

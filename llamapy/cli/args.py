@@ -132,10 +132,13 @@ class _Option:
 class Tool:
     """One command-line tool: a typer command with llama.cpp's conventions (module docstring).
 
-    `llama_cpp`: the llama.cpp tools whose flags this one accepts (see llama_cpp.py)."""
+    `llama_cpp`: the llama.cpp tools whose flags this one accepts (see llama_cpp.py);
+    `distributed`: a tool whose ranks train together under MPI and meet before training
+    (common.meet), so that a rank's error there ends every rank with one line."""
 
-    def __init__(self, name: str, llama_cpp: Sequence[str]) -> None:
+    def __init__(self, name: str, llama_cpp: Sequence[str], distributed: bool = False) -> None:
         self.name = name
+        self.distributed = distributed
         self.llama_cpp_tools = tuple(llama_cpp)
         self.app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
         self._command: typer.core.TyperCommand | None = None
@@ -172,7 +175,9 @@ class Tool:
             common.note_first_run()
             for note in self._notes:
                 common.log(note)
-            common.debug(_describe_flags(values.pop("typer_context"), values))
+            typer_context = values.pop("typer_context")
+            common.parsed_flags = _parsed_flags(typer_context, values, getattr(self, "_args", []))
+            common.debug(_describe_flags(typer_context, values))
             for name, cls in sets.items():
                 values[name] = cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
             function(**values)
@@ -265,6 +270,7 @@ class Tool:
 
         def run() -> None:
             args, self._notes = self.prescan(argv)
+            self._args = args
             try:
                 command.main(args, prog_name=self.name, standalone_mode=False)
             except typer.Exit as e:
@@ -274,6 +280,8 @@ class Tool:
                 raise KeyboardInterrupt from None
             except typer.TyperException as e:  # click's usage errors, as typer raises them
                 raise InputError(_one_line(e)) from None
+        if self.distributed:
+            common.begin_setup()
         common.guarded(run)()
 
 
@@ -296,6 +304,28 @@ def _describe_flags(ctx: typer.Context, values: dict[str, Any]) -> str:
             shown = str(value) if isinstance(value, (Path, int, float)) else repr(value)
             given.append(f"{param.opts[0]} {shown} ({where})")
     return "flags: " + (", ".join(given) or "all at their defaults")
+
+
+def _parsed_flags(ctx: typer.Context, values: dict[str, Any], argv: Sequence[str]) -> dict[str, tuple[str, Any]]:
+    """Every option's value by its parameter name, with the flag as the user gave it: the
+    name typed on the command line (`-c`, `--ctx-size`), the environment variable it came
+    from, or (at its default) its long name; a flag pair (`--shuffle/--no-shuffle`) by its
+    first name."""
+    typed = {token.split("=", 1)[0] if token.startswith("--") else token for token in argv if token.startswith("-")}
+    out = {}
+    for param in ctx.command.params:
+        if param.name not in values or not isinstance(param, typer.core.TyperOption):
+            continue
+        source = ctx.get_parameter_source(param.name)
+        given = [name for name in param.opts if name in typed]
+        if source is not None and source.name == "ENVIRONMENT" and isinstance(param.envvar, str):
+            label = param.envvar
+        elif given and not param.secondary_opts:
+            label = given[0]
+        else:
+            label = next((name for name in param.opts if name.startswith("--")), param.opts[0])
+        out[param.name] = (label, values[param.name])
+    return out
 
 
 def typing_option(annotation: Any) -> Any:

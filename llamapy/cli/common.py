@@ -4,12 +4,15 @@ from __future__ import annotations
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from llamapy.errors import InputError, LlamapyError
 
 _COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
+# the command's flags as parsed: parameter name -> (the flag as the user gave it, its value)
+parsed_flags: dict[str, tuple[str, object]] = {}
 
 
 _PATHS = None  # the run's paths (paths.Paths), made by the argument layer before the command runs
@@ -43,34 +46,99 @@ def job():
     return _COMM
 
 
+class _Setup:
+    """Under MPI, the ranks of a training tool meet at fixed points before training starts
+    (`meet`: the flags right after parsing, then the inputs just before the first step).
+    Until the last, a rank that fails goes to its next meeting with its error instead of
+    aborting: every rank stops there, with one line ("rank 1: ..." or "every rank: ...")."""
+
+    open = False  # a training tool under MPI, before its last meeting
+
+
+def begin_setup() -> None:
+    """A training tool starts: its ranks will meet (module docstring of _Setup)."""
+    _Setup.open = True
+
+
+def meet(settings, payload=None, *, last: bool = False, error: tuple[str, int] | None = None) -> list:
+    """One of the setup's meetings: llamapy.distributed.check_ranks_agree over the job
+    (RanksDiffer or RanksFailed on every rank when they differ or one failed); `last`: the
+    one before the first step, after which a failing rank aborts the job."""
+    from llamapy.distributed import check_ranks_agree
+    try:
+        return check_ranks_agree(job(), settings, payload, error)
+    finally:
+        if last or error is not None:
+            _Setup.open = False
+
+
+_STOPPED_EARLY = "stopped before training (it was given -h or --version)"
+
+
+def _stopped_early() -> None:
+    """A training tool that ended without training (-h, --version) goes to the ranks' next
+    meeting: every rank ended so: all exit; else the others stop there with one line."""
+    from llamapy.distributed import RanksFailed
+    try:
+        meet({}, error=(_STOPPED_EARLY, 1))
+    except RanksFailed as e:
+        if str(e) != f"every rank: {_STOPPED_EARLY}":
+            fail(str(e), e.code, every_rank=True)
+
+
 def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
     """One line and a non-zero exit. Under MPI, an error of one rank names the rank and ends
-    every rank; one that every rank meets at the same point (`every_rank`) is rank 0's line,
-    and each rank exits by itself."""
+    every rank: before training, at the ranks' next meeting (`meet`), once training runs,
+    by aborting the job; one that every rank meets at the same point (`every_rank`) is rank
+    0's line, and each rank exits by itself."""
+    if _COMM is not None and _COMM.size > 1 and not every_rank:
+        if _Setup.open:
+            from llamapy.distributed import RanksFailed
+            try:
+                meet({}, error=(message, code))
+            except RanksFailed as shared:
+                message, code, every_rank = str(shared), shared.code, True
     if _COMM is not None and _COMM.size > 1 and not every_rank:
         from llamapy.distributed import abort_job
         abort_job(_COMM, message, code)
     if _COMM is None or _COMM.rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        _line(sys.stderr, f"error: {message}")
         if _Log.file is not None:
             print(f"error: {message}", file=_Log.file, flush=True)
     raise SystemExit(code)
 
 
 def guarded(main: Callable[[], None]) -> Callable[[], None]:
-    """Run a CLI so that user errors print one clear line and exit non-zero, never a traceback."""
+    """Run a CLI so that user errors print one clear line and exit non-zero, never a traceback.
+    Under MPI every exception ends the job that way, the unexpected ones too (a bug, a
+    library's error): a rank that raised and exited would leave the others waiting in a
+    collective for ever (its MPI_Finalize waits for them too); its line names the exception's
+    type, and -v adds the traceback."""
     def run() -> None:
+        from llamapy.distributed import describe_error, watch_rank
         try:
+            watch_rank()  # under mpirun: a watcher that names this rank if a signal kills it
             job()  # under an MPI launcher: find the other ranks before anything is printed
             main()
+            if _Setup.open and _COMM.size > 1:  # -h or --version: the other ranks may be waiting
+                _stopped_early()
         except LlamapyError as e:
-            fail(str(e), every_rank=e.on_every_rank)
+            fail(str(e), getattr(e, "code", 1), every_rank=e.on_every_rank)
         except KeyboardInterrupt as e:
+            # every rank has the signal, some maybe inside a meeting: meeting again could pair
+            # different meetings; each says so and the job is aborted
+            _Setup.open = False
             fail(str(e) or "interrupted", 130)
         except MemoryError:
             fail("out of memory")
         except OSError as e:
-            fail(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+            fail(describe_error(e))
+        except Exception as e:
+            if _COMM is None or _COMM.size == 1:
+                raise
+            if _Log.level >= DEBUG:
+                traceback.print_exc()
+            fail(describe_error(e))
     return run
 
 
@@ -80,10 +148,11 @@ def read_text(path: Path, what: str = "text file") -> str:
     return read_text_file(path, what, warn)
 
 
-def random_seed() -> int:
-    """llama.cpp's `--seed -1`: a random seed, printed so that the run can be repeated."""
-    import secrets
-    seed = secrets.randbelow(2**31)
+def random_seed(seed: int | None = None) -> int:
+    """llama.cpp's `--seed -1`: a random seed (`seed`, when already drawn: rank 0's under
+    MPI), printed so that the run can be repeated."""
+    if seed is None:
+        seed = draw_seed()
     log(f"seed: {seed} (random: --seed {seed} repeats this run)")
     return seed
 
@@ -96,6 +165,11 @@ def thread_count(requested: int | None) -> int:
     if requested > cores:
         warn(f"-t {requested} is more threads than the {cores} cores: they will wait on each other")
     return requested
+
+
+def draw_seed() -> int:
+    import secrets
+    return secrets.randbelow(2**31)
 
 
 def note_first_run() -> None:
@@ -151,9 +225,16 @@ def log(message: str, level: int = INFO) -> None:
     """A progress line on stderr (rank 0's only, under MPI), if the log level shows it."""
     if level > _Log.level or (_COMM is not None and _COMM.rank != 0):
         return
-    print(message, file=sys.stderr, flush=True)
+    _line(sys.stderr, message)
     if _Log.file is not None:
         print(message, file=_Log.file, flush=True)
+
+
+def _line(stream, text: str) -> None:
+    """A line in one write: under MPI the launcher merges the ranks' stderr as written, and
+    print's two writes (text, newline) let another rank's line in between."""
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def warn(message: str) -> None:

@@ -23,7 +23,7 @@ from . import training as T
 from .args import DATA, LORA, OUTPUT, Tool, flag
 from .common import log, paths
 
-tool = Tool("llamapy-finetune", llama_cpp=["finetune"])
+tool = Tool("llamapy-finetune", llama_cpp=["finetune"], distributed=True)
 
 DEMO_CHARS = 16_000
 

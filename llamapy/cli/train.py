@@ -19,7 +19,7 @@ from . import training as T
 from .args import MODEL_SHAPE, OUTPUT, Tool, flag
 from .common import job, log
 
-tool = Tool("llamapy-train", llama_cpp=["finetune"])
+tool = Tool("llamapy-train", llama_cpp=["finetune"], distributed=True)
 
 DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model starts far from any minimum)
 

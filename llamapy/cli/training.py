@@ -16,8 +16,9 @@ from pydantic import ValidationError
 from ggmlpy.opt import loss_and_accuracy
 from ggmlpy.records import explain
 from llamapy.atomic import replace_atomically
+from llamapy.checkpoint import data_fingerprint
 from llamapy.context import Context, validation_windows
-from llamapy.distributed import oversubscription_warning
+from llamapy.distributed import Setting, oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
@@ -30,6 +31,7 @@ from llamapy.train_params import (
     has_quantized_matrices,
 )
 
+from . import common
 from .args import (
     CHECKPOINTS,
     DATA,
@@ -40,7 +42,7 @@ from .args import (
     flag,
     flag_field,
 )
-from .common import fail, job, log, progress_stream, random_seed, thread_count, warn
+from .common import draw_seed, fail, job, log, progress_stream, random_seed, thread_count, warn
 from .flags import ChatTemplate
 from .training_data import DataOptions, TrainingData, load_training_data
 
@@ -172,9 +174,12 @@ class TrainingArgs:
     plot: Path | None = flag_field(Plot, None)
 
     def check(self) -> None:
-        """What the flags' types cannot say; `--seed -1` becomes a random seed, printed."""
+        """What the flags' types cannot say; `--seed -1` becomes a random seed, printed. Under
+        MPI, first (once) that every rank was given the flags rank 0 was (`check_flags_agree`),
+        and a random seed is rank 0's."""
+        shared_seed = check_flags_agree()
         if self.seed == -1:
-            self.seed = random_seed()
+            self.seed = random_seed(shared_seed)
         elif self.seed < 0:
             raise InputError(f"--seed must be >= 0, or -1 for a random one, not {self.seed}")
         if self.optimizer.lower() not in ("adamw", "sgd"):
@@ -218,6 +223,44 @@ class TrainingArgs:
             raise InputError(str(e)) from None
 
 
+# flags each rank may set its own way: its threads and logging, and what only rank 0 writes
+RANK_LOCAL = frozenset({"threads", "output", "lora_out", "plot", "predict", "prompt",
+                        "verbose", "verbosity", "log_disable", "log_file"})
+# flags compared by whether they are given: files every rank reads (Context.opt_fit compares
+# their contents once read: the model, the windows, a resumed checkpoint's state; another
+# machine may mount them elsewhere) and --checkpoint-out (every rank joins its stop check)
+GIVEN_OR_NOT = frozenset({"model", "file", "data", "val_file", "checkpoint_in", "vocab_model", "checkpoint_out"})
+_flags_agreed: list[int | None] = []  # once checked: rank 0's random seed
+
+
+def check_flags_agree() -> int | None:
+    """Stop (one line, on every rank) when some rank was given other training flags than rank
+    0: `error: rank 1's --epochs (3) differs from rank 0's (2)`. Every flag counts except
+    RANK_LOCAL, and GIVEN_OR_NOT by whether it is given. It is the ranks' first meeting
+    (common.meet), right after parsing and before anything rank-dependent, so that no rank
+    can enter a collective the others never reach. Returns rank 0's random seed draw (for
+    `--seed -1`), None outside MPI."""
+    comm = job()
+    if comm.size == 1:
+        return None
+    if not _flags_agreed:
+        settings = {}
+        for name, (label, value) in common.parsed_flags.items():
+            if name in RANK_LOCAL:
+                continue
+            if name in GIVEN_OR_NOT:
+                settings[name] = Setting(label, value is not None, text="given" if value is not None else "not given")
+            else:
+                settings[name] = Setting(label, value, text=_shown(value))
+        draws = common.meet(settings, payload=draw_seed())
+        _flags_agreed.append(draws[0])
+    return _flags_agreed[0]
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "default" if value is None else str(value)
 
 
 def check_writable(path: Path) -> None:
@@ -234,8 +277,9 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     args.check()
     comm = job()
     main_rank = comm.rank == 0
-    for path in [output] + [p for p in (args.plot, args.checkpoint_out) if p]:
-        check_writable(path)
+    if main_rank:  # only rank 0 writes
+        for path in [output] + [p for p in (args.plot, args.checkpoint_out) if p]:
+            check_writable(path)
     dataset = data.train
     if args.ctx_size > model.hparams.n_ctx_train:
         warn(f"windows of {args.ctx_size} tokens are longer than the {model.hparams.n_ctx_train} the model was "
@@ -260,9 +304,6 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
                   n_threads=n_threads)
     if comm.size > 1:
         log(f"distributed: {comm.size} ranks, {n_batch} tokens per step each ({n_batch * comm.size} per step in all)")
-        warning = oversubscription_warning(comm, n_threads)
-        if warning:
-            log(f"warning: {warning}")
     ctx.opt_init(params, comm)
     adapter = ctx.trainer.adapter
     plan = ctx.trainer.memory_plan()
@@ -279,6 +320,14 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     if adapter:
         log(f"lora: rank {adapter.rank}, alpha {adapter.alpha:g}, {len(adapter.tensors)} matrices "
             f"({', '.join(params.lora.modules)})")
+    if comm.size > 1:
+        # the setup's last meeting (a rank that failed setting up says so here); opt_fit then
+        # compares the model, windows and parameters; the test set is the CLI's own
+        test = data_fingerprint(data.test, data.test.ndata) if data.test is not None else None
+        common.meet({"test": Setting("test data (test.jsonl of --data)", test, hidden=True)}, last=True)
+        warning = oversubscription_warning(comm, n_threads)
+        if warning:
+            log(f"warning: {warning}")
     start = time.perf_counter()
     try:
         history = ctx.opt_fit(dataset, epochs=args.epochs, val_split=args.val_split,

@@ -19,7 +19,6 @@ multiple of a2, b3 of a3, as ggml broadcasts), out [b3, b2, N, M].
 """
 from __future__ import annotations
 
-import numpy as np
 from numba import njit, prange
 
 from .vecir import dot_lanes16, float_tile_4x4, vec_dot_f16_row, vec_dot_f32_row

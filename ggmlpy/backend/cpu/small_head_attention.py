@@ -78,7 +78,6 @@ def _attn_head(q, k, v, mt, dst, i3, h, hk, q0, w, lo, hi, sc, cap, slope, has_m
     """One head of one tile of w queries: dst[i3, q0 + i, h] for i < w. Every loop over the
     queries is a vector loop, and there are few per cell: their set-up is the cost here."""
     dk, dv = len(dk_dims), len(dv_dims)
-    n_kv = k.shape[1]
     k3, v3 = i3 % k.shape[0], i3 % v.shape[0]
     for d in range(dk):
         for i in range(w):
