@@ -323,10 +323,13 @@ def test_a_tool_prints_one_error_line(stories_path, tmp_path, capsys, case: str)
 def test_a_billion_layers_in_a_small_file_allocate_nothing(stories_path, tmp_path):
     """block_count = 10^9 once grew to 5.7 GB before `out of memory`: now the count is
     refused against the tensors present before anything is planned from it. Run under a 2 GB
-    address-space limit (a safety net for the machine), the process peaks near its idle size."""
+    address-space limit (a safety net for the machine), the process grows by little past what
+    importing the tool took (numba compiling an import-time kernel on a stale cache is not the
+    file's doing)."""
     path = with_meta(llama__block_count=C.u32(10**9))(stories_path, tmp_path)
     code = ("import resource, sys\n"
             "from llamapy.cli.perplexity import tool\n"
+            "print('import-kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
             "try:\n"
             "    tool.main(sys.argv[1:])\n"
             "finally:\n"
@@ -340,8 +343,8 @@ def test_a_billion_layers_in_a_small_file_allocate_nothing(stories_path, tmp_pat
                           capture_output=True, text=True, timeout=120, preexec_fn=limit_memory, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "error: " in proc.stderr and "block_count = 1000000000, but the file holds only 48 tensors" in proc.stderr
-    peak_mb = int(proc.stderr.split("peak-kb ")[1].split()[0]) / 1024
-    assert peak_mb < 500, proc.stderr
+    kb = {key: int(value) for key, value in re.findall(r"^(import|peak)-kb (\d+)$", proc.stderr, re.M)}
+    assert (kb["peak"] - kb["import"]) / 1024 < 100, proc.stderr
 
 
 # ---- adapters and checkpoints are GGUF files too -----------------------------------------------
