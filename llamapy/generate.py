@@ -14,7 +14,7 @@ llamapy-train --predict, the benchmarks, the tests), so they share one behaviour
   `chat_completion(model, messages, ...)` (OpenAI-shaped messages in and out) run a
   Generator kept per model, so repeated calls reuse its Context and KV cache prefix.
 - `generate_batch(model, prompts, ...)` runs several prompts together, one KV stream each
-  (throughput for evaluations), with the same per-sequence rules (`_Run`).
+  (throughput for evaluations), with the same per-sequence rules (`TextRun`).
 
 Finish reasons are OpenAI's: "stop" (an end-of-generation token or a stop string) and
 "length" (max_tokens, or the context is full: `Generator.context_full` tells them apart).
@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from .chat import ChatTemplate
     from .lora import LoraAdapter
 
-__all__ = ["Generator", "Piece", "SamplingOptions", "Stream", "cached_generator", "chat_completion", "default_n_ctx",
-           "forget", "generate", "generate_batch", "sampler_chain", "token_text"]
+__all__ = ["Generator", "Piece", "SamplingOptions", "Stream", "TextRun", "cached_generator", "chat_completion",
+           "default_n_ctx", "forget", "generate", "generate_batch", "prompt_tokens", "sampler_chain", "stop_list",
+           "token_text"]
 
 ModelLike = Model | str | os.PathLike
 Prompt = str | Sequence[int]
@@ -110,7 +111,7 @@ class Piece:
     text: str
 
 
-def _stop_list(stop: Stop) -> tuple[str, ...]:
+def stop_list(stop: Stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
@@ -129,7 +130,7 @@ def _held(text: str, stops: tuple[str, ...]) -> int:
     return held
 
 
-class _Run:
+class TextRun:
     """One sequence's generation rules: tokens in, text out, and when it ends. The UTF-8
     bytes of a character split across tokens wait for the rest (an incremental decoder);
     with stop strings the text that could still begin one waits too, and the first stop
@@ -177,7 +178,7 @@ class _Run:
         return text
 
 
-def _tokenize(vocab, prompt: Prompt) -> list[int]:
+def prompt_tokens(vocab, prompt: Prompt) -> list[int]:
     """A text's tokens (BOS first when the model adds one), or the given token ids."""
     tokens = vocab.tokenize(prompt, add_special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not tokens:
@@ -286,7 +287,7 @@ class Generator:
     # -- prompt --------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A text's tokens (BOS first when the model adds one), or the given token ids."""
-        return _tokenize(self.vocab, prompt)
+        return prompt_tokens(self.vocab, prompt)
 
     def feed(self, tokens: Sequence[int]) -> None:
         """Make the cache hold `tokens`: keep the longest prefix it already holds (at least
@@ -326,11 +327,11 @@ class Generator:
         if not self._fed:
             raise InputError("feed() the prompt before streaming: a stream continues the tokens fed last")
         self._fed = False
-        run = _Run(self.vocab, max_tokens, _stop_list(stop), special)
+        run = TextRun(self.vocab, max_tokens, stop_list(stop), special)
         self.tokens, self.finish_reason, self.context_full = run.tokens, None, False
         return self._stream(run, self._run_id)
 
-    def _stream(self, run: _Run, run_id: int) -> Iterator[Piece]:
+    def _stream(self, run: TextRun, run_id: int) -> Iterator[Piece]:
         ctx, chain = self.ctx, self.chain
         while run.finish_reason is None:
             if self._run_id != run_id:
@@ -508,8 +509,8 @@ def generate_batch(model: ModelLike, prompts: Sequence[Prompt], max_tokens: int 
     if not prompts:
         return []
     m = _as_model(model)
-    stops, vocab = _stop_list(stop), m.vocab
-    tokenized = [_tokenize(vocab, p) for p in prompts]
+    stops, vocab = stop_list(stop), m.vocab
+    tokenized = [prompt_tokens(vocab, p) for p in prompts]
     adapters = [_load_adapter(item, m, {}) for item in lora or []]
     if max_tokens == 0:
         return [""] * len(prompts)
@@ -523,7 +524,7 @@ def generate_batch(model: ModelLike, prompts: Sequence[Prompt], max_tokens: int 
     for first in range(0, len(prompts), n_seq):
         group = tokenized[first:first + n_seq]
         ctx.memory_clear()
-        runs = [_Run(vocab, max_tokens, stops) for _ in group]
+        runs = [TextRun(vocab, max_tokens, stops) for _ in group]
         chains = [sampler_chain(vocab.n_tokens, **sampling) for _ in group]
         ends = np.cumsum([len(t) for t in group])
         output = np.zeros(ends[-1], bool)

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import shared_path  # noqa: E402
 
-TOOLS = ("perplexity", "completion", "cli", "finetune", "export-lora")
+TOOLS = ("perplexity", "completion", "cli", "finetune", "export-lora", "server")
 DATA = Path(__file__).parent / "data"
 
 

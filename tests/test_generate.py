@@ -21,7 +21,7 @@ import llamapy
 from conftest import REPO_ROOT, shared_path
 from ggmlpy import GGMLType
 from llamapy.errors import InputError
-from llamapy.generate import Generator, _Run, cached_generator, default_n_ctx, forget, generate_batch, token_text
+from llamapy.generate import Generator, TextRun, cached_generator, default_n_ctx, forget, generate_batch, token_text
 from llamapy.lora import LoraAdapter, merge_adapters
 from llamapy.sampling import Greedy, SamplerChain
 
@@ -134,7 +134,7 @@ class FakeVocab:
 
 
 def run(pieces: list[bytes], tokens: list[int], stops=(), max_tokens=-1) -> tuple[list[str], str | None]:
-    r = _Run(FakeVocab(pieces), max_tokens, tuple(stops))
+    r = TextRun(FakeVocab(pieces), max_tokens, tuple(stops))
     out = []
     for t in tokens:
         out.append(r.push(t))

@@ -8,4 +8,5 @@ TOOLS = {
     "finetune": ("llamapy.cli.finetune", "finetune a model (full or LoRA) on a text or samples"),
     "train": ("llamapy.cli.train", "train a new model from nothing on a text"),
     "export-lora": ("llamapy.cli.export_lora", "merge LoRA adapters into a model, as llama-export-lora"),
+    "server": ("llamapy.cli.server", "serve a model over HTTP with OpenAI's API, as llama-server"),
 }

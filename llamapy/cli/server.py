@@ -1,0 +1,134 @@
+"""llamapy-server: a GGUF model (and its LoRA adapters) behind llama-server's OpenAI-compatible
+HTTP API, on uvicorn. `-np N` slots share one Context (n_ctx / N cells each) and decode
+together (llamapy/server/engine.py); the endpoints are in llamapy/server/app.py."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+from llamapy import Context, load_model
+from llamapy.defaults import default_model_path
+from llamapy.errors import InputError
+
+from . import flags as F
+from .args import Tool, flag
+from .common import adapter_list, chat_template_for, kv_cache_types, load_adapters, log, read_text, thread_count
+
+SERVER = "Server"
+
+tool = Tool("llamapy-server", llama_cpp=["server"])
+
+Parallel = Annotated[int, flag("-np", "--parallel", metavar="N", env="LLAMA_ARG_N_PARALLEL", group=SERVER, min=1, max=64,
+                               help="slots: requests served at once, decoded together (each gets n_ctx / N cells)")]
+Host = Annotated[str, flag("--host", metavar="HOST", env="LLAMA_ARG_HOST", group=SERVER,
+                           help="address to listen on (127.0.0.1: this machine only)")]
+Port = Annotated[int, flag("--port", metavar="PORT", env="LLAMA_ARG_PORT", group=SERVER, min=0, max=65535,
+                           help="port to listen on (0: any free one, printed)")]
+ApiKey = Annotated[Optional[str], flag("--api-key", metavar="KEY", env="LLAMA_API_KEY", group=SERVER,
+                                       show_default=False,
+                                       help="the key clients must send (Authorization: Bearer KEY); /health is open")]
+ApiKeyFile = Annotated[Optional[Path], flag("--api-key-file", metavar="FNAME", group=SERVER, show_default=False,
+                                            path="read", help="read the key from the first line of this file")]
+Alias = Annotated[Optional[str], flag("-a", "--alias", metavar="NAME", env="LLAMA_ARG_ALIAS", group=SERVER,
+                                      show_default=False, help="the model's name in /v1/models and in responses "
+                                                               "(default: the file's name)")]
+Metrics = Annotated[bool, flag("--metrics", env="LLAMA_ARG_ENDPOINT_METRICS", group=SERVER, show_default=False,
+                               help="serve /metrics (Prometheus text)")]
+Slots = Annotated[bool, flag("--slots/--no-slots", env="LLAMA_ARG_ENDPOINT_SLOTS", group=SERVER,
+                             help="serve /slots")]
+QueueSize = Annotated[int, flag("--queue-size", metavar="N", group=SERVER, min=0,
+                                help="requests that may wait for a slot; past them, 503")]
+LoraDir = Annotated[Optional[Path], flag("--lora-dir", metavar="DIR", group=SERVER, show_default=False,
+                                         help="POST /lora-adapters/load may load adapters from under this directory")]
+LoraInitWithoutApply = Annotated[bool, flag("--lora-init-without-apply", group=SERVER, show_default=False,
+                                            help="load the adapters at scale 0 (set them with POST /lora-adapters)")]
+
+
+@tool.command
+def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.BatchSize = 2048,
+        ubatch_size: F.UbatchSize = 512, threads: F.Threads = None, flash_attn: F.FlashAttn = "auto",
+        cache_type_k: F.CacheTypeK = "f16", cache_type_v: F.CacheTypeV = "f16",
+        lora: F.Lora = None, lora_scaled: F.LoraScaled = None, lora_init_without_apply: LoraInitWithoutApply = False,
+        lora_dir: LoraDir = None, chat_template: F.ChatTemplate = None,
+        chat_template_file: F.ChatTemplateFile = None, parallel: Parallel = 1, host: Host = "127.0.0.1",
+        port: Port = 8080, api_key: ApiKey = None, api_key_file: ApiKeyFile = None, alias: Alias = None,
+        metrics: Metrics = False, slots: Slots = True, queue_size: QueueSize = 64) -> None:
+    """Serve MODEL over HTTP with llama-server's OpenAI-compatible API (/v1/chat/completions, ...)."""
+    try:
+        import uvicorn
+
+        from llamapy.server.app import Server, create_app
+        from llamapy.server.engine import Engine
+    except ImportError as e:
+        raise InputError(f"llamapy-server needs the server extra ({e.name} is missing): "
+                         "pip install 'llamapy[server]'") from None
+    if flash_attn not in ("on", "off", "auto"):
+        raise InputError(f"-fa must be on, off or auto, not {flash_attn!r}")
+    if api_key_file is not None:
+        if api_key is not None:
+            raise InputError("give the key with --api-key or with --api-key-file, not both")
+        api_key = (read_text(api_key_file, "API key file").splitlines() or [""])[0].strip()
+    if api_key is not None and not api_key:
+        raise InputError("the API key is empty")
+    if lora_dir is not None and not lora_dir.is_dir():
+        raise InputError(f"--lora-dir {lora_dir}: not a directory")
+    if chat_template_file is not None:
+        if chat_template is not None:
+            raise InputError("give the chat template with --chat-template or --chat-template-file, not both")
+        chat_template = str(chat_template_file)
+    type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
+    t0 = time.perf_counter()
+    path = model or default_model_path(log)
+    m = load_model(path)
+    n_ctx = ctx_size or m.hparams.n_ctx_train
+    n_ctx -= n_ctx % parallel  # each slot gets the same number of cells
+    if n_ctx // parallel < 2:
+        raise InputError(f"-c {n_ctx} leaves no room in {parallel} slots: use a larger context or fewer slots")
+    ctx = Context(m, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, n_seq_max=parallel,
+                  n_threads=thread_count(threads), kv_unified=False, flash_attn=flash_attn != "off",
+                  type_k=type_k, type_v=type_v)
+    pairs = load_adapters(m, lora, lora_scaled)
+    paths = [p for p, _ in adapter_list(lora, lora_scaled)]
+    engine = Engine(ctx, [a for a, _ in pairs], [0.0 if lora_init_without_apply else s for _, s in pairs],
+                    max_queue=queue_size)
+    template = chat_template_for(m, chat_template)
+    server = Server(engine, template, alias or Path(path).name, paths, lora_dir)
+    app = create_app(server, api_key=api_key, metrics=metrics, slots=slots)
+    log(f"model loaded in {time.perf_counter() - t0:.2f} s: {parallel} slot{'s' if parallel > 1 else ''} of "
+        f"{engine.n_ctx_slot} tokens, {ctx.backend.n_threads} threads")
+    engine.start()
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=3)
+    web = uvicorn.Server(config)
+    _announce_when_listening(web, host)
+    try:
+        web.run()
+    except SystemExit:  # uvicorn's way of saying it could not bind (its reason is on stderr)
+        pass
+    finally:
+        engine.stop()
+    if not web.started:
+        raise InputError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
+
+
+def _announce_when_listening(web, host: str) -> None:
+    """Print the address once uvicorn listens (the port it got, when --port 0)."""
+    startup = web.startup
+
+    async def announced(sockets=None):
+        await startup(sockets=sockets)
+        if web.started:
+            for server in web.servers:
+                for sock in server.sockets:
+                    port = sock.getsockname()[1]
+                    log(f"listening on http://{host}:{port} (the OpenAI API under /v1)")
+                    sys.stderr.flush()
+                    return
+    web.startup = announced
+
+
+main = tool.main
+
+if __name__ == "__main__":
+    main()
