@@ -202,6 +202,9 @@ class Server:
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
+            continue
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         message = err.get("msg", "invalid").removeprefix("Value error, ")
         parts.append(f"{where}: {message}" if where else message)

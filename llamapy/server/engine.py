@@ -154,8 +154,9 @@ class Engine:
             raise InputError(f"the request ({len(job.tokens)} prompt tokens) exceeds the available context size "
                              f"({self.n_ctx_slot} tokens per slot), try increasing it")
         with self._wake:
-            if len(self._waiting) >= self.max_queue and not any(not s.busy for s in self.slots):
-                raise QueueFull(f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests wait")
+            free = sum(not s.busy for s in self.slots)
+            if len(self._waiting) >= free + self.max_queue:
+                raise QueueFull(f"all {len(self.slots)} slots are busy and {len(self._waiting) - free} requests wait")
             job.id = next(self._ids)
             self._waiting.append(job)
             self._wake.notify()
