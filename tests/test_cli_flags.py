@@ -25,7 +25,7 @@ LLAMA_CPP_FLAGS = json.loads((Path(__file__).parent / "data" / "llama_cpp_flags.
 # our tool -> llama.cpp's tools whose flags it takes (llamapy-train is the old train-text-from-scratch,
 # whose flags live on in llama-finetune)
 MATCHING = {"cli": ("completion", "cli"), "perplexity": ("perplexity",), "finetune": ("finetune",),
-            "train": ("finetune",), "export-lora": ("export-lora",)}
+            "train": ("finetune",), "export-lora": ("export-lora",), "server": ("server",)}
 REQUIRED = {"perplexity": ["-m", "m.gguf"], "export-lora": ["-m", "m.gguf"], "train": ["--vocab-model", "m.gguf"]}
 
 

@@ -264,8 +264,8 @@ def test_the_openai_client_sees_its_own_error_types(server):
     assert bad.value.status_code == 400
 
 
-def test_api_key(stories_path):
-    srv = ServerProcess("-m", str(stories_path), "--api-key", "sesame")
+def test_api_key_and_sampling_defaults_from_the_command_line(stories_path, model):
+    srv = ServerProcess("-m", str(stories_path), "--api-key", "sesame", "--temp", "0", "-n", "12")
     try:
         assert srv.request("GET", "/health") == (200, {"status": "ok"})
         for path in ("/v1/models", "/slots", "/lora-adapters"):
@@ -279,6 +279,9 @@ def test_api_key(stories_path):
         reply = srv.client(api_key="sesame").completions.create(model="s", prompt=GOLDEN_PROMPT, max_tokens=3,
                                                                 temperature=0)
         assert reply.usage.completion_tokens == 3
+        status, reply = srv.request("POST", "/v1/completions", {"prompt": GOLDEN_PROMPT},
+                                    headers={"X-Api-Key": "sesame"})  # greedy, 12 tokens: the server's defaults
+        assert status == 200 and reply["choices"][0]["text"] == llamapy.generate(model, GOLDEN_PROMPT, 12, temperature=0)
     finally:
         srv.stop()
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-ALL = ("perplexity", "completion", "cli", "finetune", "export-lora")
-GENERATING = ("completion", "cli")  # the tools that sample tokens
-CHAT = ("completion", "cli")
+ALL = ("perplexity", "completion", "cli", "finetune", "export-lora", "server")
+GENERATING = ("completion", "cli", "server")  # the tools that sample tokens
+CHAT = ("completion", "cli", "server")
+CLI_OR_SERVER = ("cli", "server")
+SERVER = ("server",)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,42 @@ def refuse(why: str, *flags: tuple[str, int], tools: tuple[str, ...] = ALL, samp
 
 
 ENTRIES: list[_Entry] = [
+    # llama-server's own
+    *note("requests are always batched continuously", ("-cb --cont-batching -nocb --no-cont-batching", 0), tools=SERVER),
+    *note("each slot always keeps its last conversation in its KV cache and reuses its longest common prefix",
+          ("--cache-prompt --no-cache-prompt", 0), ("--cache-reuse", 1), ("--cache-idle-slots --no-cache-idle-slots", 0),
+          ("-cms --checkpoint-min-step", 1), tools=SERVER),
+    *note("HTTP is served by uvicorn's event loop (one thread)", ("--threads-http", 1), tools=SERVER),
+    *note("requests have no server-side time limit; a client that disconnects stops its generation",
+          ("-to --timeout", 1), ("--sse-ping-interval", 1), ("--sleep-idle-seconds", 1), tools=SERVER),
+    *note("the model has no tags", ("--tags", 1), tools=SERVER),
+    *refuse("the port is not shared", ("--reuse-port", 0), tools=SERVER),
+    *refuse("there is no web UI: the server answers the API only", ("--path", 1), ("--ui --webui --no-ui --no-webui", 0),
+            ("--ui-config --webui-config", 1), ("--ui-config-file --webui-config-file", 1),
+            ("--ui-mcp-proxy --webui-mcp-proxy --no-ui-mcp-proxy --no-webui-mcp-proxy", 0), ("--media-path", 1),
+            tools=SERVER),
+    *refuse("HTTPS is not served: put a TLS proxy in front", ("--ssl-key-file", 1), ("--ssl-cert-file", 1),
+            tools=SERVER),
+    *refuse("CORS is not configurable: no browser origin is allowed", ("--cors-origins", 1), ("--cors-methods", 1),
+            ("--cors-headers", 1), ("--cors-credentials --no-cors-credentials", 0), tools=SERVER),
+    *refuse("the API is served at / and /v1 only", ("--api-prefix", 1), tools=SERVER),
+    *refuse("embeddings and reranking are not served", ("--embedding --embeddings", 0), ("--rerank --reranking", 0),
+            ("--pooling", 1), ("--embd-normalize", 1), tools=SERVER),
+    *refuse("tool calls, MCP servers and agents are not supported", ("--tools", 1), ("--tools-runtime", 1),
+            ("--mcp-servers-config", 1), ("--mcp-servers-json", 1), ("-ag --agent -no-ag --no-agent", 0),
+            tools=SERVER),
+    *refuse("one model per server: give it with -m", ("--models-dir", 1), ("--models-preset", 1), ("--models-max", 1),
+            ("--models-autoload --no-models-autoload", 0), tools=SERVER),
+    *refuse("slots are not saved to files", ("--slot-save-path", 1), ("--kv-unified-per-slot", 1), tools=SERVER),
+    *refuse("POST /props is not served", ("--props", 0), tools=SERVER),
+    *refuse("infill is not served", ("--spm-infill", 0), tools=SERVER),
+    *refuse("an assistant message last in a chat is answered, not continued", ("--prefill-assistant "
+            "--no-prefill-assistant", 0), tools=SERVER),
+    *note("prompts come as JSON strings", ("-e --escape --no-escape", 0), tools=SERVER),
+    *note("stop strings are given per request (\"stop\")", ("-r --reverse-prompt", 1), tools=SERVER),
+    *note("special tokens' text is never returned", ("-sp --special", 0), tools=SERVER),
+    *note("slots sample their tokens after each step", ("-bs --backend-sampling", 0), tools=SERVER),
+
     *note("llamapy runs on the CPU: there is no GPU, device or tensor placement to choose",
           ("-ngl --gpu-layers --n-gpu-layers", 1), ("-dev --device", 1), ("--list-devices", 0),
           ("-sm --split-mode", 1), ("-ts --tensor-split", 1), ("-mg --main-gpu", 1),
@@ -120,8 +158,8 @@ ENTRIES: list[_Entry] = [
     # perplexity
     *note("perplexity scores its chunks in batches of -b tokens, one sequence per chunk", ("-kvu --kv-unified -no-kvu "
           "--no-kv-unified", 0), tools=("perplexity",)),
-    *note("llamapy warms up by itself where it helps", ("--warmup --no-warmup", 0), tools=("perplexity", "completion",
-                                                                                            "cli")),
+    *note("llamapy warms up by itself where it helps", ("--warmup --no-warmup", 0),
+          tools=("perplexity", "completion", "cli", "server")),
     *refuse("not in llamapy-perplexity: it computes perplexity over chunks", ("--hellaswag", 0),
             ("--hellaswag-tasks", 1), ("--winogrande", 0), ("--winogrande-tasks", 1), ("--multiple-choice", 0),
             ("--multiple-choice-tasks", 1), ("--kl-divergence", 0), ("--save-all-logits --kl-divergence-base", 1),
@@ -129,14 +167,14 @@ ENTRIES: list[_Entry] = [
     # generation and chat
     *note("llamapy stops generating when the context is full (no context shift)", ("--keep", 1),
           ("--context-shift --no-context-shift", 0), tools=GENERATING),
-    *note("one sequence is generated", ("-np --parallel", 1), tools=GENERATING),
-    *note("output is plain text", ("-co --color", 1), ("--simple-io", 0), tools=CHAT),
-    *note("the token count is printed at the end", ("-ptc --print-token-count", 1), tools=CHAT),
-    *note("a line ending in \\ continues on the next", ("-mli --multiline-input", 0), tools=CHAT),
+    *note("one sequence is generated", ("-np --parallel", 1), tools=("completion", "cli")),
+    *note("output is plain text", ("-co --color", 1), ("--simple-io", 0), tools=("completion", "cli")),
+    *note("the token count is printed at the end", ("-ptc --print-token-count", 1), tools=("completion", "cli")),
+    *note("a line ending in \\ continues on the next", ("-mli --multiline-input", 0), tools=("completion", "cli")),
     *note("chat templates always run in jinja2's sandbox", ("--jinja --no-jinja", 0), tools=CHAT),
     *note("the answer is printed as the model writes it", ("--skip-chat-parsing --no-skip-chat-parsing", 0),
           tools=CHAT),
-    *note("timings are printed at the end", ("--show-timings --no-show-timings", 0), tools=CHAT),
+    *note("timings are printed at the end", ("--show-timings --no-show-timings", 0), tools=("completion", "cli")),
     *note("the conversation stays in the KV cache; nothing is kept in RAM besides",
           ("-ctxcp --ctx-checkpoints --swa-checkpoints", 1), ("-cram --cache-ram", 1), tools=CHAT),
     *refuse("prompt cache files are not supported (a conversation keeps its KV cache between turns)",
@@ -149,19 +187,21 @@ ENTRIES: list[_Entry] = [
     *refuse("reasoning control is not supported", ("--reasoning-format", 1), ("-rea --reasoning", 1),
             ("--reasoning-effort", 1), ("--reasoning-budget", 1), ("--reasoning-budget-message", 1),
             ("--reasoning-preserve --no-reasoning-preserve", 0), tools=CHAT),
-    *refuse("template variables are not supported", ("--chat-template-kwargs", 1), tools=("cli",)),
+    *refuse("template variables are not supported", ("--chat-template-kwargs", 1), tools=CLI_OR_SERVER),
     *refuse("llamapy-cli writes the text to stdout (redirect it to a file)", ("-o --output --output-file", 1),
             tools=("cli",)),
-    *refuse("prompt logging is not supported", ("--log-prompts-dir", 1), tools=("cli",)),
+    *refuse("prompt logging is not supported", ("--log-prompts-dir", 1), tools=CLI_OR_SERVER),
     *refuse("llamapy does not download models: give a local GGUF file with -m", ("--gpt-oss-20b-default", 0),
             ("--gpt-oss-120b-default", 0), ("--vision-gemma-4b-default", 0), ("--vision-gemma-12b-default", 0),
-            tools=("cli",)),
+            ("--embd-gemma-default", 0), ("--fim-qwen-1.5b-default", 0), ("--fim-qwen-3b-default", 0),
+            ("--fim-qwen-7b-default", 0), ("--fim-qwen-7b-spec", 0), ("--fim-qwen-14b-spec", 0),
+            ("--fim-qwen-30b-default", 0), tools=CLI_OR_SERVER),
     *refuse("there is no llama-server to connect to", ("--server-base", 1), tools=("cli",)),
     *refuse("multimodal input is not supported", ("-mm --mmproj", 1), ("-mmu --mmproj-url", 1),
             ("--mmproj-auto --no-mmproj --no-mmproj-auto", 0), ("--mmproj-offload --no-mmproj-offload", 0),
             ("-mmdev --mmproj-device", 1), ("--image --audio --video", 1), ("--image-min-tokens", 1),
             ("--image-max-tokens", 1), ("--video-fps", 1), ("--video-timestamp-interval", 1),
-            ("--video-ffmpeg-dir", 1), tools=("cli",)),
+            ("--video-ffmpeg-dir", 1), ("--mtmd-batch-max-tokens", 1), tools=CLI_OR_SERVER),
     *refuse("speculative decoding is not supported", ("--spec-default", 0),
             ("--spec-draft-hf -hfd -hfrd --hf-repo-draft", 1), ("--spec-draft-threads -td --threads-draft", 1),
             ("--spec-draft-threads-batch -tbd --threads-batch-draft", 1), ("--spec-draft-cpu-mask -Cd --cpu-mask-draft", 1),
@@ -184,7 +224,9 @@ ENTRIES: list[_Entry] = [
             ("--spec-ngram-map-k-size-m", 1), ("--spec-ngram-map-k-min-hits", 1),
             ("--spec-ngram-map-k4v-size-n", 1), ("--spec-ngram-map-k4v-size-m", 1),
             ("--spec-ngram-map-k4v-min-hits", 1), ("--draft --draft-n --draft-max", 1),
-            ("--draft-min --draft-n-min", 1), tools=("cli",)),
+            ("--draft-min --draft-n-min", 1), ("--spec-ngram-size-n", 1), ("--spec-ngram-size-m", 1),
+            ("--spec-ngram-min-hits", 1), ("-lcs --lookup-cache-static", 1), ("-lcd --lookup-cache-dynamic", 1),
+            tools=CLI_OR_SERVER),
 ]
 
 
@@ -200,7 +242,7 @@ def llama_cpp_flags(tools: Iterable[str], declared: Iterable[str]) -> dict[str, 
         refused, why = entry.refuse, entry.why
         if entry.sampling and not generates:
             refused, why = False, "this tool does not sample tokens"
-        elif entry.sampling and not why:
+        elif entry.sampling and not why and not all(name in out for name in set(entry.names) - declared):
             raise AssertionError(f"{entry.names[0]}: a sampling flag the generating tools must declare")
         flag = LlamaCppFlag(entry.names, entry.n_values, refused, why)
         for name in entry.names:

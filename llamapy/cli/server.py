@@ -14,6 +14,7 @@ from llamapy.errors import InputError
 
 from . import flags as F
 from .args import Tool, flag
+from .completion import parse_logit_bias
 from .common import adapter_list, chat_template_for, kv_cache_types, load_adapters, log, read_text, thread_count
 
 SERVER = "Server"
@@ -42,6 +43,12 @@ QueueSize = Annotated[int, flag("--queue-size", metavar="N", group=SERVER, min=0
                                 help="requests that may wait for a slot; past them, 503")]
 LoraDir = Annotated[Optional[Path], flag("--lora-dir", metavar="DIR", group=SERVER, show_default=False,
                                          help="POST /lora-adapters/load may load adapters from under this directory")]
+KvUnified = Annotated[bool, flag("-kvu", "--kv-unified/-no-kvu", "--no-kv-unified", env="LLAMA_ARG_KV_UNIFIED",
+                                 group=SERVER, show_default=False,
+                                 help="one KV cache of -c cells shared by the slots (default: n_ctx / N per slot)")]
+SlotSimilarity = Annotated[float, flag("-sps", "--slot-prompt-similarity", metavar="SIMILARITY", group=SERVER, min=0,
+                                       max=1, help="reuse a slot's cache when it holds at least this share of the "
+                                                   "prompt (0: always the longest prefix)")]
 LoraInitWithoutApply = Annotated[bool, flag("--lora-init-without-apply", group=SERVER, show_default=False,
                                             help="load the adapters at scale 0 (set them with POST /lora-adapters)")]
 
@@ -54,8 +61,15 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
         lora_dir: LoraDir = None, chat_template: F.ChatTemplate = None,
         chat_template_file: F.ChatTemplateFile = None, parallel: Parallel = 1, host: Host = "127.0.0.1",
         port: Port = 8080, api_key: ApiKey = None, api_key_file: ApiKeyFile = None, alias: Alias = None,
-        metrics: Metrics = False, slots: Slots = True, queue_size: QueueSize = 64) -> None:
-    """Serve MODEL over HTTP with llama-server's OpenAI-compatible API (/v1/chat/completions, ...)."""
+        metrics: Metrics = False, slots: Slots = True, queue_size: QueueSize = 64, kv_unified: KvUnified = False,
+        slot_prompt_similarity: SlotSimilarity = 0.1, n_predict: F.NPredict = -1, seed: F.Seed = -1,
+        temp: F.Temp = 0.8, top_k: F.TopK = 40, top_p: F.TopP = 0.95, min_p: F.MinP = 0.05,
+        typical_p: F.Typical = 1.0, repeat_penalty: F.RepeatPenalty = 1.0, repeat_last_n: F.RepeatLastN = 64,
+        frequency_penalty: F.FrequencyPenalty = 0.0, presence_penalty: F.PresencePenalty = 0.0,
+        dynatemp_range: F.DynatempRange = 0.0, dynatemp_exp: F.DynatempExp = 1.0, logit_bias: F.LogitBias = None,
+        ignore_eos: F.IgnoreEos = False) -> None:
+    """Serve MODEL over HTTP with llama-server's OpenAI-compatible API (/v1/chat/completions, ...).
+    The sampling flags are the defaults of requests that do not set their own."""
     try:
         import uvicorn
 
@@ -83,18 +97,25 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
     path = model or default_model_path(log)
     m = load_model(path)
     n_ctx = ctx_size or m.hparams.n_ctx_train
-    n_ctx -= n_ctx % parallel  # each slot gets the same number of cells
-    if n_ctx // parallel < 2:
+    if not kv_unified:
+        n_ctx -= n_ctx % parallel  # each slot gets the same number of cells
+    if (n_ctx if kv_unified else n_ctx // parallel) < 2:
         raise InputError(f"-c {n_ctx} leaves no room in {parallel} slots: use a larger context or fewer slots")
     ctx = Context(m, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, n_seq_max=parallel,
-                  n_threads=thread_count(threads), kv_unified=False, flash_attn=flash_attn != "off",
+                  n_threads=thread_count(threads), kv_unified=kv_unified, flash_attn=flash_attn != "off",
                   type_k=type_k, type_v=type_v)
     pairs = load_adapters(m, lora, lora_scaled)
     paths = [p for p, _ in adapter_list(lora, lora_scaled)]
     engine = Engine(ctx, [a for a, _ in pairs], [0.0 if lora_init_without_apply else s for _, s in pairs],
-                    max_queue=queue_size)
+                    max_queue=queue_size, slot_similarity=slot_prompt_similarity)
     template = chat_template_for(m, chat_template)
-    server = Server(engine, template, alias or Path(path).name, paths, lora_dir)
+    defaults = dict(n_predict=n_predict, seed=None if seed == -1 else seed, temperature=temp, top_k=top_k,
+                    top_p=top_p, min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty,
+                    repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exp,
+                    ignore_eos=ignore_eos)
+    server = Server(engine, template, alias or Path(path).name, paths, lora_dir, defaults,
+                    parse_logit_bias(logit_bias, m.vocab))
     app = create_app(server, api_key=api_key, metrics=metrics, slots=slots)
     log(f"model loaded in {time.perf_counter() - t0:.2f} s: {parallel} slot{'s' if parallel > 1 else ''} of "
         f"{engine.n_ctx_slot} tokens, {ctx.backend.n_threads} threads")

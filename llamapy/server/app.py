@@ -81,8 +81,11 @@ class Gate:
 class Server:
     """What the endpoints share: the engine, the model's chat template, the adapters' files."""
 
-    def __init__(self, engine: Engine, template, alias: str, lora_paths: list[str], lora_dir: Path | None) -> None:
+    def __init__(self, engine: Engine, template, alias: str, lora_paths: list[str], lora_dir: Path | None,
+                 defaults: dict | None = None, logit_bias: dict[int, float] | None = None) -> None:
         self.engine, self.template, self.alias = engine, template, alias
+        self.defaults = dict(defaults or {})  # request field -> the command line's value, for requests without it
+        self.logit_bias = dict(logit_bias or {})
         self.vocab = engine.vocab
         self.lora_paths = list(lora_paths)
         self.lora_dir = lora_dir.resolve() if lora_dir else None
@@ -90,19 +93,25 @@ class Server:
         self._piece_cache: dict[int, bytes] = {}
 
     # ---- requests to jobs ----------------------------------------------------------------------
+    def value(self, req: Sampling, name: str):
+        """A request's field, or the server's default for it when the request does not set it."""
+        return getattr(req, name) if name in req.model_fields_set else self.defaults.get(name, getattr(req, name))
+
     def sampling(self, req: Sampling) -> dict:
-        bias: dict[int, float] = {}
+        bias: dict[int, float] = dict(self.logit_bias)
         items = req.logit_bias.items() if isinstance(req.logit_bias, dict) else (req.logit_bias or [])
         for item in items:
             key, value = item if isinstance(item, tuple) else (item + [None, None])[:2]
             bias.update(self._bias(key, value))
-        if req.ignore_eos:
+        if self.value(req, "ignore_eos"):
             bias.update({t: float("-inf") for t in self.vocab.eog_ids})
-        seed = req.seed if req.seed is not None and req.seed >= 0 else secrets.randbelow(2**31)
-        return dict(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-                    typical_p=req.typical_p, repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n,
-                    frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-                    dynatemp_range=req.dynatemp_range, dynatemp_exp=req.dynatemp_exponent, seed=seed,
+        seed = self.value(req, "seed")
+        seed = seed if seed is not None and seed >= 0 else secrets.randbelow(2**31)
+        v = lambda name: self.value(req, name)  # noqa: E731
+        return dict(temperature=v("temperature"), top_k=v("top_k"), top_p=v("top_p"), min_p=v("min_p"),
+                    typical_p=v("typical_p"), repeat_penalty=v("repeat_penalty"), repeat_last_n=v("repeat_last_n"),
+                    frequency_penalty=v("frequency_penalty"), presence_penalty=v("presence_penalty"),
+                    dynatemp_range=v("dynatemp_range"), dynatemp_exp=v("dynatemp_exponent"), seed=seed,
                     logit_bias=bias)
 
     def _bias(self, key: Any, value: Any) -> dict[int, float]:
@@ -133,7 +142,8 @@ class Server:
         return tuple(scales)
 
     def job(self, req: Sampling, tokens: list[int], n_probs: int, emit) -> Job:
-        return Job(tokens=tokens, max_tokens=req.limit(), stop=stop_list(req.stop), sampling=self.sampling(req),
+        limit = req.limit()
+        return Job(tokens=tokens, max_tokens=self.defaults.get("n_predict", -1) if limit is None else limit, stop=stop_list(req.stop), sampling=self.sampling(req),
                    lora=self.lora_of(req.lora), emit=emit, n_probs=max(n_probs, req.n_probs))
 
     def chat_tokens(self, req: ChatRequest) -> list[int]:

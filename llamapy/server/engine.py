@@ -119,7 +119,7 @@ class Engine:
     """The slots, the job queue and the thread that runs the decode loop."""
 
     def __init__(self, ctx: Context, adapters: list | None = None, scales: list[float] | None = None,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, slot_similarity: float = 0.1) -> None:
         self.ctx = ctx
         self.vocab = ctx.model.vocab
         self.slots = [Slot(i) for i in range(ctx.n_seq_max)]
@@ -127,6 +127,7 @@ class Engine:
         self.adapters: list = list(adapters or [])           # loaded LoraAdapters, by id
         self.scales: list[float] = list(scales or [1.0] * len(self.adapters))  # the default for a request
         self.max_queue = max_queue
+        self.slot_similarity = slot_similarity
         self.metrics = Metrics()
         self._waiting: deque[Job] = deque()
         self._ids = itertools.count(1)
@@ -206,10 +207,10 @@ class Engine:
 
     def _slot_for(self, job: Job, free: list[Slot]) -> Slot:
         """llama-server's choice: the free slot whose cache holds the longest prefix of the
-        prompt when that is at least a tenth of it (a conversation's next turn), else the one
-        used least recently (so the other conversations' caches stay)."""
+        prompt when that is at least `slot_similarity` of it (a conversation's next turn), else
+        the one used least recently (so the other conversations' caches stay)."""
         best = max(free, key=lambda s: self._reusable(s, job))
-        if self._reusable(best, job) >= 0.1 * len(job.tokens):
+        if self._reusable(best, job) >= self.slot_similarity * len(job.tokens):
             return best
         return min(free, key=lambda s: s.t_used)
 

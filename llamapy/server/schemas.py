@@ -64,12 +64,13 @@ class Sampling(BaseModel):
             raise ValueError("only response_format {\"type\": \"text\"} is supported by llamapy-server")
         return value
 
-    def limit(self) -> int:
-        """max_tokens, max_completion_tokens or n_predict (-1: until the end or a full slot)."""
+    def limit(self) -> int | None:
+        """max_tokens, max_completion_tokens or n_predict (-1: until the end or a full slot;
+        None: not given, the server's -n)."""
         for value in (self.max_completion_tokens, self.max_tokens, self.n_predict):
             if value is not None:
                 return value
-        return -1
+        return None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
