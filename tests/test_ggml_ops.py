@@ -948,3 +948,17 @@ def test_f16_bits_round_trip_as_numpy(path):
     nan = np.isnan(x)
     assert np.array_equal(bits[~nan], ref_bits[~nan])
     assert np.all(np.isnan(bits[nan].view(np.float16)))
+
+
+def test_f16_cells_of_several_streams_as_numpy():
+    """The KV reader of several sequences' streams: each stream a strided view of its first
+    cells (a gap after them, heads before cells), converted up to `used` cells, as numpy."""
+    from ggmlpy.backend.cpu import kernels as K
+    rng = np.random.default_rng(3)
+    cache = rng.standard_normal((4, 2, 64, 16)).astype(np.float16)  # [streams, heads, kv_size, d]
+    cells = cache[:, :, :40].transpose(0, 2, 1, 3)                 # [streams, n_kv 40, heads, d]: not contiguous
+    assert not cells.flags.c_contiguous
+    out = np.full(cells.shape, np.nan, np.float32)
+    K.f16_cells_to_f32(cells.view(np.uint16), out, 33)
+    np.testing.assert_array_equal(out[:, :33], cells[:, :33].astype(np.float32))
+    assert np.isnan(out[:, 33:]).all()  # cells past `used` are not read

@@ -225,6 +225,13 @@ def _cells_f32(t: Tensor) -> Callable[[int], np.ndarray]:
             K.f16_to_f32(bits[:n], flat[:n])
             return buf
         return read_f16
+    if t.type == GGMLType.F16:  # several sequences' streams: each a view of the first cells of its own
+        strided_bits = cells.view(np.uint16)
+
+        def read_streams_f16(used: int) -> np.ndarray:
+            K.f16_cells_to_f32(strided_bits, buf, min(used, cells.shape[1]))
+            return buf
+        return read_streams_f16
     src_type = t.type
 
     def read(used: int) -> np.ndarray:

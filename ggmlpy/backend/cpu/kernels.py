@@ -115,6 +115,18 @@ def f16_to_f32(src_bits, dst):
 
 
 @njit(cache=True)
+def f16_cells_to_f32(src_bits, dst, used):
+    """dst[i3, :used] = the float32 values of src_bits[i3, :used] ([n3, n_kv, h, d], any
+    strides: the KV streams of several sequences, each a view with a gap after its cells)."""
+    n3, _, nh, nd = src_bits.shape
+    for i3 in range(n3):
+        for c in range(used):
+            for h in range(nh):
+                for d in range(nd):
+                    dst[i3, c, h, d] = f16_bits_to_f32(src_bits[i3, c, h, d])
+
+
+@njit(cache=True)
 def set_rows_f16(src, idx, dst_bits):
     """Row i1 of src[i3, i2] goes, rounded to half, to row idx[i3 % c2, i2 % c1, i1] of
     dst_bits[i3, i2] (the bits of an F16 tensor)."""
