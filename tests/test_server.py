@@ -25,6 +25,8 @@ from conftest import REPO_ROOT, shared_path
 from llamapy.lora import LoraAdapter
 
 openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")  # the server extra
+pytest.importorskip("uvicorn")
 
 GOLDEN_PROMPT = "Once upon a time"
 
