@@ -234,6 +234,13 @@ def test_a_full_queue_answers_503_and_the_rest_complete(stories_path):
         assert codes.count(200) >= 2 and 503 in codes, codes
         busy = next(reply for code, reply in results if code == 503)
         assert busy["error"]["type"] == "unavailable_error"
+        # a client waiting for a whole (not streamed) answer that goes away frees the slot too
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(body))
+        time.sleep(0.3)
+        conn.sock.close()
+        slots = wait_idle(srv, 2.0)
+        assert not slots[0]["is_processing"] and slots[0]["n_cached"] < 1500, slots
     finally:
         srv.stop()
 
@@ -330,6 +337,9 @@ def test_tokenize_detokenize_models_health(server, model):
     assert server.request("GET", "/health") == (200, {"status": "ok"})
     status, models = server.request("GET", "/v1/models")
     assert models["data"][0]["meta"]["n_ctx_slot"] == 256 and models["data"][0]["meta"]["n_slots"] == 4
+    status, props = server.request("GET", "/props")
+    assert status == 200 and props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 256
+    assert props["model_path"].endswith("stories260K.gguf") and "im_start" in props["chat_template"]
 
 
 def test_command_line_errors_are_one_line(stories_path, tmp_path):

@@ -89,6 +89,7 @@ class Server:
         self.vocab = engine.vocab
         self.lora_paths = list(lora_paths)
         self.lora_dir = lora_dir.resolve() if lora_dir else None
+        self.model_path = str(getattr(engine.ctx.model.file, "path", ""))
         self.created = int(time.time())
         self._piece_cache: dict[int, bytes] = {}
 
@@ -162,13 +163,18 @@ class Server:
     # ---- running a job -------------------------------------------------------------------------
     async def events(self, request: Request, job: Job, queue: asyncio.Queue) -> AsyncIterator:
         """The job's events as they come; a client gone cancels it (checked while waiting)."""
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), timeout=0.25)
                 except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= 0.25:  # also while tokens keep coming
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if event is None:
                     continue
                 yield event
                 if isinstance(event, (Done, Failed)):
@@ -246,6 +252,17 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
     @app.get("/v1/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/props")
+    async def props():
+        """llama-server's GET /props: what a client reads to set itself up."""
+        d = server.defaults
+        return {"default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": {
+                    "n_predict": d.get("n_predict", -1), "temperature": d.get("temperature", 0.8),
+                    "top_k": d.get("top_k", 40), "top_p": d.get("top_p", 0.95), "min_p": d.get("min_p", 0.05),
+                    "repeat_penalty": d.get("repeat_penalty", 1.0), "seed": d.get("seed") or -1}},
+                "total_slots": len(engine.slots), "model_alias": server.alias, "model_path": server.model_path,
+                "chat_template": server.template.source, "build_info": f"llamapy {llamapy_version()}"}
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -441,6 +458,11 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
         return {"id": len(engine.adapters) - 1, "path": str(path), "scale": req.scale}
 
     return Gate(app, api_key)
+
+
+def llamapy_version() -> str:
+    import llamapy
+    return llamapy.__version__
 
 
 def _sse(payload: dict) -> str:
