@@ -9,14 +9,14 @@ process never imports the `gguf` package (3 MB of modules, yaml among them) to s
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from ggmlpy import GGMLType
-from ggmlpy.types import TYPE_TRAITS
+from ggmlpy.types import TYPE_TRAITS, row_size
 
 from .gguf_file import _NUMPY, GGUF_DEFAULT_ALIGNMENT, MetaValue, ValueType
 
@@ -30,12 +30,22 @@ _SCALAR_FORMAT = {ValueType.UINT8: "<B", ValueType.INT8: "<b", ValueType.UINT16:
 @dataclass(frozen=True)
 class TensorOut:
     """One tensor to write: its name, type, dimensions as stored (ggml order, ne[0] first)
-    and its bytes (rows packed one after another)."""
+    and its bytes (rows packed one after another), or a function that makes them in pieces
+    when the file is written (a quantizer: one tensor's output in memory at a time)."""
 
     name: str
     type: GGMLType
     ne: tuple[int, ...]
-    data: np.ndarray  # uint8, contiguous
+    data: np.ndarray | Callable[[], Iterable[np.ndarray]]  # uint8, contiguous; or its pieces in order
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.data, np.ndarray):
+            return self.data.nbytes
+        n_rows = 1
+        for n in self.ne[1:]:
+            n_rows *= n
+        return row_size(self.type, self.ne[0]) * n_rows
 
 
 # the tensor type of a numpy array: ggmlpy's element types (BF16's uint16 is a bit pattern, not a value)
@@ -114,8 +124,14 @@ def write_gguf(out: BinaryIO, metadata: Mapping[str, MetaValue], tensors: Sequen
     offset = 0
     for t in tensors:
         put(_string(t.name) + struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.type, offset))
-        offset += t.data.nbytes + _padding(t.data.nbytes, alignment)
+        offset += t.nbytes + _padding(t.nbytes, alignment)
     out.write(bytes(_padding(written, alignment)))
     for t in tensors:
-        out.write(memoryview(t.data).cast("B"))
-        out.write(bytes(_padding(t.data.nbytes, alignment)))
+        pieces = [t.data] if isinstance(t.data, np.ndarray) else t.data()
+        n = 0
+        for piece in pieces:
+            out.write(memoryview(np.ascontiguousarray(piece)).cast("B"))
+            n += piece.nbytes
+        if n != t.nbytes:
+            raise ValueError(f"tensor {t.name!r}: {n} bytes made, {t.nbytes} announced")
+        out.write(bytes(_padding(t.nbytes, alignment)))

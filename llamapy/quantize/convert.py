@@ -1,0 +1,89 @@
+"""Rows of one tensor type to another, a slab at a time: the source rows as float32 (copied,
+widened from F16/BF16 or dequantized), then checked finite and written in the new type
+(ggml's reference quantizers, ggml's F16 and BF16 rounding). The block kernels run in
+parallel over rows on numba's threads, so a slab holds many rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+from numba import njit, prange
+
+from ggmlpy import GGMLType
+from ggmlpy.convert import bf16_to_f32, f32_to_bf16
+from ggmlpy.quants import dequantize_rows_into, kernels
+from ggmlpy.types import row_size, traits
+
+from ..errors import ModelLoadError
+
+_PLAIN = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
+
+
+@njit(parallel=True, cache=True)
+def _first_bad_row(x):
+    """The first row of x (float32[:, ::1]) holding a NaN or an infinity, or -1."""
+    n = x.shape[0]
+    bad = np.full(n, False)
+    for r in prange(n):
+        for v in x[r]:
+            if not np.isfinite(v):
+                bad[r] = True
+                break
+    for r in range(n):
+        if bad[r]:
+            return r
+    return -1
+
+
+def _to_f32(src: np.ndarray, type: GGMLType, out: np.ndarray) -> None:
+    """out (rows, ne0) = the float32 values of the row bytes src (rows, row bytes)."""
+    if type == GGMLType.F32:
+        np.copyto(out, src.view(np.float32))
+    elif type == GGMLType.F16:
+        np.copyto(out, src.view(np.float16), casting="unsafe")
+    elif type == GGMLType.BF16:
+        np.copyto(out, bf16_to_f32(src.view(np.uint16)))
+    else:
+        nbytes = src.shape[1]
+        flat = np.ascontiguousarray(src).reshape(-1)
+        dequantize_rows_into(type, flat, np.arange(out.shape[0], dtype=np.int64) * nbytes, out)
+
+
+def _from_f32(x: np.ndarray, type: GGMLType, out: np.ndarray) -> np.ndarray:
+    """x (rows, ne0) float32 in `type`'s row bytes, written to out (rows, row bytes) when the
+    type has a kernel; returns the bytes."""
+    if type == GGMLType.F32:
+        return x.view(np.uint8)
+    if type == GGMLType.F16:
+        return x.astype(np.float16).view(np.uint8)
+    if type == GGMLType.BF16:
+        return f32_to_bf16(x).view(np.uint8)
+    kernels(type).quantize(x, out)
+    return out
+
+
+def convert_rows(name: str, data: np.ndarray, src_type: GGMLType, dst_type: GGMLType, ne0: int, n_rows: int,
+                 slab_bytes: int) -> Iterator[np.ndarray]:
+    """The rows of a tensor (its bytes `data`, `n_rows` rows of `ne0` values of `src_type`) in
+    `dst_type` (the bytes themselves when the type stays), as consecutive pieces made in
+    buffers of about `slab_bytes`. A source value that is NaN or infinite is a ModelLoadError
+    naming the tensor and row, as llama.cpp's loader checks every tensor it reads."""
+    src_row, dst_row = row_size(src_type, ne0), row_size(dst_type, ne0)
+    checked = src_type in _PLAIN or traits(src_type).is_quantized  # ggml_validate_row_data passes integers
+    if not checked and src_type == dst_type:
+        yield data
+        return
+    per_row = src_row + dst_row + 4 * ne0
+    rows = max(1, min(n_rows, slab_bytes // per_row))
+    x = np.empty((rows, ne0), dtype=np.float32)
+    out = np.empty((rows, dst_row), dtype=np.uint8) if traits(dst_type).is_quantized else None
+    for r0 in range(0, n_rows, rows):
+        n = min(rows, n_rows - r0)
+        src = data[r0 * src_row:(r0 + n) * src_row].reshape(n, src_row)
+        xs = x[:n]
+        _to_f32(src, src_type, xs)
+        bad = _first_bad_row(xs)
+        if bad >= 0:
+            raise ModelLoadError(f"tensor {name!r} has invalid data (NaN or infinity) in row {r0 + bad}")
+        yield src if src_type == dst_type else _from_f32(xs, dst_type, None if out is None else out[:n])
