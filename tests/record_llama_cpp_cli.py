@@ -3,7 +3,8 @@
     python tests/record_llama_cpp_cli.py LLAMA_CPP_BIN_DIR
 
 - each tool's flags, from its `--help` (llama-perplexity, llama-completion, llama-cli,
-  llama-finetune, llama-export-lora): every option line's names and value hint, to
+  llama-finetune, llama-export-lora, llama-server: common/arg.cpp's format; llama-quantize:
+  its own usage text): every option line's names and value hint, to
   tests/data/llama_cpp_flags.json;
 - the bare perplexity run `llama-perplexity -m stories260K.gguf -f wiki.test.raw -t 2`
   (its defaults: -c 512, -b 2048): the running estimates (stdout) and the final line, to
@@ -20,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import shared_path  # noqa: E402
 
-TOOLS = ("perplexity", "completion", "cli", "finetune", "export-lora", "server")
+TOOLS = ("perplexity", "completion", "cli", "finetune", "export-lora", "server", "quantize")
 DATA = Path(__file__).parent / "data"
 
 
@@ -42,11 +43,22 @@ def flags_of(help_text: str) -> list[dict]:
     return out
 
 
+def quantize_flags_of(help_text: str) -> list[dict]:
+    """llama-quantize's usage text: an option line is two spaces, the flag, and its value hint
+    (`  --tensor-type tensor_name=ggml_type`); its help follows on lines indented further."""
+    out = []
+    for line in help_text.splitlines():
+        m = re.fullmatch(r"  (--[\w-]+)(?: (\S+))?", line.rstrip())
+        if m:
+            out.append({"names": [m.group(1)], "hint": m.group(2) or ""})
+    return out
+
+
 def main(bin_dir: Path) -> None:
     flags = {}
     for tool in TOOLS:
         text = subprocess.run([str(bin_dir / f"llama-{tool}"), "--help"], capture_output=True, text=True).stdout
-        flags[tool] = flags_of(text)
+        flags[tool] = quantize_flags_of(text) if tool == "quantize" else flags_of(text)
     (DATA / "llama_cpp_flags.json").write_text(json.dumps(flags, indent=1) + "\n")
     if "--flags-only" in sys.argv:
         return

@@ -9,4 +9,5 @@ TOOLS = {
     "train": ("llamapy.cli.train", "train a new model from nothing on a text"),
     "export-lora": ("llamapy.cli.export_lora", "merge LoRA adapters into a model, as llama-export-lora"),
     "server": ("llamapy.cli.server", "serve a model over HTTP with OpenAI's API, as llama-server"),
+    "quantize": ("llamapy.cli.quantize", "quantize a model, as llama-quantize (the same bytes)"),
 }

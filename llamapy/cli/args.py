@@ -48,10 +48,11 @@ LORA = "LoRA"
 DATA = "Data"
 CHECKPOINTS = "Checkpoints"
 MODEL_SHAPE = "New model"
+QUANTIZE = "Quantization"
 OUTPUT = "Output"
 LOGGING = "Logging"
 GROUPS = (COMMON, GENERATION, SAMPLING, CHAT, PERPLEXITY, TRAINING, SCHEDULE, LORA, DATA, CHECKPOINTS, MODEL_SHAPE,
-          OUTPUT, LOGGING)
+          QUANTIZE, OUTPUT, LOGGING)
 
 
 def flag(*names: str, help: str, group: str = COMMON, env: str | None = None, metavar: str | None = None,

@@ -2,7 +2,8 @@
 line saying why it has no effect) or refused by name, never misread as another flag.
 
 The lists follow llama.cpp's `common/arg.cpp` (the `--help` of llama-perplexity,
-llama-completion, llama-cli, llama-finetune and llama-export-lora; tests/data holds them).
+llama-completion, llama-cli, llama-finetune, llama-export-lora and llama-server) and
+llama-quantize's own usage text; tests/data holds them.
 A flag a tool declares itself is the tool's (it is removed from these); a flag of one of
 llama.cpp's tools that is neither declared nor listed here would reach the generic "unknown
 flag" refusal, which tests/test_cli_flags.py checks never happens.
@@ -17,6 +18,7 @@ GENERATING = ("completion", "cli", "server")  # the tools that sample tokens
 CHAT = ("completion", "cli", "server")
 CLI_OR_SERVER = ("cli", "server")
 SERVER = ("server",)
+QUANTIZE = ("quantize",)  # llama-quantize has its own command line, not common/arg.cpp's: not in ALL
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,12 @@ def refuse(why: str, *flags: tuple[str, int], tools: tuple[str, ...] = ALL, samp
 
 
 ENTRIES: list[_Entry] = [
+    # llama-quantize's own
+    *refuse("importance matrices are not supported: llamapy's block quantizers are ggml's reference ones, "
+            "without importance weights", ("--imatrix", 1), ("--include-weights", 1), ("--exclude-weights", 1),
+            tools=QUANTIZE),
+    *refuse("split GGUF files are not supported: the input is one file and so is the output", ("--keep-split", 0),
+            tools=QUANTIZE),
     # llama-server's own
     *note("requests are always batched continuously", ("-cb --cont-batching -nocb --no-cont-batching", 0), tools=SERVER),
     *note("each slot always keeps its last conversation in its KV cache and reuses its longest common prefix",

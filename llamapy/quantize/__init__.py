@@ -127,7 +127,7 @@ class TensorReport:
 
     def __str__(self) -> str:
         ne = (tuple(self.ne) + (1, 1, 1, 1))[:4]
-        shape = ", ".join(f"{n:5d}" for n in ne)
+        shape = ", ".join(f"{n:6d}" for n in ne)
         head = f"[{self.index:4d}/{self.count:4d}] {self.name:<36} - [{shape}], type = {traits(self.type_in).name:>6}, "
         if self.type_in == self.type_out:
             return head + f"size = {self.bytes_in / _MIB:8.3f} MiB"

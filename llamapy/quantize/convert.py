@@ -21,15 +21,17 @@ _PLAIN = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.
 
 
 @njit(parallel=True, cache=True)
-def _first_bad_row(x):
-    """The first row of x (float32[:, ::1]) holding a NaN or an infinity, or -1."""
-    n = x.shape[0]
-    bad = np.full(n, False)
+def _first_bad_row(bits):
+    """The first row of float32 values (their bits: uint32[:, ::1]) holding a NaN or an
+    infinity (all exponent bits set), or -1. An integer count per row, which vectorizes."""
+    n = bits.shape[0]
+    bad = np.zeros(n, dtype=np.int64)
     for r in prange(n):
-        for v in x[r]:
-            if not np.isfinite(v):
-                bad[r] = True
-                break
+        row = bits[r]
+        count = 0
+        for j in range(row.shape[0]):
+            count += (row[j] & 0x7F800000) == 0x7F800000
+        bad[r] = count
     for r in range(n):
         if bad[r]:
             return r
@@ -83,7 +85,7 @@ def convert_rows(name: str, data: np.ndarray, src_type: GGMLType, dst_type: GGML
         src = data[r0 * src_row:(r0 + n) * src_row].reshape(n, src_row)
         xs = x[:n]
         _to_f32(src, src_type, xs)
-        bad = _first_bad_row(xs)
+        bad = _first_bad_row(xs.view(np.uint32))
         if bad >= 0:
             raise ModelLoadError(f"tensor {name!r} has invalid data (NaN or infinity) in row {r0 + bad}")
         yield src if src_type == dst_type else _from_f32(xs, dst_type, None if out is None else out[:n])

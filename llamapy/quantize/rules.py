@@ -172,7 +172,7 @@ class Fallback:
 
     def __str__(self) -> str:
         shape = "(WARNING: must use F16 due to unusual shape) " if self.used == T.F16 else ""
-        return (f"warning: {self.name:<36} - ncols {self.ncols:6d} not divisible by {traits(self.wanted).blck_size:3d} "
+        return (f"{self.name:<36} - ncols {self.ncols:6d} not divisible by {traits(self.wanted).blck_size:3d} "
                 f"(required for type {traits(self.wanted).name:>7}) {shape}-> falling back to "
                 f"{traits(self.used).name:>7}")
 
