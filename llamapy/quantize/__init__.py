@@ -313,6 +313,10 @@ def _file_type(src: GGUFFile, order: list[str]) -> int:
 def _check_convertible(p: _Planned, allow_requantize: bool) -> None:
     if p.type_in == p.type_out:
         return
+    block = traits(p.type_out).blck_size
+    if p.ne[0] % block:  # a type asked for by name gets no fallback (llama-quantize aborts)
+        raise InputError(f"tensor {p.source}: rows of {p.ne[0]} values do not fit {traits(p.type_out).name}'s blocks "
+                         f"of {block}")
     tr = traits(p.type_in)
     if tr.is_quantized and not allow_requantize:
         raise InputError(f"requantizing from type {tr.name} is disabled (tensor {p.source}): allow it with "
