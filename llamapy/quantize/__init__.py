@@ -44,6 +44,7 @@ __all__ = ["QUANT_OPTIONS", "FileType", "KvOverride", "QuantizeParams", "Quantiz
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
 _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 _MIB = 1024 * 1024
+_PARALLEL_BYTES = 1 * _MIB  # tensors smaller than this are converted on one thread
 
 
 class KvOverride(Record):
@@ -241,17 +242,20 @@ def quantize_model(in_path: str | os.PathLike, out_path: str | os.PathLike | Non
             report(i, p)
         return QuantizeResult(None, file_type, reports, chooser.fallbacks, n_elements)
 
+    n_threads = min(params.n_threads or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS)
+
     def pieces(i: int, p: _Planned) -> Callable[[], Iterator[np.ndarray]]:
         def make() -> Iterator[np.ndarray]:
             t = src.tensors[p.source]
             data = t.buffer[t.offset:t.offset + t.nbytes()]
+            # a small tensor on one thread: waking the others costs more than they save
+            numba.set_num_threads(n_threads if t.nbytes() >= _PARALLEL_BYTES else 1)
             yield from convert_rows(p.source, data, p.type_in, p.type_out, p.ne[0], t.nrows(), params.slab_bytes)
             report(i, p)
         return make
 
     tensors = [TensorOut(p.name, p.type_out, p.ne, pieces(i, p)) for i, p in enumerate(plan)]
     threads = numba.get_num_threads()
-    numba.set_num_threads(min(params.n_threads or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
     try:
         path = replace_atomically(Path(out_path), lambda out: write_gguf(out, out_meta, tensors), "the quantized model")
     finally:
