@@ -37,8 +37,9 @@ def sha256(path: Path) -> str:
 
 
 def listing(path: Path) -> list[list[str]]:
-    import gguf
-    return [[t.name, t.tensor_type.name.lower()] for t in gguf.GGUFReader(path).tensors]
+    """[name, type] of each tensor in file order (the recording read them with the gguf package)."""
+    f = llamapy.gguf_file.GGUFFile(path)
+    return [[name, t.type.name.lower()] for name, t in f.tensors.items()]
 
 
 def params_of(flags: list[str]) -> QuantizeParams:
