@@ -177,7 +177,8 @@ def test_non_finite_rows_are_found_as_numpy_finds_them():
         y = x.copy()
         y[row, 5] = value
         y[row + 1:, 0] = np.nan
-        assert _first_bad_row(y.view(np.uint32)) == np.flatnonzero(~np.isfinite(y).all(axis=1))[0] == row
+        expected = np.flatnonzero(~np.isfinite(y).all(axis=1))[0]
+        assert _first_bad_row(y.view(np.uint32)) == expected == row
 
 
 def test_a_nan_in_the_input_is_refused_and_nothing_is_written(stories_path, tmp_path):

@@ -247,18 +247,20 @@ def quantize_model(in_path: str | os.PathLike, out_path: str | os.PathLike | Non
     def pieces(i: int, p: _Planned) -> Callable[[], Iterator[np.ndarray]]:
         def make() -> Iterator[np.ndarray]:
             t = src.tensors[p.source]
-            data = t.buffer[t.offset:t.offset + t.nbytes()]
             # a small tensor on one thread: waking the others costs more than they save
             numba.set_num_threads(n_threads if t.nbytes() >= _PARALLEL_BYTES else 1)
-            yield from convert_rows(p.source, data, p.type_in, p.type_out, p.ne[0], t.nrows(), params.slab_bytes)
+            yield from convert_rows(p.source, fd, t.offset, p.type_in, p.type_out, p.ne[0], t.nrows(),
+                                    params.slab_bytes)
             report(i, p)
         return make
 
     tensors = [TensorOut(p.name, p.type_out, p.ne, pieces(i, p)) for i, p in enumerate(plan)]
     threads = numba.get_num_threads()
+    fd = os.open(src.path, os.O_RDONLY)
     try:
         path = replace_atomically(Path(out_path), lambda out: write_gguf(out, out_meta, tensors), "the quantized model")
     finally:
+        os.close(fd)
         numba.set_num_threads(threads)
     return QuantizeResult(path, file_type, reports, chooser.fallbacks, n_elements)
 

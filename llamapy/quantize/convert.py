@@ -5,6 +5,7 @@ parallel over rows on numba's threads, so a slab holds many rows.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -38,11 +39,22 @@ def _first_bad_row(bits):
     return -1
 
 
+def _read(fd: int, offset: int, out: np.ndarray) -> None:
+    """out's bytes from the file at `offset` (read(2) into the buffer: cheaper than faulting
+    in the pages of a memory map, which is read once here)."""
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ModelLoadError(f"the input file ends {len(view) - done} bytes early")
+        done += n
+
+
 def _to_f32(src: np.ndarray, type: GGMLType, out: np.ndarray) -> None:
-    """out (rows, ne0) = the float32 values of the row bytes src (rows, row bytes)."""
-    if type == GGMLType.F32:
-        np.copyto(out, src.view(np.float32))
-    elif type == GGMLType.F16:
+    """out (rows, ne0) = the float32 values of the row bytes src (rows, row bytes) of a type
+    other than F32 (whose rows _first_bad_row copies)."""
+    if type == GGMLType.F16:
         np.copyto(out, src.view(np.float16), casting="unsafe")
     elif type == GGMLType.BF16:
         np.copyto(out, bf16_to_f32(src.view(np.uint16)))
@@ -65,27 +77,26 @@ def _from_f32(x: np.ndarray, type: GGMLType, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def convert_rows(name: str, data: np.ndarray, src_type: GGMLType, dst_type: GGMLType, ne0: int, n_rows: int,
+def convert_rows(name: str, fd: int, offset: int, src_type: GGMLType, dst_type: GGMLType, ne0: int, n_rows: int,
                  slab_bytes: int) -> Iterator[np.ndarray]:
-    """The rows of a tensor (its bytes `data`, `n_rows` rows of `ne0` values of `src_type`) in
-    `dst_type` (the bytes themselves when the type stays), as consecutive pieces made in
-    buffers of about `slab_bytes`. A source value that is NaN or infinite is a ModelLoadError
-    naming the tensor and row, as llama.cpp's loader checks every tensor it reads."""
+    """The rows of a tensor (`n_rows` rows of `ne0` values of `src_type` at `offset` in the file
+    `fd`) in `dst_type` (the bytes themselves when the type stays), as consecutive pieces made
+    in buffers of about `slab_bytes`. A source value that is NaN or infinite is a
+    ModelLoadError naming the tensor and row, as llama.cpp's loader checks every tensor it reads."""
     src_row, dst_row = row_size(src_type, ne0), row_size(dst_type, ne0)
     checked = src_type in _PLAIN or traits(src_type).is_quantized  # ggml_validate_row_data passes integers
-    if not checked and src_type == dst_type:
-        yield data
-        return
-    per_row = src_row + dst_row + 4 * ne0
-    rows = max(1, min(n_rows, slab_bytes // per_row))
-    x = np.empty((rows, ne0), dtype=np.float32)
+    rows = max(1, min(n_rows, slab_bytes // (src_row + dst_row + 4 * ne0)))
+    raw = np.empty((rows, src_row), dtype=np.uint8)
+    x = raw.view(np.float32) if src_type == GGMLType.F32 else np.empty((rows, ne0), dtype=np.float32)
     out = np.empty((rows, dst_row), dtype=np.uint8) if traits(dst_type).is_quantized else None
     for r0 in range(0, n_rows, rows):
         n = min(rows, n_rows - r0)
-        src = data[r0 * src_row:(r0 + n) * src_row].reshape(n, src_row)
-        xs = x[:n]
-        _to_f32(src, src_type, xs)
-        bad = _first_bad_row(xs.view(np.uint32))
-        if bad >= 0:
-            raise ModelLoadError(f"tensor {name!r} has invalid data (NaN or infinity) in row {r0 + bad}")
+        src, xs = raw[:n], x[:n]
+        _read(fd, offset + r0 * src_row, src)
+        if checked:
+            if src_type != GGMLType.F32:
+                _to_f32(src, src_type, xs)
+            bad = _first_bad_row(xs.view(np.uint32))
+            if bad >= 0:
+                raise ModelLoadError(f"tensor {name!r} has invalid data (NaN or infinity) in row {r0 + bad}")
         yield src if src_type == dst_type else _from_f32(xs, dst_type, None if out is None else out[:n])
