@@ -10,7 +10,8 @@ from .generate import (  # the function shadows the module: `from llamapy.genera
            generate,
 )
 from .model import Model, load_model
+from .quantize import QuantizeParams, quantize_model
 from .save import save_model_to_file
 
-__all__ = ["__version__", "Batch", "Context", "LlamapyError", "Model", "chat_completion", "generate", "load_model", "new_model",
-           "save_model_to_file"]
+__all__ = ["__version__", "Batch", "Context", "LlamapyError", "Model", "QuantizeParams", "chat_completion", "generate",
+           "load_model", "new_model", "quantize_model", "save_model_to_file"]
