@@ -8,15 +8,16 @@ process never imports the `gguf` package (3 MB of modules, yaml among them) to s
 """
 from __future__ import annotations
 
+import math
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from ggmlpy import GGMLType
-from ggmlpy.types import TYPE_TRAITS
+from ggmlpy.types import TYPE_TRAITS, row_size
 
 from .gguf_file import _NUMPY, GGUF_DEFAULT_ALIGNMENT, MetaValue, ValueType
 
@@ -36,6 +37,35 @@ class TensorOut:
     type: GGMLType
     ne: tuple[int, ...]
     data: np.ndarray  # uint8, contiguous
+
+
+@dataclass(frozen=True)
+class LazyTensorOut:
+    """A tensor whose bytes are made only when the writer reaches it (`make()`: uint8, its
+    rows packed), so a conversion holds one converted tensor in memory at a time."""
+
+    name: str
+    type: GGMLType
+    ne: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return row_size(self.type, self.ne[0]) * math.prod(self.ne[1:])
+
+
+def _nbytes(t: TensorOut | LazyTensorOut) -> int:
+    return t.nbytes if isinstance(t, LazyTensorOut) else t.data.nbytes
+
+
+def _data(t: TensorOut | LazyTensorOut) -> np.ndarray:
+    if isinstance(t, TensorOut):
+        return t.data
+    data = t.make()
+    if data.nbytes != t.nbytes:
+        raise ValueError(f"tensor {t.name!r}: {data.nbytes} bytes made for a {t.type.name} {list(t.ne)} tensor "
+                         f"of {t.nbytes}")
+    return data
 
 
 # the tensor type of a numpy array: ggmlpy's element types (BF16's uint16 is a bit pattern, not a value)
@@ -88,9 +118,11 @@ def _padding(n: int, alignment: int) -> int:
     return -n % alignment
 
 
-def write_gguf(out: BinaryIO, metadata: Mapping[str, MetaValue], tensors: Sequence[TensorOut]) -> None:
+def write_gguf(out: BinaryIO, metadata: Mapping[str, MetaValue],
+               tensors: Sequence[TensorOut | LazyTensorOut]) -> None:
     """Write a whole GGUF file to `out`: metadata in the given order (its general.alignment,
-    when present, aligns the data; else 32 bytes), then the tensors in the given order."""
+    when present, aligns the data; else 32 bytes), then the tensors in the given order (a lazy
+    one's bytes made as it is written)."""
     alignment = int(metadata["general.alignment"].value) if "general.alignment" in metadata \
         else GGUF_DEFAULT_ALIGNMENT
     if alignment <= 0 or alignment & (alignment - 1):
@@ -114,8 +146,9 @@ def write_gguf(out: BinaryIO, metadata: Mapping[str, MetaValue], tensors: Sequen
     offset = 0
     for t in tensors:
         put(_string(t.name) + struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.type, offset))
-        offset += t.data.nbytes + _padding(t.data.nbytes, alignment)
+        offset += _nbytes(t) + _padding(_nbytes(t), alignment)
     out.write(bytes(_padding(written, alignment)))
     for t in tensors:
-        out.write(memoryview(t.data).cast("B"))
-        out.write(bytes(_padding(t.data.nbytes, alignment)))
+        data = _data(t)
+        out.write(memoryview(data).cast("B"))
+        out.write(bytes(_padding(data.nbytes, alignment)))
