@@ -14,10 +14,11 @@ What a checkpoint is made of, in tests/data/hf/NAME/:
   shared/data/vocab/ggml-vocab-qwen2.gguf (tokens, merges, Qwen's pre-tokenizer), and
   llama.cpp's convert_hf_to_gguf.py identifies it as Qwen1.5-7B's ("qwen2").
 
-Only numpy, json, gguf and tokenizers are imported: both venvs have them.
+Only numpy, json and tokenizers are imported: both venvs have them.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -73,18 +74,88 @@ def write_safetensors(path: Path, tensors: list[tuple[str, str, np.ndarray]], me
             f.write(np.ascontiguousarray(data).tobytes())
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_VALUE_TYPES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
+                8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}
+# tensor types a conversion writes: name, elements per block, bytes per block
+_TENSOR_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 8: ("Q8_0", 32, 34), 30: ("BF16", 1, 2)}
+
+
+class _Reader:
+    """A GGUF file read front to back: fast where gguf's GGUFReader takes ten seconds for a
+    151k-token vocabulary (it builds an object per array item)."""
+
+    def __init__(self, path: Path) -> None:
+        self.buf, self.pos = path.read_bytes(), 0
+
+    def take(self, fmt: str):
+        (x,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return x
+
+    def raw_string(self) -> bytes:
+        n = self.take("<Q")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos]
+
+    def items(self, vtype: int, n: int) -> list[bytes]:
+        """n array items' raw bytes."""
+        if vtype == 8:
+            return [self.raw_string() for _ in range(n)]
+        size = struct.calcsize(_SCALARS[vtype])
+        self.pos += n * size
+        return [self.buf[i:i + size] for i in range(self.pos - n * size, self.pos, size)]
+
+
+def _read_gguf(path: Path) -> tuple[dict, list, _Reader]:
+    """(key -> (type, value or (item type, raw items)), tensor infos, the reader at the data)."""
+    r = _Reader(path)
+    r.pos = 8  # magic, version
+    n_tensors, n_kv = r.take("<Q"), r.take("<Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = r.raw_string().decode("utf-8")
+        vtype = r.take("<I")
+        if vtype == 9:
+            item, n = r.take("<I"), r.take("<Q")
+            metadata[key] = (vtype, (item, r.items(item, n)))
+        elif vtype == 8:
+            metadata[key] = (vtype, r.raw_string().decode("utf-8"))
+        else:
+            metadata[key] = (vtype, r.take(_SCALARS[vtype]))
+    infos = []
+    for _ in range(n_tensors):
+        name = r.raw_string().decode("utf-8")
+        ne = [r.take("<Q") for _ in range(r.take("<I"))]
+        infos.append((name, ne, r.take("<I"), r.take("<Q")))
+    alignment = metadata.get("general.alignment", (4, 32))[1]
+    r.pos += -r.pos % alignment
+    return metadata, infos, r
+
+
+def gguf_metadata(path: Path) -> dict:
+    """The metadata of a GGUF file: scalars and strings as values, arrays as lists."""
+    out = {}
+    for key, (vtype, value) in _read_gguf(path)[0].items():
+        if vtype == 9:
+            item, raw = value
+            value = ([x.decode("utf-8") for x in raw] if item == 8
+                     else [struct.unpack(_SCALARS[item], x)[0] for x in raw])
+        out[key] = value
+    return out
+
+
+@functools.cache
 def qwen_tokenizer_json(vocab_gguf: Path) -> str:
     """Qwen1.5's tokenizer.json rebuilt from llama.cpp's vocabulary file: byte-level BPE with
     Qwen's split regex and NFC, the normal tokens and merges, its 3 special tokens."""
-    import gguf
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    reader = gguf.GGUFReader(vocab_gguf)
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
-    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    meta = gguf_metadata(vocab_gguf)
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     vocab = {t: i for i, t in enumerate(tokens) if types[i] == 1}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], byte_fallback=False))
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
@@ -122,24 +193,22 @@ def write_checkpoint(name: str, dest: Path, shared: Path) -> Path:
 
 def gguf_listing(path: Path) -> dict:
     """Every metadata key and tensor of a GGUF file, in order: a key's type and value (an
-    array as its item type, length and the sha256 of its items' bytes), a tensor's name, ne,
-    type and the sha256 of its bytes. Read with the `gguf` package, as a third party would."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    array as its item type, length and the sha256 of its items' bytes, each after its length
+    as 8 bytes), a tensor's name, ne, type and the sha256 of its bytes."""
+    meta, infos, r = _read_gguf(path)
     metadata = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        vtype = gguf.GGUFValueType(field.types[0])
-        if vtype == gguf.GGUFValueType.ARRAY:
-            items = [bytes(field.parts[i]) for i in field.data]
-            metadata[key] = {"type": "ARRAY", "item": gguf.GGUFValueType(field.types[1]).name, "len": len(items),
+    for key, (vtype, value) in meta.items():
+        if vtype == 9:
+            item, raw = value
+            metadata[key] = {"type": "ARRAY", "item": _VALUE_TYPES[item], "len": len(raw),
                              "sha256": hashlib.sha256(b"".join(len(x).to_bytes(8, "little") + x
-                                                               for x in items)).hexdigest()}
+                                                               for x in raw)).hexdigest()}
         else:
-            value = field.contents()
-            metadata[key] = {"type": vtype.name, "value": value}
-    tensors = [[t.name, [int(n) for n in t.shape], t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()]
-               for t in reader.tensors]
+            metadata[key] = {"type": _VALUE_TYPES[vtype], "value": value}
+    tensors = []
+    for name, ne, ttype, offset in infos:
+        type_name, block, size = _TENSOR_TYPES[ttype]
+        nbytes = int(np.prod(ne, dtype=np.int64)) // block * size
+        data = r.buf[r.pos + offset:r.pos + offset + nbytes]
+        tensors.append([name, ne, type_name, hashlib.sha256(data).hexdigest()])
     return {"metadata": metadata, "tensors": tensors}

@@ -9,4 +9,5 @@ TOOLS = {
     "train": ("llamapy.cli.train", "train a new model from nothing on a text"),
     "export-lora": ("llamapy.cli.export_lora", "merge LoRA adapters into a model, as llama-export-lora"),
     "server": ("llamapy.cli.server", "serve a model over HTTP with OpenAI's API, as llama-server"),
+    "convert": ("llamapy.cli.convert", "convert a Hugging Face checkpoint to GGUF, as convert_hf_to_gguf.py"),
 }

@@ -34,10 +34,19 @@ OUTTYPES = {"f32": (GGMLType.F32, 0), "f16": (GGMLType.F16, 1), "bf16": (GGMLTyp
 QUANTIZATION_VERSION = 2
 
 
+def outtype_of(folder: str | os.PathLike) -> str:
+    """llama.cpp's --outtype auto: bf16 when the first matrix of the checkpoint is BF16, else f16."""
+    for st in open_checkpoint(Path(folder)).tensors.values():
+        if len(st.shape) >= 2 and st.dtype in ("BF16", "F16"):
+            return st.dtype.lower()
+    return "f16"
+
+
 def convert_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, outtype: str = "f16",
-                       log: Callable[[str], None] | None = None) -> Path:
+                       log: Callable[[str], None] | None = None, name: str | None = None) -> Path:
     """Convert the Hugging Face checkpoint in `folder` to a GGUF file at `out` (written
-    atomically); `outtype` is f32, f16, bf16 or q8_0 (norms, biases and 1-d tensors stay F32).
+    atomically); `outtype` is f32, f16, bf16 or q8_0 (norms, biases and 1-d tensors stay F32);
+    `name`: general.name (default: the model id or the folder's name, as llama.cpp's).
     Raises CheckpointError with one line for anything it cannot convert."""
     if outtype not in OUTTYPES:
         raise CheckpointError(f"unknown outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
@@ -52,7 +61,7 @@ def convert_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, outtyp
     n_vocab = _vocabulary(vocab, arch, ckpt, hp)
     tensors = _tensors(arch, ckpt, hp, n_vocab, matrix_type)
     n_params = sum(int(np.prod(t.ne)) for t in tensors)
-    add_general(meta, optional_json(ckpt.path / "generation_config.json") or {}, _model_name(ckpt), n_params)
+    add_general(meta, optional_json(ckpt.path / "generation_config.json") or {}, name or _model_name(ckpt), n_params)
     A.write_hyperparameters(meta, arch, hp, file_type)
     meta.u32("general.quantization_version", QUANTIZATION_VERSION)
     meta.update(vocab)
