@@ -1,4 +1,4 @@
-"""Small random Hugging Face checkpoints (llama, qwen2, qwen3, gemma3), rebuilt byte for byte
+"""Small random Hugging Face checkpoints (llama, llama3, qwen2, qwen3, gemma3), rebuilt byte for byte
 from a seed: the test fixtures of test_convert and the recording script (which runs under
 another venv, with transformers and PyTorch) build them with this one module, so the recorded
 references are about the very files the tests convert.
@@ -9,10 +9,11 @@ What a checkpoint is made of, in tests/data/hf/NAME/:
 - layout.json: each safetensors file's tensors (name, dtype, shape, sha256 of the bytes) in
   the order written, and the file's `__metadata__`; the weights themselves are not committed
   but drawn here from a seed per tensor name (numpy's PCG64) and checked against the sha256s;
-- for the qwen checkpoints, tokenizer.json (11 MB: Qwen1.5's real 151,646-token vocabulary) is
-  not committed either: it is rebuilt from llama.cpp's vocabulary test file
-  shared/data/vocab/ggml-vocab-qwen2.gguf (tokens, merges, Qwen's pre-tokenizer), and
-  llama.cpp's convert_hf_to_gguf.py identifies it as Qwen1.5-7B's ("qwen2").
+- for the qwen and llama3 checkpoints, tokenizer.json (11 MB: Qwen1.5's real 151,646-token
+  vocabulary; Llama 3's 128,256 tokens) is not committed either: it is rebuilt from llama.cpp's
+  vocabulary test files shared/data/vocab/ggml-vocab-{qwen2,llama-bpe}.gguf (tokens, merges,
+  the family's pre-tokenizer and post-processor), and llama.cpp's convert_hf_to_gguf.py
+  identifies them as Qwen1.5-7B's ("qwen2") and Llama 3's ("llama-bpe").
 
 Only numpy, json and tokenizers are imported: both venvs have them.
 """
@@ -23,15 +24,17 @@ import hashlib
 import json
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 DATA = Path(__file__).parent / "data" / "hf"
-NAMES = ("llama", "qwen2", "qwen3", "gemma3")
-QWEN_VOCAB = ("data", "vocab", "ggml-vocab-qwen2.gguf")  # under shared/
+NAMES = ("llama", "llama3", "qwen2", "qwen3", "gemma3")
 
 # Qwen1.5 / Qwen2's pre-tokenizer regex, as its tokenizer.json has it
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 
@@ -145,25 +148,52 @@ def gguf_metadata(path: Path) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class BpeTokenizer:
+    """How a published byte-level BPE tokenizer.json is put together, beyond its tokens and merges."""
+
+    vocab: str  # the llama.cpp vocabulary file under shared/data/vocab
+    split: str  # the pre-tokenizer's regex
+    trim_offsets: bool
+    ignore_merges: bool
+    bos: str | None  # a BOS token the post-processor adds
+
+
+BPE_TOKENIZERS = {
+    "qwen2": BpeTokenizer("ggml-vocab-qwen2.gguf", QWEN2_SPLIT, False, False, None),
+    "llama3": BpeTokenizer("ggml-vocab-llama-bpe.gguf", LLAMA3_SPLIT, True, True, "<|begin_of_text|>"),
+}
+TOKENIZER_OF = {"qwen2": "qwen2", "qwen3": "qwen2", "llama3": "llama3"}  # checkpoint -> its rebuilt tokenizer.json
+
+
 @functools.cache
-def qwen_tokenizer_json(vocab_gguf: Path) -> str:
-    """Qwen1.5's tokenizer.json rebuilt from llama.cpp's vocabulary file: byte-level BPE with
-    Qwen's split regex and NFC, the normal tokens and merges, its 3 special tokens."""
+def bpe_tokenizer_json(kind: str, shared: Path) -> str:
+    """A real tokenizer.json rebuilt from llama.cpp's vocabulary file: byte-level BPE with the
+    family's split regex (and NFC for Qwen), the normal tokens and merges, its special tokens."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    meta = gguf_metadata(vocab_gguf)
+    spec = BPE_TOKENIZERS[kind]
+    meta = gguf_metadata(shared / "data" / "vocab" / spec.vocab)
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     vocab = {t: i for i, t in enumerate(tokens) if types[i] == 1}
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=spec.ignore_merges))
+    if kind == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    level = dict(add_prefix_space=False, trim_offsets=spec.trim_offsets, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(spec.split), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(**level)])
+    tok.decoder = decoders.ByteLevel(**level)
     specials = [i for i, t in enumerate(types) if t == 3]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in specials])
+    if spec.bos is None:
+        tok.post_processor = processors.ByteLevel(**level)
+    else:
+        bos = (spec.bos, tokens.index(spec.bos))
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(**level),
+            processors.TemplateProcessing(single=f"{spec.bos}:0 $A:0", pair=f"{spec.bos}:0 $A:0 {spec.bos}:1 $B:1",
+                                          special_tokens=[bos])])
     return tok.to_str()
 
 
@@ -178,8 +208,8 @@ def write_checkpoint(name: str, dest: Path, shared: Path) -> Path:
     for f in (DATA / name).iterdir():
         if f.name not in ("layout.json", "reference.json"):
             shutil.copyfile(f, dest / f.name)
-    if name.startswith("qwen"):
-        (dest / "tokenizer.json").write_text(qwen_tokenizer_json(shared.joinpath(*QWEN_VOCAB)), encoding="utf-8")
+    if name in TOKENIZER_OF:
+        (dest / "tokenizer.json").write_text(bpe_tokenizer_json(TOKENIZER_OF[name], shared), encoding="utf-8")
     for fname, spec in layout(name)["files"].items():
         tensors = []
         for tname, dtype, shape, sha in spec["tensors"]:

@@ -10,8 +10,8 @@ the folder of its built tools (llama-perplexity). For each checkpoint (hf_checkp
 
 1. its files, into tests/data/hf/NAME/: a tokenizer (llama and gemma3: a small SentencePiece
    BPE model trained here on TinyStories with each family's settings, converted by
-   transformers to tokenizer.json; qwen2 and qwen3: Qwen1.5's real vocabulary, rebuilt by
-   hf_checkpoints), the tokenizer_config.json each family publishes (special tokens, BOS/EOS
+   transformers to tokenizer.json; qwen2 and qwen3: Qwen1.5's real vocabulary, llama3: Llama
+   3's, each rebuilt by hf_checkpoints), the tokenizer_config.json each family publishes (special tokens, BOS/EOS
    flags, the real chat template), and what `save_pretrained` writes for a 2-layer model of the
    family (config.json, generation_config.json, the shard index for the sharded llama), with
    layout.json (the tensors of each shard; hf_checkpoints draws their values from seeds);
@@ -77,6 +77,12 @@ MODELS = {  # config class, model class, its kwargs, dtype of the saved weights,
               max_position_embeddings=40960, rms_norm_eps=1e-6,
               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
               bos_token_id=151643, eos_token_id=151645), torch.float16, None),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(SMALL, vocab_size=128256, max_position_embeddings=131072,
+               rms_norm_eps=1e-5, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192},
+               tie_word_embeddings=True, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+               torch.bfloat16, None),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(SMALL, vocab_size=1008, head_dim=16,
                query_pre_attn_scalar=16, sliding_window=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
                bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True), torch.bfloat16, None),
@@ -136,6 +142,15 @@ def tokenizer_files(name: str, dest: Path) -> None:
                   "tokenizer_class": "GemmaTokenizer", "use_default_system_prompt": False,
                   "added_tokens_decoder": {str(sp.piece_to_id(t)): added_token(t) for t in specials}}
         shutil.copyfile(HERE / "data" / "gemma3-chat-template.jinja", dest / "chat_template.jinja")
+    elif name == "llama3":
+        meta = H.gguf_metadata(SHARED / "data" / "vocab" / H.BPE_TOKENIZERS["llama3"].vocab)
+        tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+        config = {"added_tokens_decoder": {str(i): added_token(t) for i, t in enumerate(tokens) if types[i] == 3},
+                  "bos_token": "<|begin_of_text|>", "clean_up_tokenization_spaces": True, "eos_token": "<|eot_id|>",
+                  "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 131072,
+                  "tokenizer_class": "PreTrainedTokenizerFast",
+                  "chat_template": (SHARED / "data" / "chat_templates"
+                                    / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()}
     else:
         template = (SHARED / "data" / "chat_templates"
                     / ("Qwen-Qwen2.5-7B-Instruct.jinja" if name == "qwen2" else "Qwen-Qwen3-0.6B.jinja")).read_text()

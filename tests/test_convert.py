@@ -5,6 +5,9 @@ and llama-perplexity do with them, in tests/data/hf/NAME/reference.json and logi
 
 - llama: Llama 2's layout, F32 weights in 3 shards with model.safetensors.index.json, untied
   output, a SentencePiece tokenizer.model (llama's settings) and Llama 2's chat template;
+- llama3: Llama 3.2's layout, BF16, tied, RoPE scaling "llama3" (convert adds rope_freqs.weight),
+  Llama 3's real 128,256-token BPE tokenizer.json (pre-tokenizer "llama-bpe" found by its hash,
+  BOS from its TemplateProcessing), a list of EOS ids in config.json;
 - qwen2: BF16, one file, tied embeddings, Q/K/V biases, a transformers-4 config.json, Qwen1.5's
   real 151,646-token BPE tokenizer.json (pre-tokenizer "qwen2" found by its hash);
 - qwen3: F16, tied, head_dim 32 with hidden size 64 (Q is 128 wide), Q/K norms, the same tokenizer
@@ -42,7 +45,7 @@ def reference(name: str) -> dict:
 def checkpoints(tmp_path_factory):
     """name -> the checkpoint's folder, built on first use (in a folder named as the recording's,
     since general.name comes from the folder's name)."""
-    shared_path(*H.QWEN_VOCAB)
+    shared_path("data", "vocab")
     root = tmp_path_factory.mktemp("hf")
     built: dict = {}
 
