@@ -29,6 +29,7 @@ the folder of its built tools (llama-perplexity). For each checkpoint (hf_checkp
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -196,7 +197,7 @@ def model_files(name: str, dest: Path) -> None:
                     t = st.get_tensor(tname)
                     st_dtype = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[t.dtype]
                     data = H.to_dtype(H.tensor_values(name, tname, tuple(t.shape)), st_dtype)
-                    tensors.append([tname, st_dtype, list(t.shape), H.hashlib.sha256(data.tobytes()).hexdigest()])
+                    tensors.append([tname, st_dtype, list(t.shape), hashlib.sha256(data.tobytes()).hexdigest()])
                 files[f.name] = {"metadata": st.metadata(), "tensors": tensors}
     if name == "qwen2":
         config_json = json.loads((dest / "config.json").read_text())
@@ -255,8 +256,8 @@ def record(name: str, src: Path, bin_dir: Path) -> None:
         logit_ids = np.sort(np.random.default_rng(0).choice(vocab, size=min(N_LOGIT_IDS, vocab), replace=False))
         top = np.argsort(-logits, axis=1)[:, :8]
         lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-        np.savez_compressed(dest / "logits.npz", ids=logit_ids, logits=logits[:, logit_ids].astype(np.float32), top_ids=top,
-                            top_logits=np.take_along_axis(logits, top, 1), logsumexp=lse)
+        np.savez_compressed(dest / "logits.npz", ids=logit_ids, logits=logits[:, logit_ids].astype(np.float32),
+                            top_ids=top, top_logits=np.take_along_axis(logits, top, 1), logsumexp=lse)
         listings = {}
         for outtype in OUTTYPES:
             out = Path(tmp) / f"{name}-{outtype}.gguf"

@@ -226,7 +226,8 @@ def _template_processing(st: SpecialTokens, proc: dict, tconf: dict | None, bos,
         start = 1 if first and _special_id(pair[0]) == first else 0
         stop = -1 if last and _special_id(pair[-1]) == last else None
         middle = pair[start:stop]
-        if middle and middle[0].get("Sequence", {}).get("id") == "A" and middle[-1].get("Sequence", {}).get("id") == "B":
+        sequences = [entry.get("Sequence", {}).get("id") for entry in middle[:1] + middle[-1:]]
+        if sequences == ["A", "B"]:
             middle = middle[1:-1]
             if middle:
                 add_sep = False
