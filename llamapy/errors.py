@@ -29,6 +29,11 @@ class InputError(LlamapyError):
     """The user's input (text, arguments) does not fit the requested job."""
 
 
+class CheckpointError(LlamapyError):
+    """A Hugging Face checkpoint cannot be converted (missing or broken files, an
+    architecture or tokenizer this converter does not know)."""
+
+
 class SaveError(LlamapyError):
     """A model could not be written (unwritable destination, disk full, unsavable value)."""
 

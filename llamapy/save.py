@@ -92,6 +92,7 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
     return write_atomically(meta, tensors, Path(path), "model")
 
 
-def write_atomically(metadata: Mapping[str, MetaValue], tensors: list[TensorOut], dest: Path, what: str) -> Path:
+def write_atomically(metadata: Mapping[str, MetaValue], tensors: list[TensorOut], dest: Path,
+                     what: str) -> Path:
     """Write a GGUF file atomically (llamapy.atomic: a temp file beside `dest`, fsync, rename)."""
     return replace_atomically(dest, lambda out: write_gguf(out, metadata, tensors), what)

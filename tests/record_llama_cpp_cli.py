@@ -1,11 +1,13 @@
 """Record what llama.cpp's command-line tools do, for test_cli_flags and test_perplexity.
 
-    python tests/record_llama_cpp_cli.py LLAMA_CPP_BIN_DIR
+    python tests/record_llama_cpp_cli.py LLAMA_CPP_BIN_DIR [--flags-only] [--convert PYTHON LLAMA_CPP_SRC]
 
 - each tool's flags, from its `--help` (llama-perplexity, llama-completion, llama-cli,
   llama-finetune, llama-export-lora, llama-server: common/arg.cpp's format; llama-quantize:
   its own usage text): every option line's names and value hint, to
-  tests/data/llama_cpp_flags.json;
+  tests/data/llama_cpp_flags.json; with --convert, also convert_hf_to_gguf.py's (its
+  argparse --help, run by PYTHON, a venv with PyTorch and transformers), as "convert" (kept
+  from the previous recording otherwise);
 - the bare perplexity run `llama-perplexity -m stories260K.gguf -f wiki.test.raw -t 2`
   (its defaults: -c 512, -b 2048): the running estimates (stdout) and the final line, to
   tests/data/llama_cpp_ppl_stories260K_bare.txt.
@@ -54,11 +56,39 @@ def quantize_flags_of(help_text: str) -> list[dict]:
     return out
 
 
+def argparse_flags_of(help_text: str) -> list[dict]:
+    """Names and value hint of each option line of an argparse --help (`  --outfile OUTFILE  help`)."""
+    out = []
+    for line in help_text.splitlines():
+        match = re.match(r"  (-[^ ].*?)(?:\s{2,}|$)", line)
+        if not match:
+            continue
+        names, hint = [], []
+        for part in match.group(1).split(", "):
+            name, _, value = part.partition(" ")
+            names.append(name)
+            hint = hint or ([value] if value else [])
+        out.append({"names": names, "hint": " ".join(hint)})
+    return out
+
+
+def convert_flags(python: str, src: Path) -> list[dict]:
+    run = subprocess.run([python, str(src / "convert_hf_to_gguf.py"), "--help"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    return argparse_flags_of(run.stdout)
+
+
 def main(bin_dir: Path) -> None:
+    old = json.loads((DATA / "llama_cpp_flags.json").read_text())
     flags = {}
     for tool in TOOLS:
         text = subprocess.run([str(bin_dir / f"llama-{tool}"), "--help"], capture_output=True, text=True).stdout
         flags[tool] = quantize_flags_of(text) if tool == "quantize" else flags_of(text)
+    if "--convert" in sys.argv:
+        i = sys.argv.index("--convert")
+        flags["convert"] = convert_flags(sys.argv[i + 1], Path(sys.argv[i + 2]))
+    else:
+        flags["convert"] = old["convert"]
     (DATA / "llama_cpp_flags.json").write_text(json.dumps(flags, indent=1) + "\n")
     if "--flags-only" in sys.argv:
         return

@@ -10,4 +10,5 @@ TOOLS = {
     "export-lora": ("llamapy.cli.export_lora", "merge LoRA adapters into a model, as llama-export-lora"),
     "server": ("llamapy.cli.server", "serve a model over HTTP with OpenAI's API, as llama-server"),
     "quantize": ("llamapy.cli.quantize", "quantize a model, as llama-quantize (the same bytes)"),
+    "convert": ("llamapy.cli.convert", "convert a Hugging Face checkpoint to GGUF, as convert_hf_to_gguf.py"),
 }

@@ -2,8 +2,9 @@
 line saying why it has no effect) or refused by name, never misread as another flag.
 
 The lists follow llama.cpp's `common/arg.cpp` (the `--help` of llama-perplexity,
-llama-completion, llama-cli, llama-finetune, llama-export-lora and llama-server) and
-llama-quantize's own usage text; tests/data holds them.
+llama-completion, llama-cli, llama-finetune, llama-export-lora and llama-server),
+llama-quantize's own usage text and the argparse flags of convert_hf_to_gguf.py for
+llamapy-convert; tests/data holds them.
 A flag a tool declares itself is the tool's (it is removed from these); a flag of one of
 llama.cpp's tools that is neither declared nor listed here would reach the generic "unknown
 flag" refusal, which tests/test_cli_flags.py checks never happens.
@@ -19,6 +20,7 @@ CHAT = ("completion", "cli", "server")
 CLI_OR_SERVER = ("cli", "server")
 SERVER = ("server",)
 QUANTIZE = ("quantize",)  # llama-quantize has its own command line, not common/arg.cpp's: not in ALL
+CONVERT = ("convert",)  # convert_hf_to_gguf.py: its own flags, none of the C++ tools'
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,24 @@ ENTRIES: list[_Entry] = [
             tools=QUANTIZE),
     *refuse("split GGUF files are not supported: the input is one file and so is the output", ("--keep-split", 0),
             tools=QUANTIZE),
+    # convert_hf_to_gguf.py's
+    *note("tensors are always converted one at a time, while the file is written",
+          ("--use-temp-file", 0), ("--no-lazy", 0), tools=CONVERT),
+    *refuse("only whole model files are written (no vocabulary-only file)", ("--vocab-only", 0), tools=CONVERT),
+    *refuse("GGUF files are written little-endian", ("--bigendian", 0), tools=CONVERT),
+    *refuse("split GGUF files are not written", ("--split-max-tensors", 1), ("--split-max-size", 1),
+            ("--dry-run", 0), ("--no-tensor-first-split", 0), tools=CONVERT),
+    *refuse("authorship override files are not read (--model-name sets the name)", ("--metadata", 1), tools=CONVERT),
+    *refuse("llamapy-convert converts llama, qwen2, qwen3 and gemma3 checkpoints (-h)", ("--print-supported-models", 0),
+            tools=CONVERT),
+    *refuse("llamapy does not download models: give a local checkpoint folder", ("--remote", 0), tools=CONVERT),
+    *refuse("only the text model is converted (no projector, MTP or draft heads)", ("--mmproj", 0), ("--mtp", 0),
+            ("--no-nextn --no-mtp", 0), ("--dspark", 0), ("--target-model-dir", 1), tools=CONVERT),
+    *refuse("Mistral's own checkpoint format is not read", ("--mistral-format", 0),
+            ("--disable-mistral-community-chat-template", 0), tools=CONVERT),
+    *refuse("embedding models are not converted", ("--sentence-transformers-dense-modules", 0), tools=CONVERT),
+    *refuse("tensors are converted as the checkpoint holds them (no fusing, no FP8 weights)",
+            ("--fuse-gate-up-exps", 0), ("--fuse-qkv", 0), ("--fp8-as-q8", 0), tools=CONVERT),
     # llama-server's own
     *note("requests are always batched continuously", ("-cb --cont-batching -nocb --no-cont-batching", 0), tools=SERVER),
     *note("each slot always keeps its last conversation in its KV cache and reuses its longest common prefix",

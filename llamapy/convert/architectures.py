@@ -1,0 +1,263 @@
+"""The Hugging Face architectures llamapy-convert knows: for each, its GGUF architecture, the
+hyper-parameter keys convert_hf_to_gguf.py writes (in its order), how checkpoint tensors are
+named in GGUF and what is done to them on the way (llama's Q/K row permutation, gemma3's +1 on
+its norm weights and the embedding rows past the vocabulary cut off).
+
+convert_hf_to_gguf.py reads config.json through transformers, which fills in each config
+class's defaults; `DEFAULTS` holds those for the keys read here, so a config.json that leaves
+one out converts the same.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llamapy.errors import CheckpointError
+
+from .metadata import Meta
+
+_COMMON = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_QK_NORM = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    gguf: str
+    hf: tuple[str, ...]  # config.json "architectures" names
+    layer: dict[str, str]  # module inside model.layers.N -> GGUF name inside blk.N
+    defaults: dict = field(default_factory=dict)
+    permute_qk: bool = False  # llama: Q and K rows from HF's rotate-half order to GGUF's interleaved pairs
+    norm_shift: bool = False  # gemma3: RMSNorm weights stored minus 1
+
+
+ARCHITECTURES = (
+    Architecture("llama", ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
+                 {**_COMMON, "post_attention_layernorm": "ffn_norm"},
+                 dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0),
+                 permute_qk=True),
+    Architecture("qwen2", ("Qwen2ForCausalLM",), {**_COMMON, "post_attention_layernorm": "ffn_norm"},
+                 dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, rope_theta=10000.0)),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), {**_COMMON, **_QK_NORM, "post_attention_layernorm": "ffn_norm"},
+                 dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, rope_theta=10000.0)),
+    Architecture("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+                 {**_COMMON, **_QK_NORM, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+                 dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                      rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10000.0, sliding_window=4096),
+                 norm_shift=True),
+)
+
+
+def architecture_of(config: dict) -> Architecture:
+    """The architecture config.json names (text_config's name first, as llama.cpp does)."""
+    names = (config.get("text_config") or {}).get("architectures") or config.get("architectures") or []
+    if not names:
+        raise CheckpointError("config.json names no architecture (\"architectures\")")
+    for arch in ARCHITECTURES:
+        if names[0] in arch.hf:
+            return arch
+    known = ", ".join(n for a in ARCHITECTURES for n in a.hf)
+    raise CheckpointError(f"architecture {names[0]} is not supported (llamapy-convert converts {known})")
+
+
+def hyperparameters(arch: Architecture, config: dict) -> dict:
+    """config.json with text_config's keys on top and the config class's defaults filled in."""
+    hp = {**arch.defaults, **config, **(config.get("text_config") or {})}
+    if hp.get("num_key_value_heads") is None and arch.gguf == "llama":
+        hp["num_key_value_heads"] = hp["num_attention_heads"]
+    if arch.gguf == "llama" and hp.get("head_dim") is None:
+        hp["head_dim"] = hp["hidden_size"] // hp["num_attention_heads"]
+    return hp
+
+
+def _find(hp: dict, *keys: str):
+    return next((hp[k] for k in keys if k in hp), None)
+
+
+def rope_parameters(hp: dict) -> dict:
+    """RoPE settings in transformers 5's form (rope_parameters, maybe per attention type),
+    from it or from transformers 4's rope_theta and rope_scaling, as convert_hf_to_gguf.py
+    gathers them."""
+    rope = dict(hp.get("rope_parameters", hp.get("rope_scaling")) or {})
+    if "full_attention" in rope or "sliding_attention" in rope:
+        return rope
+    theta = _find(hp, "global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta", "rotary_emb_base")
+    local = _find(hp, "local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
+                  "rope_local_base_freq")
+    if local is not None:
+        rope["sliding_attention"] = {"rope_theta": local}
+    if "rope_theta" not in rope and theta is not None:
+        rope["rope_theta"] = theta
+    if "rope_type" not in rope and rope.get("type") is not None:
+        rope["rope_type"] = rope["type"]
+    for key, names in (("partial_rotary_factor", ("partial_rotary_factor", "rope_pct", "rope_percent")),
+                       ("original_max_position_embeddings", ("original_max_position_embeddings",))):
+        if key not in rope and (value := _find(hp, *names)) is not None:
+            rope[key] = value
+    return rope
+
+
+def _require(hp: dict, key: str):
+    if hp.get(key) is None:
+        raise CheckpointError(f"config.json has no {key}")
+    return hp[key]
+
+
+def write_hyperparameters(meta: Meta, arch: Architecture, hp: dict, file_type: int) -> None:
+    """The {arch}.* keys and general.file_type, in convert_hf_to_gguf.py's order."""
+    a = arch.gguf
+    rope = rope_parameters(hp)
+    meta.u32(f"{a}.block_count", _require(hp, "num_hidden_layers"))
+    for key, names in (("context_length", ("max_position_embeddings", "n_ctx", "n_positions", "max_length",
+                                           "max_sequence_length", "model_max_length")),
+                       ("embedding_length", ("hidden_size", "n_embd", "dim")),
+                       ("feed_forward_length", ("intermediate_size", "n_inner", "hidden_dim")),
+                       ("attention.head_count", ("num_attention_heads", "n_head", "n_heads")),
+                       ("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads"))):
+        if (value := _find(hp, *names)) is not None:
+            meta.u32(f"{a}.{key}", value)
+    if hp.get("is_causal") is False:
+        meta.bool(f"{a}.attention.causal", False)
+    full = rope.get("full_attention", rope)
+    kind, factor = full.get("rope_type"), full.get("factor")
+    if kind == "linear" and factor is not None:
+        meta.string(f"{a}.rope.scaling.type", "linear")
+        meta.f32(f"{a}.rope.scaling.factor", factor)
+    elif kind == "yarn" and factor is not None:
+        meta.string(f"{a}.rope.scaling.type", "yarn")
+        meta.f32(f"{a}.rope.scaling.factor", factor)
+        meta.u32(f"{a}.rope.scaling.original_context_length", full["original_max_position_embeddings"])
+        for key, names in (("yarn_ext_factor", ("extrapolation_factor",)),
+                           ("yarn_attn_factor", ("attention_factor", "attn_factor")),
+                           ("yarn_beta_fast", ("beta_fast",)), ("yarn_beta_slow", ("beta_slow",))):
+            if (value := _find(full, *names)) is not None:
+                meta.f32(f"{a}.rope.scaling.{key}", value)
+    elif kind in ("su", "longrope"):
+        meta.string(f"{a}.rope.scaling.type", "longrope")
+    if (theta := full.get("rope_theta")) is not None:
+        meta.f32(f"{a}.rope.freq_base", theta)
+    if (theta := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        meta.f32(f"{a}.rope.freq_base_swa", theta)
+    if (eps := _find(hp, "rms_norm_eps", "norm_eps")) is not None:
+        meta.f32(f"{a}.attention.layer_norm_rms_epsilon", eps)
+    if (eps := _find(hp, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")) is not None:
+        meta.f32(f"{a}.attention.layer_norm_epsilon", eps)
+    if hp.get("head_dim") is not None:
+        meta.u32(f"{a}.attention.key_length", hp["head_dim"])
+        meta.u32(f"{a}.attention.value_length", hp["head_dim"])
+    meta.u32("general.file_type", file_type)
+    if a == "llama":
+        meta.u32("llama.vocab_size", _require(hp, "vocab_size"))
+        meta.u32("llama.rope.dimension_count", hp["head_dim"])
+    elif a == "gemma3":
+        _gemma3_hyperparameters(meta, hp, rope)
+
+
+def _gemma3_hyperparameters(meta: Meta, hp: dict, rope: dict) -> None:
+    """What convert_hf_to_gguf.py's Gemma3Model adds (keys set again keep their place)."""
+    if hp.get("attn_logit_softcapping") is not None:
+        raise CheckpointError("config.json sets attn_logit_softcapping, which Gemma 3 does not have")
+    meta.u32("gemma3.context_length", hp.get("max_position_embeddings", 131072))
+    meta.u32("gemma3.attention.head_count", hp.get("num_attention_heads", 8))
+    meta.f32("gemma3.attention.layer_norm_rms_epsilon", hp.get("rms_norm_eps", 1e-6))
+    meta.u32("gemma3.attention.key_length", hp.get("head_dim", 256))
+    meta.u32("gemma3.attention.value_length", hp.get("head_dim", 256))
+    meta.f32("gemma3.rope.freq_base", rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+    if softcap := hp.get("final_logit_softcapping"):
+        meta.f32("gemma3.final_logit_softcapping", softcap)
+    if hp.get("sliding_window_pattern") != 1:
+        meta.u32("gemma3.attention.sliding_window", _require(hp, "sliding_window"))
+    meta.u32("gemma3.attention.head_count_kv", hp.get("num_key_value_heads", 4))
+
+
+# ---- tensors ---------------------------------------------------------------------------------
+
+_MULTIMODAL_PREFIXES = ("mlp", "vit.", "vpm.", "siglip2.", "conformer.", "merger.", "resampler.", "sound_encoder.",
+                        "sound_projection.", "speech_embeddings.")
+_MULTIMODAL_PARTS = ("visual.", "vision.", "audio.", "talker.", "vision_", "audio_", "token2wav.", "code2wav.",
+                     "projector.", "pre_mm_projector_norm", "image_newline", "view_seperator", "patch_embed",
+                     "patch_embedding", "patch_merger.", "patch_merge_mlp.", "model.connector.")
+UNUSED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A checkpoint tensor's name as the text model knows it, None for a tensor of an image
+    or audio tower (convert_hf_to_gguf.py's filter: multimodal checkpoints convert their text part)."""
+    if name.startswith(_MULTIMODAL_PREFIXES) or any(p in name for p in _MULTIMODAL_PARTS):
+        return None
+    return name.replace("language_model.", "").replace("text_model.", "")
+
+
+def gguf_name(arch: Architecture, name: str, n_layers: int) -> str:
+    """The GGUF name of a checkpoint tensor; CheckpointError for one the architecture has not."""
+    module, dot, suffix = name.rpartition(".")
+    if dot and suffix in ("weight", "bias"):
+        if module in _GLOBAL:
+            return f"{_GLOBAL[module]}.{suffix}"
+        parts = module.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdecimal():
+            if int(parts[2]) < n_layers and parts[3] in arch.layer:
+                return f"blk.{int(parts[2])}.{arch.layer[parts[3]]}.{suffix}"
+    raise CheckpointError(f"cannot map tensor {name!r} to a {arch.gguf} GGUF tensor")
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Q or K rows from HF's per-head halves (rotate_half) to llama.cpp's interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def transform(arch: Architecture, hp: dict, name: str, values: np.ndarray, n_vocab: int) -> np.ndarray:
+    """A tensor's values as they go into GGUF (float16 or float32, as convert keeps them)."""
+    if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        values = permute_rows(values, hp["num_attention_heads"])
+    elif arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        values = permute_rows(values, hp["num_key_value_heads"])
+    if arch.norm_shift:
+        if "embed_tokens.weight" in name:
+            values = values[:n_vocab]
+        if name.endswith("norm.weight"):  # Gemma3RMSNorm computes x * (1 + w)
+            values = values + values.dtype.type(1)
+    return values
+
+
+def extra_tensors(arch: Architecture, hp: dict) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """Tensors convert adds that the checkpoint has not: llama's rope_freqs for Llama 3's RoPE
+    scaling (one factor per frequency pair, computed in float32 as convert does)."""
+    rope = rope_parameters(hp)
+    full = rope.get("full_attention", rope)
+    if arch.gguf != "llama" or str(full.get("rope_type", "")).lower() != "llama3":
+        return
+
+    def factors() -> np.ndarray:
+        f32 = np.float32
+        dim = hp["head_dim"]
+        freqs = f32(full.get("rope_theta", 10000.0)) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim))
+        freqs = f32(1.0) / freqs
+        factor = full.get("factor", 8.0)
+        low, high = full.get("low_freq_factor", 1.0), full.get("high_freq_factor", 4.0)
+        old = full.get("original_max_position_embeddings", 8192)
+        out = []
+        for freq in freqs:
+            wavelen = f32(2 * math.pi) / freq
+            if wavelen < old / high:
+                out.append(1.0)
+            elif wavelen > old / low:
+                out.append(factor)
+            else:
+                smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+                out.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
+        return np.asarray(out, dtype=np.float32)
+
+    yield "rope_freqs.weight", factors
