@@ -20,7 +20,7 @@ from llamapy.errors import InputError, ModelLoadError
 from llamapy.gguf_writer import TensorOut, write_gguf
 from llamapy.perplexity import perplexity
 from llamapy.quantize import KvOverride, QuantizeParams, quantize_model
-from llamapy.quantize.convert import _first_bad_row
+from llamapy.quantize.rows import _first_bad_row
 from llamapy.quantize.ftypes import find_option
 from llamapy.quantize.rules import ModelFacts, TypeChooser, tensor_order
 

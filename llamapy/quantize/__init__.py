@@ -34,7 +34,7 @@ from ..atomic import replace_atomically
 from ..errors import InputError, UnsupportedModelError
 from ..gguf_file import GGUFFile, MetaValue, ValueType, typed_scalar
 from ..gguf_writer import TensorOut, write_gguf
-from .convert import convert_rows
+from .rows import convert_rows
 from .ftypes import DEFAULT_TYPE, GUESS_FROM_TYPE, GUESSED, QUANT_OPTIONS, FileType, QuantOption, parse_option
 from .rules import Fallback, ModelFacts, TypeChooser, ggml_n_dims, parse_tensor_type, tensor_order
 
