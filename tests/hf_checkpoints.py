@@ -38,6 +38,16 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 
+# test_peft's PEFT LoRA adapters (tests/data/hf/NAME-lora, recorded by record_peft_adapters.py)
+PEFT_NAMES = ("llama", "qwen2")
+PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# and the LoRA llamapy-finetune trains on the llama checkpoint's F32 GGUF for test_peft (the
+# recording trains it again): on the first FINETUNE_CHARS characters of the TinyStories sample
+FINETUNE_CHARS = 2000
+FINETUNE_ARGS = ("--lora-rank", "4", "--lora-alpha", "8", "-c", "32", "--epochs", "1", "-lr", "1e-2", "--seed", "1",
+                 "-t", "2")
+
+
 def tensor_values(checkpoint: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A tensor's float32 values: N(0, 1) from a seed of (checkpoint, name), scaled as the
     tensor's role wants (matrices 1/sqrt(fan-in), so activations stay near unit size; norm
