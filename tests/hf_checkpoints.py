@@ -252,3 +252,16 @@ def gguf_listing(path: Path) -> dict:
         data = r.buf[r.pos + offset:r.pos + offset + nbytes]
         tensors.append([name, ne, type_name, hashlib.sha256(data).hexdigest()])
     return {"metadata": metadata, "tensors": tensors}
+
+
+def assert_logits_match(logits: np.ndarray, recorded, tol: float) -> None:
+    """`logits` (float64, every position's full row) are the recorded ones (a logits.npz of the
+    recorders: seeded ids, each position's top 8, logsumexp) within `tol` of each position's
+    largest recorded logit."""
+    scale = np.abs(recorded["logits"]).max(axis=1)
+    assert (np.abs(logits[:, recorded["ids"]] - recorded["logits"]).max(axis=1) <= tol * scale).all()
+    top = np.take_along_axis(logits, recorded["top_ids"], 1)
+    assert (np.abs(top - recorded["top_logits"]).max(axis=1) <= tol * scale).all()
+    m = logits.max(axis=1)
+    logsumexp = np.log(np.exp(logits - m[:, None]).sum(axis=1)) + m
+    assert np.allclose(logsumexp, recorded["logsumexp"], rtol=tol, atol=0)
