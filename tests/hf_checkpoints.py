@@ -73,7 +73,9 @@ def to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def write_safetensors(path: Path, tensors: list[tuple[str, str, np.ndarray]], metadata: dict[str, str]) -> None:
     """A safetensors file: 8-byte header length, the JSON header (padded with spaces to 8
-    bytes, as the safetensors library writes it), then the tensors' bytes in the given order."""
+    bytes, as the safetensors library writes it), then the tensors' bytes in the given order.
+    (llamapy.convert.safetensors.write_safetensors writes the same; this module cannot import
+    llamapy, which the recording venv lacks.)"""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, data in tensors:

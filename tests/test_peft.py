@@ -171,8 +171,8 @@ def test_a_finetuned_lora_exports_to_what_peft_loaded(finetuned, checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HF_VENV.exists(), reason=f"no {HF_VENV}: transformers, PyTorch and peft are not installed "
-                                                  "(the recorded check is test_a_finetuned_lora_exports_to_what_peft_loaded)")
+@pytest.mark.skipif(not HF_VENV.exists(), reason=f"no {HF_VENV}: transformers, PyTorch and peft are not "
+                    "installed (the recorded check is test_a_finetuned_lora_exports_to_what_peft_loaded)")
 def test_peft_loads_the_export_now(finetuned, checkpoints, tmp_path):
     """Live, where the recording venv exists: peft.PeftModel.from_pretrained loads the export
     on transformers' model of the checkpoint, and its logits are llamapy's within 1e-4."""

@@ -92,7 +92,8 @@ def _base_of(name: str, where: Path) -> tuple[str, str]:
     if "lora_embedding_" in name:
         raise CheckpointError(f"{where}: {name} adapts the token embeddings, which GGUF LoRA adapters in llamapy "
                               f"do not (each layer's {', '.join(DEFAULT_MODULES)})")
-    raise CheckpointError(f"{where}: tensor {name!r} is not a LoRA A or B (…{'|'.join(_PARTS)} under {PREFIX})")
+    raise CheckpointError(f"{where}: tensor {name!r} is not a LoRA A or B ({PREFIX}MODULE.lora_A.weight or "
+                          ".lora_B.weight)")
 
 
 def _float32(t: StTensor) -> np.ndarray:
@@ -112,9 +113,10 @@ def peft_to_gguf(folder: str | os.PathLike, base: str | os.PathLike, out: str | 
                  outtype: str = "f32", log: Callable[[str], None] | None = None) -> Path:
     """Convert the PEFT LoRA adapter in `folder`, trained on the Hugging Face checkpoint in
     `base`, to llama.cpp's GGUF adapter at `out` (atomically), as convert_lora_to_gguf.py
-    writes it: A and B as the outtype (f32, its default, f16, bf16 or q8_0), adapter.lora.alpha, general.name from the adapter folder's name. The base's
-    config.json and the shapes of its weights (headers only) check the adapter. Raises
-    CheckpointError with one line for anything it cannot convert."""
+    writes it: A and B as the outtype (f32, its default, f16, bf16 or q8_0), adapter.lora.alpha,
+    general.name from the adapter folder's name. The base's config.json and the shapes of its
+    weights (headers only) check the adapter. Raises CheckpointError with one line for
+    anything it cannot convert."""
     folder, where = Path(folder), Path(folder) / WEIGHTS
     config = read_peft_config(folder)
     ckpt = open_checkpoint(Path(base))
@@ -200,7 +202,8 @@ def peft_config(adapter: LoraAdapter, modules: dict[str, tuple[np.ndarray, np.nd
     r = Counter(ranks.values()).most_common(1)[0][0]
     rank_pattern = {m: k for m, k in ranks.items() if k != r}
     alpha = adapter.alpha if adapter.alpha else r
-    alpha_pattern = {m: k for m, k in rank_pattern.items()} if not adapter.alpha else {}
+    alpha = int(alpha) if float(alpha).is_integer() else alpha  # as PEFT writes a whole one
+    alpha_pattern = dict(rank_pattern) if not adapter.alpha else {}
     short = sorted({m.rpartition(".")[2] for m in modules})
     layered = {(m.split(".")[2], m.split(".", 3)[3]) for m in modules}
     sub_modules = {m for _, m in layered}
