@@ -287,3 +287,20 @@ def test_bad_exports_to_peft_are_one_line(case, expected, checkpoints, converted
     assert code != 0
     assert expected in error_line(err)
     assert not (tmp_path / "peft").exists()
+
+
+@pytest.mark.parametrize("alpha, expected_alpha, expected_alpha_pattern", [(16.0, 16, {}), (0.0, 4, {"m.layers.1.x": 2})])
+def test_ranks_that_differ_and_alpha_zero_keep_llama_cpp_s_scale(alpha, expected_alpha, expected_alpha_pattern):
+    """Each module's lora_alpha / r (PEFT's scale, patterns applied) is llama.cpp's: alpha / its
+    rank, or 1 for alpha 0; a module missing from a layer makes target_modules the full names."""
+    from llamapy.convert.peft import peft_config
+    modules = {f"m.layers.{i}.x": (np.zeros((r, 8)), np.zeros((8, r))) for i, r in ((0, 4), (1, 2), (2, 4))}
+    config = peft_config(LoraAdapter(alpha, {}), modules, 3, None)
+    assert (config["r"], config["rank_pattern"]) == (4, {"m.layers.1.x": 2})
+    assert (config["lora_alpha"], config["alpha_pattern"]) == (expected_alpha, expected_alpha_pattern)
+    for module, (a, _) in modules.items():
+        scale = config["alpha_pattern"].get(module, config["lora_alpha"]) / config["rank_pattern"].get(module, 4)
+        assert scale == (alpha / a.shape[0] if alpha else 1.0)
+    assert config["target_modules"] == ["x"]
+    assert peft_config(LoraAdapter(alpha, {}), dict(list(modules.items())[:2]), 3, None)["target_modules"] \
+        == ["m.layers.0.x", "m.layers.1.x"]
