@@ -289,7 +289,8 @@ def test_bad_exports_to_peft_are_one_line(case, expected, checkpoints, converted
     assert not (tmp_path / "peft").exists()
 
 
-@pytest.mark.parametrize("alpha, expected_alpha, expected_alpha_pattern", [(16.0, 16, {}), (0.0, 4, {"m.layers.1.x": 2})])
+@pytest.mark.parametrize("alpha, expected_alpha, expected_alpha_pattern",
+                         [(16.0, 16, {}), (0.0, 4, {"m.layers.1.x": 2})])
 def test_ranks_that_differ_and_alpha_zero_keep_llama_cpp_s_scale(alpha, expected_alpha, expected_alpha_pattern):
     """Each module's lora_alpha / r (PEFT's scale, patterns applied) is llama.cpp's: alpha / its
     rank, or 1 for alpha 0; a module missing from a layer makes target_modules the full names."""
