@@ -64,7 +64,7 @@ class LoraAdapter:
         rng = np.random.default_rng(seed)
         tensors = {}
         for name, w in model.tensors.items():
-            if _layer_module(name) not in modules:
+            if layer_module(name) not in modules:
                 continue
             n_in, n_out = w.ne[0], w.ne[1]
             bound = 1.0 / math.sqrt(n_in)
@@ -95,7 +95,7 @@ class LoraAdapter:
         for base, ab in pairs.items():
             if set(ab) != {"lora_a", "lora_b"} or base not in model.tensors:
                 raise ModelLoadError(f"{f.path}: {base!r} needs lora_a and lora_b and a matching model tensor")
-            if _layer_module(base) not in DEFAULT_MODULES:  # it would be loaded and never applied
+            if layer_module(base) not in DEFAULT_MODULES:  # it would be loaded and never applied
                 raise ModelLoadError(f"{f.path}: {base!r} is not a matrix llamapy applies adapters to (each layer's "
                                      f"{', '.join(DEFAULT_MODULES)})")
             a, b, w = ab["lora_a"], ab["lora_b"], model.tensors[base]
@@ -115,7 +115,7 @@ class LoraAdapter:
         return write_atomically(meta, tensors, Path(path), "LoRA adapter")
 
 
-def _layer_module(name: str) -> str | None:
+def layer_module(name: str) -> str | None:
     """"attn_q" for "blk.3.attn_q.weight"; None for a tensor outside the layers or not a weight."""
     parts = name.split(".")
     return parts[2] if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" else None

@@ -50,6 +50,36 @@ def gemma3_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> the checkpoint's folder, built on first use (in a folder named as the recording's,
+    since general.name comes from the folder's name)."""
+    import hf_checkpoints
+    shared_path("data", "vocab")
+    root = tmp_path_factory.mktemp("hf")
+    built: dict = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = hf_checkpoints.write_checkpoint(name, root / name, SHARED)
+        return built[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def converted(checkpoints, tmp_path_factory):
+    """(name, outtype) -> the file llamapy-convert wrote, converted on first use."""
+    from llamapy.convert import convert_checkpoint
+    root = tmp_path_factory.mktemp("gguf")
+    done: dict = {}
+
+    def get(name: str, outtype: str):
+        if (name, outtype) not in done:
+            done[name, outtype] = convert_checkpoint(checkpoints(name), root / f"{name}-{outtype}.gguf", outtype)
+        return done[name, outtype]
+    return get
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Say how many gradient-check cases ran (issue: the count is printed by the test run)."""
     stats = terminalreporter.stats

@@ -38,6 +38,16 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
 
+# test_peft's PEFT LoRA adapters (tests/data/hf/NAME-lora, recorded by record_peft_adapters.py)
+PEFT_NAMES = ("llama", "qwen2")
+PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# and the LoRA llamapy-finetune trains on the llama checkpoint's F32 GGUF for test_peft (the
+# recording trains it again): on the first FINETUNE_CHARS characters of the TinyStories sample
+FINETUNE_CHARS = 2000
+FINETUNE_ARGS = ("--lora-rank", "4", "--lora-alpha", "8", "-c", "32", "--epochs", "1", "-lr", "1e-2", "--seed", "1",
+                 "-t", "2")
+
+
 def tensor_values(checkpoint: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A tensor's float32 values: N(0, 1) from a seed of (checkpoint, name), scaled as the
     tensor's role wants (matrices 1/sqrt(fan-in), so activations stay near unit size; norm
@@ -63,7 +73,9 @@ def to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def write_safetensors(path: Path, tensors: list[tuple[str, str, np.ndarray]], metadata: dict[str, str]) -> None:
     """A safetensors file: 8-byte header length, the JSON header (padded with spaces to 8
-    bytes, as the safetensors library writes it), then the tensors' bytes in the given order."""
+    bytes, as the safetensors library writes it), then the tensors' bytes in the given order.
+    (llamapy.convert.safetensors.write_safetensors writes the same; this module cannot import
+    llamapy, which the recording venv lacks.)"""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, data in tensors:
@@ -242,3 +254,16 @@ def gguf_listing(path: Path) -> dict:
         data = r.buf[r.pos + offset:r.pos + offset + nbytes]
         tensors.append([name, ne, type_name, hashlib.sha256(data).hexdigest()])
     return {"metadata": metadata, "tensors": tensors}
+
+
+def assert_logits_match(logits: np.ndarray, recorded, tol: float) -> None:
+    """`logits` (float64, every position's full row) are the recorded ones (a logits.npz of the
+    recorders: seeded ids, each position's top 8, logsumexp) within `tol` of each position's
+    largest recorded logit."""
+    scale = np.abs(recorded["logits"]).max(axis=1)
+    assert (np.abs(logits[:, recorded["ids"]] - recorded["logits"]).max(axis=1) <= tol * scale).all()
+    top = np.take_along_axis(logits, recorded["top_ids"], 1)
+    assert (np.abs(top - recorded["top_logits"]).max(axis=1) <= tol * scale).all()
+    m = logits.max(axis=1)
+    logsumexp = np.log(np.exp(logits - m[:, None]).sum(axis=1)) + m
+    assert np.allclose(logsumexp, recorded["logsumexp"], rtol=tol, atol=0)

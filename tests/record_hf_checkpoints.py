@@ -205,41 +205,64 @@ def model_files(name: str, dest: Path) -> None:
     (dest / "layout.json").write_text(json.dumps({"files": files}, indent=1) + "\n")
 
 
-def transformers_logits(ckpt: Path) -> tuple[list[int], np.ndarray]:
-    """The prompt's tokens and transformers' logits (float64) for them."""
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64,
-                                                                    output_loading_info=True)
+def load_model(ckpt: Path, dtype=torch.float64):
+    """The checkpoint in transformers (no missing or unexpected tensor allowed)."""
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v}
     if problems:
         raise SystemExit(f"{ckpt.name}: transformers did not load every tensor: {problems}")
+    return model
+
+
+def prompt_logits(model, ckpt: Path) -> tuple[list[int], np.ndarray]:
+    """The prompt's tokens and the model's logits (float64) for them."""
     ids = transformers.AutoTokenizer.from_pretrained(ckpt)(PROMPT).input_ids
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].numpy()
     return ids, logits
 
 
-def convert(src: Path, ckpt: Path, outtype: str, out: Path) -> None:
-    run = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(ckpt), "--outfile", str(out),
-                          "--outtype", outtype], capture_output=True, text=True,
+def save_logits(path: Path, logits: np.ndarray) -> None:
+    """What the tests compare of a (positions, vocabulary) logits array: N_LOGIT_IDS seeded ids,
+    each position's top 8 and its logsumexp."""
+    vocab = logits.shape[1]
+    logit_ids = np.sort(np.random.default_rng(0).choice(vocab, size=min(N_LOGIT_IDS, vocab), replace=False))
+    top = np.argsort(-logits, axis=1)[:, :8]
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    np.savez_compressed(path, ids=logit_ids, logits=logits[:, logit_ids].astype(np.float32),
+                        top_ids=top, top_logits=np.take_along_axis(logits, top, 1), logsumexp=lse)
+
+
+def convert(src: Path, ckpt: Path, outtype: str, out: Path, script: str = "convert_hf_to_gguf.py",
+            *extra: str) -> None:
+    """llama.cpp's converter `script` on `ckpt` (`extra`: more flags, --base for convert_lora_to_gguf.py)."""
+    run = subprocess.run([sys.executable, str(src / script), str(ckpt), "--outfile", str(out),
+                          "--outtype", outtype, *extra], capture_output=True, text=True,
                          env={"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin"})
     if run.returncode:
-        raise SystemExit(f"convert_hf_to_gguf.py {ckpt.name} --outtype {outtype} failed:\n{run.stderr[-3000:]}")
+        raise SystemExit(f"{script} {ckpt.name} --outtype {outtype} failed:\n{run.stderr[-3000:]}")
 
 
-def perplexity(bin_dir: Path, model: Path, work: Path) -> dict:
-    """llama-perplexity's running values and final estimate. Its output goes to files: through
-    pipes, its asynchronous log sometimes loses the last lines when the run is quick."""
+def perplexity(bin_dir: Path, model: Path, work: Path, *extra: str) -> dict:
+    """llama-perplexity's running values and final estimate (`extra`: more flags, --lora). Its
+    output goes to files: through pipes, its asynchronous log sometimes loses the last lines
+    when the run is quick."""
     text = work / "ppl.txt"
     text.write_bytes((SHARED / "data" / "wiki.test.raw").read_bytes()[:PPL_TEXT_BYTES])
     out, err = work / "ppl.out", work / "ppl.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(PPL_CTX),
-                        "-b", str(PPL_CTX), "-t", "2"], stdout=stdout, stderr=stderr)
+                        "-b", str(PPL_CTX), "-t", "2", *extra], stdout=stdout, stderr=stderr)
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", err.read_text())
     if final is None:
         raise SystemExit(f"llama-perplexity on {model.name} failed:\n{err.read_text()[-3000:]}")
     return {"text_bytes": PPL_TEXT_BYTES, "ctx": PPL_CTX, "batch": PPL_CTX, "running": out.read_text().strip(),
             "ppl": float(final.group(1)), "error": float(final.group(2))}
+
+
+def llama_cpp_version(bin_dir: Path) -> str:
+    return subprocess.run([str(bin_dir / "llama-perplexity"), "--version"], capture_output=True,
+                          text=True).stderr.strip().splitlines()[0]
 
 
 def record(name: str, src: Path, bin_dir: Path) -> None:
@@ -251,13 +274,8 @@ def record(name: str, src: Path, bin_dir: Path) -> None:
     model_files(name, dest)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = H.write_checkpoint(name, Path(tmp) / name, SHARED)
-        ids, logits = transformers_logits(ckpt)
-        vocab = logits.shape[1]
-        logit_ids = np.sort(np.random.default_rng(0).choice(vocab, size=min(N_LOGIT_IDS, vocab), replace=False))
-        top = np.argsort(-logits, axis=1)[:, :8]
-        lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-        np.savez_compressed(dest / "logits.npz", ids=logit_ids, logits=logits[:, logit_ids].astype(np.float32),
-                            top_ids=top, top_logits=np.take_along_axis(logits, top, 1), logsumexp=lse)
+        ids, logits = prompt_logits(load_model(ckpt), ckpt)
+        save_logits(dest / "logits.npz", logits)
         listings = {}
         for outtype in OUTTYPES:
             out = Path(tmp) / f"{name}-{outtype}.gguf"
@@ -265,8 +283,7 @@ def record(name: str, src: Path, bin_dir: Path) -> None:
             listings[outtype] = H.gguf_listing(out)
         ppl = perplexity(bin_dir, Path(tmp) / f"{name}-f32.gguf", Path(tmp))
     reference = {"transformers": transformers.__version__, "torch": torch.__version__,
-                 "llama_cpp": subprocess.run([str(bin_dir / "llama-perplexity"), "--version"], capture_output=True,
-                                             text=True).stderr.strip().splitlines()[0],
+                 "llama_cpp": llama_cpp_version(bin_dir),
                  "prompt": PROMPT, "prompt_ids": ids, "convert_hf_to_gguf": listings, "llama_perplexity": ppl}
     (dest / "reference.json").write_text(json.dumps(reference, indent=1, ensure_ascii=False) + "\n")
     print(f"{name}: {len(ids)} prompt tokens, PPL {ppl['ppl']}, "

@@ -5,9 +5,9 @@
 - each tool's flags, from its `--help` (llama-perplexity, llama-completion, llama-cli,
   llama-finetune, llama-export-lora, llama-server: common/arg.cpp's format; llama-quantize:
   its own usage text): every option line's names and value hint, to
-  tests/data/llama_cpp_flags.json; with --convert, also convert_hf_to_gguf.py's (its
-  argparse --help, run by PYTHON, a venv with PyTorch and transformers), as "convert" (kept
-  from the previous recording otherwise);
+  tests/data/llama_cpp_flags.json; with --convert, also convert_hf_to_gguf.py's and
+  convert_lora_to_gguf.py's (their argparse --help, run by PYTHON, a venv with PyTorch and
+  transformers), as "convert" and "convert-lora" (kept from the previous recording otherwise);
 - the bare perplexity run `llama-perplexity -m stories260K.gguf -f wiki.test.raw -t 2`
   (its defaults: -c 512, -b 2048): the running estimates (stdout) and the final line, to
   tests/data/llama_cpp_ppl_stories260K_bare.txt.
@@ -72,8 +72,8 @@ def argparse_flags_of(help_text: str) -> list[dict]:
     return out
 
 
-def convert_flags(python: str, src: Path) -> list[dict]:
-    run = subprocess.run([python, str(src / "convert_hf_to_gguf.py"), "--help"], capture_output=True, text=True,
+def convert_flags(python: str, src: Path, script: str) -> list[dict]:
+    run = subprocess.run([python, str(src / script), "--help"], capture_output=True, text=True,
                          env={"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
     return argparse_flags_of(run.stdout)
 
@@ -86,9 +86,10 @@ def main(bin_dir: Path) -> None:
         flags[tool] = quantize_flags_of(text) if tool == "quantize" else flags_of(text)
     if "--convert" in sys.argv:
         i = sys.argv.index("--convert")
-        flags["convert"] = convert_flags(sys.argv[i + 1], Path(sys.argv[i + 2]))
+        for name, script in (("convert", "convert_hf_to_gguf.py"), ("convert-lora", "convert_lora_to_gguf.py")):
+            flags[name] = convert_flags(sys.argv[i + 1], Path(sys.argv[i + 2]), script)
     else:
-        flags["convert"] = old["convert"]
+        flags["convert"], flags["convert-lora"] = old["convert"], old["convert-lora"]
     (DATA / "llama_cpp_flags.json").write_text(json.dumps(flags, indent=1) + "\n")
     if "--flags-only" in sys.argv:
         return

@@ -27,10 +27,8 @@ import pytest
 
 import hf_checkpoints as H
 import llamapy
-from conftest import SHARED, shared_path
 from ggmlpy import GGMLType
 from llamapy.cli.convert import tool
-from llamapy.convert import convert_checkpoint
 from llamapy.convert.safetensors import read_safetensors
 from llamapy.perplexity import perplexity
 
@@ -39,34 +37,6 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 def reference(name: str) -> dict:
     return json.loads((H.DATA / name / "reference.json").read_text())
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """name -> the checkpoint's folder, built on first use (in a folder named as the recording's,
-    since general.name comes from the folder's name)."""
-    shared_path("data", "vocab")
-    root = tmp_path_factory.mktemp("hf")
-    built: dict = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = H.write_checkpoint(name, root / name, SHARED)
-        return built[name]
-    return get
-
-
-@pytest.fixture(scope="session")
-def converted(checkpoints, tmp_path_factory):
-    """(name, outtype) -> the file llamapy-convert wrote, converted on first use."""
-    root = tmp_path_factory.mktemp("gguf")
-    done: dict = {}
-
-    def get(name: str, outtype: str):
-        if (name, outtype) not in done:
-            done[name, outtype] = convert_checkpoint(checkpoints(name), root / f"{name}-{outtype}.gguf", outtype)
-        return done[name, outtype]
-    return get
 
 
 @pytest.mark.parametrize("outtype", OUTTYPES)
@@ -101,14 +71,7 @@ def test_logits_are_transformers_s(name, converted):
     ctx = llamapy.Context(model, n_ctx=64, n_threads=2, type_k=GGMLType.F32, type_v=GGMLType.F32, flash_attn=False)
     ctx.decode(llamapy.Batch.from_tokens(ref["prompt_ids"], all_outputs=True))
     logits = ctx.get_logits().astype(np.float64)
-    tol = 1e-3 if name == "gemma3" else 1e-4
-    scale = np.abs(recorded["logits"]).max(axis=1)
-    assert (np.abs(logits[:, recorded["ids"]] - recorded["logits"]).max(axis=1) <= tol * scale).all()
-    top = np.take_along_axis(logits, recorded["top_ids"], 1)
-    assert (np.abs(top - recorded["top_logits"]).max(axis=1) <= tol * scale).all()
-    m = logits.max(axis=1)
-    logsumexp = np.log(np.exp(logits - m[:, None]).sum(axis=1)) + m
-    assert logsumexp == pytest.approx(recorded["logsumexp"], rel=tol)
+    H.assert_logits_match(logits, recorded, 1e-3 if name == "gemma3" else 1e-4)
 
 
 @pytest.mark.parametrize("name", H.NAMES)

@@ -3,8 +3,8 @@ line saying why it has no effect) or refused by name, never misread as another f
 
 The lists follow llama.cpp's `common/arg.cpp` (the `--help` of llama-perplexity,
 llama-completion, llama-cli, llama-finetune, llama-export-lora and llama-server),
-llama-quantize's own usage text and the argparse flags of convert_hf_to_gguf.py for
-llamapy-convert; tests/data holds them.
+llama-quantize's own usage text and the argparse flags of convert_hf_to_gguf.py and
+convert_lora_to_gguf.py for llamapy-convert; tests/data holds them.
 A flag a tool declares itself is the tool's (it is removed from these); a flag of one of
 llama.cpp's tools that is neither declared nor listed here would reach the generic "unknown
 flag" refusal, which tests/test_cli_flags.py checks never happens.
@@ -21,6 +21,7 @@ CLI_OR_SERVER = ("cli", "server")
 SERVER = ("server",)
 QUANTIZE = ("quantize",)  # llama-quantize has its own command line, not common/arg.cpp's: not in ALL
 CONVERT = ("convert",)  # convert_hf_to_gguf.py: its own flags, none of the C++ tools'
+CONVERT_LORA = ("convert-lora",)  # convert_lora_to_gguf.py's (the ones convert_hf_to_gguf.py shares are CONVERT's)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ ENTRIES: list[_Entry] = [
     *refuse("embedding models are not converted", ("--sentence-transformers-dense-modules", 0), tools=CONVERT),
     *refuse("tensors are converted as the checkpoint holds them (no fusing, no FP8 weights)",
             ("--fuse-gate-up-exps", 0), ("--fuse-qkv", 0), ("--fp8-as-q8", 0), tools=CONVERT),
+    # convert_lora_to_gguf.py's
+    *refuse("llamapy does not download models: give the base's folder with --base", ("--base-model-id", 1),
+            tools=CONVERT_LORA),
+    *refuse("no code from a checkpoint is run: its architecture must be one llamapy-convert knows",
+            ("--trust-remote-code", 0), tools=CONVERT_LORA),
     # llama-server's own
     *note("requests are always batched continuously", ("-cb --cont-batching -nocb --no-cont-batching", 0), tools=SERVER),
     *note("each slot always keeps its last conversation in its KV cache and reuses its longest common prefix",

@@ -123,7 +123,7 @@ def _tensors(arch: A.Architecture, ckpt: Checkpoint, hp: dict, n_vocab: int,
              matrix_type: GGMLType) -> list[TensorOut]:
     """Every tensor to write, in convert's order (its extra tensors first), each converted lazily."""
     n_layers = hp["num_hidden_layers"]
-    out = [_tensor_out(name, make, matrix_type) for name, make in A.extra_tensors(arch, hp)]
+    out = [tensor_out(name, make, matrix_type) for name, make in A.extra_tensors(arch, hp)]
     for hf_name, st in ckpt.tensors.items():
         name = A.text_tensor_name(hf_name)
         if name is None or name.endswith(A.UNUSED_SUFFIXES):
@@ -134,7 +134,7 @@ def _tensors(arch: A.Architecture, ckpt: Checkpoint, hp: dict, n_vocab: int,
             x = st.array()
             x = bf16_to_f32(x) if st.dtype == "BF16" else x  # convert keeps F16 and F32, makes the rest F32
             return A.transform(arch, hp, name, x, n_vocab)
-        out.append(_tensor_out(gguf, values, matrix_type, _shape_after(arch, name, st.shape, n_vocab)))
+        out.append(tensor_out(gguf, values, matrix_type, _shape_after(arch, name, st.shape, n_vocab)))
     return out
 
 
@@ -144,15 +144,15 @@ def _shape_after(arch: A.Architecture, name: str, shape: tuple[int, ...], n_voca
     return shape
 
 
-def _tensor_out(name: str, values: Callable[[], np.ndarray], matrix_type: GGMLType,
+def tensor_out(name: str, values: Callable[[], np.ndarray], matrix_type: GGMLType,
                 shape: tuple[int, ...] | None = None) -> TensorOut:
     """A tensor of the output: its type chosen as convert chooses it (1-d tensors, norms and
-    biases F32; matrices the outtype; Q8_0 rows that are not whole blocks F16), its bytes made
-    when the writer asks for them."""
+    biases F32; matrices, LoRA A and B included, the outtype; Q8_0 rows that are not whole
+    blocks F16), its bytes made when the writer asks for them."""
     if shape is None:
         shape = values().shape
     kind = matrix_type
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith((".weight", ".lora_a", ".lora_b")):
         kind = GGMLType.F32
     elif kind == GGMLType.Q8_0 and shape[-1] % TYPE_TRAITS[GGMLType.Q8_0].blck_size:
         kind = GGMLType.F16

@@ -213,17 +213,47 @@ def gguf_name(arch: Architecture, name: str, n_layers: int) -> str:
     raise CheckpointError(f"cannot map tensor {name!r} to a {arch.gguf} GGUF tensor")
 
 
+def hf_name(arch: Architecture, gguf: str) -> str:
+    """gguf_name's inverse: the checkpoint tensor a GGUF tensor was converted from
+    ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight"); CheckpointError for
+    one the architecture's table has not."""
+    module, dot, suffix = gguf.rpartition(".")
+    if dot and suffix in ("weight", "bias"):
+        for hf, name in _GLOBAL.items():
+            if name == module:
+                return f"{hf}.{suffix}"
+        parts = module.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdecimal():
+            for hf, name in arch.layer.items():
+                if name == parts[2]:
+                    return f"model.layers.{int(parts[1])}.{hf}.{suffix}"
+    raise CheckpointError(f"{arch.gguf} GGUF tensor {gguf!r} has no Hugging Face name")
+
+
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Q or K rows from HF's per-head halves (rotate_half) to llama.cpp's interleaved pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """permute_rows' inverse: Q or K rows from llama.cpp's interleaved pairs back to HF's halves."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permuted_heads(arch: Architecture, name: str, n_head: int, n_head_kv: int) -> int | None:
+    """The number of heads whose rows convert permutes in this checkpoint tensor (llama's
+    q_proj and k_proj), None for a tensor kept in its order."""
+    if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return n_head
+    if arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return n_head_kv
+    return None
+
+
 def transform(arch: Architecture, hp: dict, name: str, values: np.ndarray, n_vocab: int) -> np.ndarray:
     """A tensor's values as they go into GGUF (float16 or float32, as convert keeps them)."""
-    if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-        values = permute_rows(values, hp["num_attention_heads"])
-    elif arch.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-        values = permute_rows(values, hp["num_key_value_heads"])
+    if heads := permuted_heads(arch, name, hp["num_attention_heads"], hp["num_key_value_heads"]):
+        values = permute_rows(values, heads)
     if arch.norm_shift:
         if "embed_tokens.weight" in name:
             values = values[:n_vocab]

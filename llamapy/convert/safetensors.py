@@ -1,4 +1,5 @@
-"""Reading safetensors files, memory-mapped: the weights of a Hugging Face checkpoint.
+"""Reading safetensors files, memory-mapped (the weights of a Hugging Face checkpoint or a
+PEFT adapter), and writing them (a PEFT adapter's weights).
 
 The format is an 8-byte little-endian header length, a JSON header (each tensor's dtype,
 shape and byte range; an optional `__metadata__`) and the data. It is read here rather than
@@ -6,6 +7,7 @@ through the `safetensors` package: that package's numpy API cannot return BF16 t
 has no bfloat16), the dtype most checkpoints are published in, and its `deserialize` reads a
 whole shard into memory. llama.cpp's gguf-py parses the header itself for the same reason.
 Every header is checked (sizes, ranges inside the file, no overlaps) before any byte is used.
+The writer is as small (a header and the bytes), so it is here too rather than a dependency.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -101,3 +104,19 @@ def _tensor(path: Path, name: str, entry: object, data_start: int, data_size: in
         raise CheckpointError(f"{where}: its bytes [{begin}, {end}) do not hold a {dtype} {shape} tensor inside "
                               f"the file's {data_size} data bytes")
     return StTensor(name, dtype, tuple(shape), path, data_start + begin, nbytes, mapped)
+
+
+def write_safetensors(out: BinaryIO, tensors: list[tuple[str, str, np.ndarray]], metadata: dict[str, str]) -> None:
+    """A safetensors file written to `out`: tensors (name, dtype F32/F16/BF16, values stored
+    as DTYPES says) in the given order, the header padded with spaces to a multiple of 8
+    bytes as the safetensors library pads it (so each tensor starts aligned)."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, data in tensors:
+        header[name] = {"dtype": dtype, "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    out.write(struct.pack("<Q", len(raw)) + raw)
+    for _, _, data in tensors:
+        out.write(np.ascontiguousarray(data).tobytes())
