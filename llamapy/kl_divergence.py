@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit, prange
 
-from .errors import InputError
 from .kld_base import ROWS_AT_ONCE, BaseLogProbs
 from .log_softmax import expf_or_nan_row, log_sum_exp_row
 from .model import Model
@@ -220,12 +219,9 @@ def kl_divergence(model: Model, base: str | os.PathLike | BaseLogProbs, n_batch:
     """Run `model` over the chunks of a base log-probabilities file (its tokens, its n_ctx) and
     compare it with them; `n_chunks` >= 0 stops after that many. `on_chunk(i, n_chunk,
     result)` reports each chunk, `on_pass` and `adapters` as in `llamapy.perplexity.perplexity`."""
-    n_vocab = model.hparams.n_vocab
     if not isinstance(base, BaseLogProbs):
-        base = BaseLogProbs.open(base, n_vocab)
-    elif base.n_vocab != n_vocab:
-        raise InputError(f"{base.path} holds log-probabilities over {base.n_vocab} tokens, but the model's "
-                         f"vocabulary has {n_vocab}")
+        base = BaseLogProbs.open(base)
+    base.require_vocabulary(model.hparams.n_vocab)
     # as llama-perplexity: a batch of n_batch tokens takes as many whole chunks as fit in it
     n_batch = n_batch if n_batch < base.n_ctx else n_batch // base.n_ctx * base.n_ctx
     plan = plan_chunks(len(base.tokens), base.n_ctx, n_batch, n_ubatch, n_chunks)

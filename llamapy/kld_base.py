@@ -130,10 +130,12 @@ class BaseLogProbs:
     rows: np.ndarray    # [n_chunk, n_scored, row_width(n_vocab)] uint16, memory-mapped
 
     @classmethod
-    def open(cls, path: str | os.PathLike, n_vocab: int) -> BaseLogProbs:
-        """Check the file against a model of n_vocab tokens: InputError if it is not such a
-        file, is truncated or longer, or was made with another vocabulary."""
+    def open(cls, path: str | os.PathLike) -> BaseLogProbs:
+        """Check the file: InputError if it is missing, not such a file, truncated or longer,
+        or its header or tokens are impossible."""
         path = Path(path)
+        if not path.is_file():
+            raise InputError(f"base log-probabilities file not found: {path}")
         try:
             size = path.stat().st_size
             with open(path, "rb") as f:
@@ -145,13 +147,10 @@ class BaseLogProbs:
                              f"{MAGIC.decode()}, as llama-perplexity's --kl-divergence-base files do)")
         if len(head) < HEADER_BYTES:
             raise InputError(f"{path} is truncated: {size} bytes, not even its header")
-        n_ctx, file_vocab, n_chunk = (int(v) for v in np.frombuffer(head, dtype="<i4", offset=len(MAGIC)))
-        if n_ctx < 4 or file_vocab < 1 or n_chunk < 1:
-            raise InputError(f"{path} is corrupt: its header says n_ctx {n_ctx}, n_vocab {file_vocab}, "
+        n_ctx, n_vocab, n_chunk = (int(v) for v in np.frombuffer(head, dtype="<i4", offset=len(MAGIC)))
+        if n_ctx < 4 or n_vocab < 1 or n_chunk < 1:
+            raise InputError(f"{path} is corrupt: its header says n_ctx {n_ctx}, n_vocab {n_vocab}, "
                              f"n_chunk {n_chunk}")
-        if file_vocab != n_vocab:
-            raise InputError(f"{path} holds log-probabilities over {file_vocab} tokens, but the model's vocabulary "
-                             f"has {n_vocab}: it was made with another model family")
         expected = file_size(n_ctx, n_vocab, n_chunk)
         if size != expected:
             what = "is truncated" if size < expected else f"has {size - expected} bytes too many"
@@ -167,6 +166,12 @@ class BaseLogProbs:
         rows = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES + 4 * n_tokens,
                          shape=(n_chunk, n_ctx - 1 - n_ctx // 2, row_width(n_vocab)))
         return cls(path, n_ctx, n_vocab, n_chunk, tokens, rows)
+
+    def require_vocabulary(self, n_vocab: int) -> None:
+        """InputError unless the file's rows are over a vocabulary of n_vocab tokens."""
+        if self.n_vocab != n_vocab:
+            raise InputError(f"{self.path} holds log-probabilities over {self.n_vocab} tokens, but the model's "
+                             f"vocabulary has {n_vocab}: it was made with another model family")
 
     def block(self, chunk: int, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows r0..r1 of a chunk: (their q rows [rows, width] uint16, with the vocabulary at

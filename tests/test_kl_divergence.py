@@ -178,7 +178,7 @@ def write_file(path: Path, n_ctx: int = 12, n_vocab: int = 301, n_chunk: int = 2
 
 def test_a_written_file_reads_back(tmp_path):
     tokens = write_file(tmp_path / "base.kld")
-    base = BaseLogProbs.open(tmp_path / "base.kld", 301)
+    base = BaseLogProbs.open(tmp_path / "base.kld")
     assert (base.n_ctx, base.n_vocab, base.n_chunk) == (12, 301, 2)
     assert base.tokens.tolist() == tokens.tolist()
     assert (tmp_path / "base.kld").stat().st_size == file_size(12, 301, 2)
@@ -215,15 +215,15 @@ def test_a_damaged_file_is_refused(tmp_path, what, message):
     write_file(path)
     path.write_bytes(corrupt(path.read_bytes(), what))
     with pytest.raises(InputError, match=re.escape(message)):
-        BaseLogProbs.open(path, 301).block(0, 0, 3)
+        BaseLogProbs.open(path).block(0, 0, 3)
 
 
 def test_a_file_of_another_vocabulary_is_refused(tmp_path):
     write_file(tmp_path / "base.kld")
     with pytest.raises(InputError, match="holds log-probabilities over 301 tokens, but the model's vocabulary has 512"):
-        BaseLogProbs.open(tmp_path / "base.kld", 512)
-    with pytest.raises(InputError, match="cannot read"):
-        BaseLogProbs.open(tmp_path / "absent.kld", 512)
+        BaseLogProbs.open(tmp_path / "base.kld").require_vocabulary(512)
+    with pytest.raises(InputError, match="base log-probabilities file not found"):
+        BaseLogProbs.open(tmp_path / "absent.kld")
 
 
 # ---- the library on stories260K ---------------------------------------------------------------------
@@ -247,7 +247,7 @@ def test_the_base_run_keeps_its_perplexity(stories, stories_base):
     path, result, tokens = stories_base
     plain = perplexity(stories, tokens, 128, n_batch=128, n_chunks=8)
     assert result.ppl == pytest.approx(plain.ppl, rel=1e-6) and result.n_chunks == 8
-    base = BaseLogProbs.open(path, stories.hparams.n_vocab)
+    base = BaseLogProbs.open(path)
     assert (base.n_ctx, base.n_chunk) == (128, 8) and base.tokens.tolist() == tokens[:8 * 128]
 
 
@@ -385,3 +385,50 @@ def test_the_kl_divergence_figures_are_llama_perplexitys(case_run):
     (Gemma 3: its Q4_K_M quantized again to Q4_0, against its own base file)."""
     ours = [line.rstrip() for line in case_run.kld_run.stdout.splitlines() if line.strip()]
     assert_same_figures(ours, case_run.recorded.kld_lines)
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+def test_the_cli_compares_a_model_with_its_base(stories_path, wiki_path, tmp_path, capsys):
+    """A base run then a KL-divergence run, in this process: the table, then the statistics
+    (from 100 scored tokens: 4 chunks of 31); -f is not read then, and a note says so."""
+    from test_cli_flags import run_tool
+    text = tmp_path / "t.txt"
+    text.write_text(wiki_path.read_text(encoding="utf-8")[:8000], encoding="utf-8")
+    base = tmp_path / "base.kld"
+    code, out, err = run_tool("perplexity", "-m", str(stories_path), "-f", str(text), "-c", "64", "--chunks", "4",
+                              "--kl-divergence-base", str(base), capsys=capsys)
+    assert code == 0 and out.startswith("[1]") and "Final estimate" in err
+    assert BaseLogProbs.open(base).n_chunk == 4
+    code, out, err = run_tool("perplexity", "-m", str(stories_path), "-f", str(text), "--kl-divergence",
+                              "--kl-divergence-base", str(base), capsys=capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("chunk             PPL") and lines[4].startswith("   4 ")
+    assert "Mean    KLD:" in out and out.rstrip().splitlines()[-1].startswith("Same top p: 100.000 ±")
+    assert "note: -f/-p: no effect: the tokens come from the --kl-divergence-base file" in err
+
+
+@pytest.mark.parametrize("setup, argv, message", [
+    (None, ["--kl-divergence"], "--kl-divergence needs --kl-divergence-base FNAME"),
+    (None, ["--kl-divergence-base", "{base}"], "give the text to score with -f FILE (or -p TEXT)"),
+    (None, ["-f", "{text}", "--kl-divergence-base", "{model}"], "--kl-divergence-base {model} is the file -m reads"),
+    ("truncated", ["--kl-divergence", "--kl-divergence-base", "{base}"], "is truncated"),
+    ("vocabulary", ["--kl-divergence", "--kl-divergence-base", "{base}"],
+     "holds log-probabilities over 301 tokens, but the model's vocabulary has 512"),
+    ("context", ["-c", "64", "--kl-divergence", "--kl-divergence-base", "{base}"],
+     "was computed with a context of 128, while the context is 64: give -c 128"),
+    ("absent", ["--kl-divergence", "--kl-divergence-base", "{base}"], "base log-probabilities file not found"),
+])
+def test_bad_kl_divergence_runs_are_one_line(stories_path, tmp_path, capsys, setup, argv, message):
+    from test_cli_flags import one_error_line, run_tool
+    base, text = tmp_path / "base.kld", tmp_path / "t.txt"
+    text.write_text("Once upon a time. " * 100, encoding="utf-8")
+    if setup in ("truncated", "context"):
+        write_file(base, n_ctx=128, n_vocab=512, n_chunk=1)
+    elif setup == "vocabulary":
+        write_file(base)
+    if setup == "truncated":
+        base.write_bytes(base.read_bytes()[:-100])
+    names = {"base": str(base), "text": str(text), "model": str(stories_path)}
+    code, _, err = run_tool("perplexity", "-m", str(stories_path), *(a.format(**names) for a in argv), capsys=capsys)
+    assert code != 0 and message.format(**names) in one_error_line(err)

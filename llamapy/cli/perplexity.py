@@ -56,6 +56,10 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
             raise InputError("--kl-divergence needs --kl-divergence-base FNAME: the base model's log-probabilities, "
                              "saved by a run of the base model with --kl-divergence-base FNAME alone")
         paths().read("--kl-divergence-base", kl_divergence_base)
+        base = BaseLogProbs.open(kl_divergence_base)  # a bad file is refused before the model loads
+        if base.n_ctx > (ctx_size or base.n_ctx):
+            raise InputError(f"{kl_divergence_base} was computed with a context of {base.n_ctx}, while the context "
+                             f"is {ctx_size}: give -c {base.n_ctx}")
     else:
         if (file is None) == (prompt is None):
             raise InputError("give the text to score with -f FILE (or -p TEXT)")
@@ -71,7 +75,7 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
                     on_pass=_eta(), flash_attn=flash_attn != "off", adapters=load_adapters(m, lora, lora_scaled),
                     type_k=type_k, type_v=type_v)
     if kl_divergence:
-        _compare(m, kl_divergence_base, n_ctx, file is not None or prompt is not None, run_args)
+        _compare(m, base, file is not None or prompt is not None, run_args)
         return
     if n_ctx > m.hparams.n_ctx_train:
         warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({n_ctx} specified)")
@@ -98,18 +102,15 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     log(f"perplexity: {n_tok} tokens in {elapsed:.2f} s = {n_tok / elapsed:.1f} tokens/s")
 
 
-def _compare(m: Model, base_path: Path, n_ctx: int, text_given: bool, run_args: dict) -> None:
+def _compare(m: Model, base: BaseLogProbs, text_given: bool, run_args: dict) -> None:
     """--kl-divergence: MODEL over the base file's chunks; llama-perplexity's table and statistics
     on stdout."""
-    base = BaseLogProbs.open(base_path, m.hparams.n_vocab)
-    if base.n_ctx > n_ctx:
-        raise InputError(f"{base_path} was computed with a context of {base.n_ctx}, while the context is {n_ctx}: "
-                         f"give -c {base.n_ctx}")
+    base.require_vocabulary(m.hparams.n_vocab)
     if base.n_ctx > m.hparams.n_ctx_train:
-        warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({base.n_ctx} in {base_path})")
+        warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({base.n_ctx} in {base.path})")
     if text_given:
         log("note: -f/-p: no effect: the tokens come from the --kl-divergence-base file")
-    log(f"kl_divergence: {base.n_chunk} chunks of {base.n_ctx} tokens in {base_path}")
+    log(f"kl_divergence: {base.n_chunk} chunks of {base.n_ctx} tokens in {base.path}")
     print(TABLE_HEADER, flush=True)
 
     def on_chunk(i: int, n_chunk: int, result: KLDivergenceResult) -> None:
