@@ -529,35 +529,41 @@ def _q0_gemv(buf, offs, block_bytes, xq, xd, out):
 
 
 @njit(cache=True, fastmath=INT_SUMS)
-def _block_isum(w, x):
-    """The integer sum of a block's 32 products, in float32: every partial sum is an integer
-    below 2^24, exact in any order (so vectorised)."""
-    s = F32(0.0)
-    for e in range(QK):
-        s += w[e] * x[e]
-    return s
+def _q4_0_block_sums(buf, o, x, sums):
+    """sums[b] = the integer sum of the 32 products of Q4_0 block b of the row at buf[o] with
+    x, in float32 straight from the nibbles: every partial sum is an integer below 2^24, exact
+    in any order (so vectorised)."""
+    half = x.shape[0] // sums.shape[0] // 2  # 16, as a run-time count: LLVM vectorises the loop then
+    for b in range(sums.shape[0]):
+        w = buf[o + b * Q4_0_BYTES + 2:o + b * Q4_0_BYTES + 2 + half]
+        xb = x[b * QK:b * QK + QK]
+        s = F32(0.0)
+        for j in range(half):
+            q = np.int32(w[j])
+            s += F32((q & 0xF) - 8) * xb[j] + F32((q >> 4) - 8) * xb[half + j]
+        sums[b] = s
 
 
 @njit(parallel=True, cache=True)
-def _q0_blocks_gemv(buf, offs, block_bytes, xq, xd, out):
-    """Few columns in the block-sum order (ggml_gemv_q4_0_8x8_q8_0 of the repacked Q4_0): per
-    row and column, acc = fma(d_w * d_x, the block's integer sum, acc) over the blocks in
-    order. xq (N, K) the activations' integers in natural order, xd (N, nb)."""
+def _q4_0_gemv(buf, offs, xq, xd, out):
+    """Few columns of ggml_gemv_q4_0_8x8_q8_0 (the repacked Q4_0): per row and column,
+    acc = fma(d_w * d_x, the block's integer sum, acc) over the blocks in order. xq (N, K) the
+    activations' integers in natural order, xd (N, nb)."""
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
     for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
-        w = np.empty(QK, dtype=np.float32)
-        acc = np.empty(n_cols, dtype=np.float32)
+        sums = np.empty(nb, dtype=np.float32)
+        wd = np.empty(nb, dtype=np.float32)
         for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS)):
-            acc[:] = 0.0
+            o = offs[m]
             for b in range(nb):
-                o = offs[m] + b * block_bytes
-                _decode_q0_block(buf, o, block_bytes, w)
-                dw = f16_to_f32(buf[o], buf[o + 1])
-                for n in range(n_cols):
-                    acc[n] = fma_f32(dw * xd[n, b], _block_isum(w, xq[n, b * QK:(b + 1) * QK]), acc[n])
+                wd[b] = f16_to_f32(buf[o + b * Q4_0_BYTES], buf[o + b * Q4_0_BYTES + 1])
             for n in range(n_cols):
-                out[n, m] = acc[n]
+                _q4_0_block_sums(buf, o, xq[n], sums)
+                acc = F32(0.0)
+                for b in range(nb):
+                    acc = fma_f32(wd[b] * xd[n, b], sums[b], acc)
+                out[n, m] = acc
 
 
 @njit(parallel=True, cache=True)
@@ -690,7 +696,7 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
             xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
             xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
             quantize_q8_0_rows(x, xq, xd)
-            _q0_blocks_gemv(buf, offs, block_bytes, xq, xd, out)
+            _q4_0_gemv(buf, offs, xq, xd, out)
         elif (block_sums or repacked) and not VNNI and n > Q0_GEMV_MAX_COLS:
             xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
