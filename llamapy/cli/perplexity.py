@@ -51,16 +51,8 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     """Perplexity of MODEL on a text, llama.cpp's way: the text is cut into chunks of -c tokens,
     each chunk scored on its second half from an empty KV cache. With --kl-divergence, MODEL
     against a base model over the chunks a --kl-divergence-base run saved."""
-    if kl_divergence:
-        if kl_divergence_base is None:
-            raise InputError("--kl-divergence needs --kl-divergence-base FNAME: the base model's log-probabilities, "
-                             "saved by a run of the base model with --kl-divergence-base FNAME alone")
-        paths().read("--kl-divergence-base", kl_divergence_base)
-        base = BaseLogProbs.open(kl_divergence_base)  # a bad file is refused before the model loads
-        if base.n_ctx > (ctx_size or base.n_ctx):
-            raise InputError(f"{kl_divergence_base} was computed with a context of {base.n_ctx}, while the context "
-                             f"is {ctx_size}: give -c {base.n_ctx}")
-    else:
+    base = _base_to_compare(kl_divergence_base, ctx_size) if kl_divergence else None
+    if base is None:
         if (file is None) == (prompt is None):
             raise InputError("give the text to score with -f FILE (or -p TEXT)")
         paths().write("--kl-divergence-base", kl_divergence_base)
@@ -70,15 +62,17 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     t_load = time.perf_counter()
     m = load_model(model)
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
-    n_ctx = ctx_size or m.hparams.n_ctx_train
-    run_args = dict(n_batch=batch_size, n_ubatch=ubatch_size, n_chunks=chunks, n_threads=thread_count(threads),
-                    on_pass=_eta(), flash_attn=flash_attn != "off", adapters=load_adapters(m, lora, lora_scaled),
-                    type_k=type_k, type_v=type_v)
-    if kl_divergence:
-        _compare(m, base, file is not None or prompt is not None, run_args)
-        return
+    n_ctx = base.n_ctx if base is not None else ctx_size or m.hparams.n_ctx_train
     if n_ctx > m.hparams.n_ctx_train:
         warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({n_ctx} specified)")
+    run_args = dict(n_batch=batch_size, n_ubatch=ubatch_size, n_chunks=chunks, n_threads=thread_count(threads),
+                    on_pass=_eta(n_ctx), flash_attn=flash_attn != "off", adapters=load_adapters(m, lora, lora_scaled),
+                    type_k=type_k, type_v=type_v)
+    if base is not None:
+        if file is not None or prompt is not None:
+            log("note: -f/-p: no effect: the tokens come from the --kl-divergence-base file")
+        _compare(m, base, run_args)
+        return
     text = read_text(file) if file is not None else prompt
     if escape:
         text = unescape(text)
@@ -102,14 +96,24 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     log(f"perplexity: {n_tok} tokens in {elapsed:.2f} s = {n_tok / elapsed:.1f} tokens/s")
 
 
-def _compare(m: Model, base: BaseLogProbs, text_given: bool, run_args: dict) -> None:
+def _base_to_compare(path: Path | None, ctx_size: int) -> BaseLogProbs:
+    """--kl-divergence's base file, checked before the model loads (InputError: none given, or
+    a bad file, or one computed with a larger context than -c)."""
+    if path is None:
+        raise InputError("--kl-divergence needs --kl-divergence-base FNAME: the base model's log-probabilities, "
+                         "saved by a run of the base model with --kl-divergence-base FNAME alone")
+    paths().read("--kl-divergence-base", path)
+    base = BaseLogProbs.open(path)
+    if ctx_size and base.n_ctx > ctx_size:
+        raise InputError(f"{path} was computed with a context of {base.n_ctx}, while the context is {ctx_size}: "
+                         f"give -c {base.n_ctx}")
+    return base
+
+
+def _compare(m: Model, base: BaseLogProbs, run_args: dict) -> None:
     """--kl-divergence: MODEL over the base file's chunks; llama-perplexity's table and statistics
     on stdout."""
     base.require_vocabulary(m.hparams.n_vocab)
-    if base.n_ctx > m.hparams.n_ctx_train:
-        warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({base.n_ctx} in {base.path})")
-    if text_given:
-        log("note: -f/-p: no effect: the tokens come from the --kl-divergence-base file")
     log(f"kl_divergence: {base.n_chunk} chunks of {base.n_ctx} tokens in {base.path}")
     print(TABLE_HEADER, flush=True)
 
@@ -125,10 +129,9 @@ def _compare(m: Model, base: BaseLogProbs, text_given: bool, run_args: dict) -> 
     log(f"kl_divergence: {n_tok} tokens in {elapsed:.2f} s = {n_tok / elapsed:.1f} tokens/s")
 
 
-def _eta() -> Callable[[int, int], None]:
+def _eta(n_ctx: int) -> Callable[[int, int], None]:
     """on_pass for the ETA line: llama.cpp's comes from its first pass; here that pass also
     compiles kernels and builds graphs, so the estimate is the second pass's time."""
-    start = time.perf_counter()
     passes: list[tuple[float, int]] = []
 
     def on_pass(n_done: int, n_chunk: int) -> None:
@@ -136,8 +139,8 @@ def _eta() -> Callable[[int, int], None]:
         if len(passes) == 2 and n_done < n_chunk:
             (t1, n1), (t2, n2) = passes
             per_chunk = (t2 - t1) / (n2 - n1)
-            log(f"perplexity: calculating over {n_chunk} chunks; {per_chunk:.3f} s per chunk "
-                f"- ETA {per_chunk * (n_chunk - n_done) / 60:.2f} minutes (first pass: {t1 - start:.2f} s)")
+            log(f"perplexity: calculating over {n_chunk} chunks, n_ctx={n_ctx}; {per_chunk:.3f} s per chunk "
+                f"- ETA {per_chunk * (n_chunk - n_done) / 60:.2f} minutes")
     return on_pass
 
 
