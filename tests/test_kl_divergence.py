@@ -11,7 +11,6 @@ else by llama.cpp's llama-quantize; their sha256 must be the recorded one.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import io
 import math
@@ -31,7 +30,7 @@ from llamapy.kld_base import MAGIC, BaseLogProbs, BaseLogProbsWriter, file_size,
 from llamapy.perplexity import perplexity
 
 from ggml_reference import expf
-from record_llama_cpp_kld import CASES
+from record_llama_cpp_kld import CASES, sha256
 
 F32 = np.float32
 REL = 1e-4  # acceptance: every printed figure within 1e-4 relative of llama-perplexity's
@@ -295,14 +294,6 @@ class Recorded:
         kld_at = next(i for i, line in enumerate(lines) if line.startswith("== kld run:"))
         return cls(head[next(k for k in head if k.startswith("quantized"))], int(head["base bytes"]),
                    head["base sha256"], lines[4:kld_at], lines[kld_at + 1:])
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def quantize(src: Path, dst: Path, qtype: str) -> None:
