@@ -9,6 +9,10 @@ ubatches computed are the same as with llama.cpp's n_batch / n_ctx chunks per de
 (a ubatch never mixes sequences then), but only one chunk's logits exist at a time
 (n_ctx / 2 rows of n_vocab floats, read in place from the compute buffer). The ± is
 the standard error of the mean NLL propagated to PPL.
+
+One loop decodes the chunks (`decode_chunks`) and hands each decode's scored rows to a
+consumer: the NLLs of `perplexity`, the base file writer of a KL-divergence run
+(kld_base.py), the comparison with such a file (kl_divergence.py).
 """
 from __future__ import annotations
 
