@@ -108,6 +108,14 @@ def decode_q5_0(rows):
     return ((nib | (bits << 4)) - 16).reshape(rows.shape[0], -1), d
 
 
+def decode_q4_0(rows):
+    """rows (M, 18 nb) uint8 -> integers (M, 32 nb), d (M, nb)."""
+    b = rows.reshape(rows.shape[0], -1, 18)
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(F32)
+    qs = b[..., 2:].astype(np.int64)
+    return (np.concatenate([qs & 15, qs >> 4], -1) - 8).reshape(rows.shape[0], -1), d
+
+
 def decode_q8_0(rows):
     b = rows.reshape(rows.shape[0], -1, 34)
     d = b[..., :2].copy().view(np.float16)[..., 0].astype(F32)
@@ -163,9 +171,10 @@ def mul_mat_q0(w, dw, x):
 
 
 def mul_mat_q0_blocks(w, dw, x):
-    """The block-sum order of the fused output layer's Q5_0/Q8_0 logits (qexact's
-    block_sums): per block the exact integer sum of 32 products, acc = fma(d_w * d_x, sum,
-    acc) in block order. Arguments as mul_mat_q0's; returns (N, M)."""
+    """The block-sum order of ggml's repacked Q4_0 (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0) and of
+    the fused output layer's Q5_0/Q8_0 logits (qexact's block_sums): per block the exact
+    integer sum of 32 products, acc = fma(d_w * d_x, sum, acc) in block order. Arguments as
+    mul_mat_q0's; returns (N, M)."""
     xq, dx = quantize_q8_0(x)
     n, m, nb = x.shape[0], w.shape[0], dw.shape[1]
     sums = np.einsum("mbe,nbe->nmb", w.reshape(m, nb, 32), xq.reshape(n, nb, 32))

@@ -1,5 +1,5 @@
 """ggmlpy's CPU kernels against ggml-cpu's arithmetic transcribed in numpy (ggml_reference.py):
-bit for bit, for the kernels that follow ggml's rounding order (the products with Q5_0, Q8_0,
+bit for bit, for the kernels that follow ggml's rounding order (the products with Q4_0, Q5_0, Q8_0,
 Q4_K, Q6_K and F16 matrices, softmax, flash attention, ggml_v_expf).
 
 Every product runs through both of its kernels where it has two (AVX512-VNNI integer sums, and
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ggml_reference import (flash_attn, mul_mat_float, mul_mat_q0, mul_mat_q4_k, mul_mat_q6_k, decode_q5_0,
-                            decode_q8_0, half, soft_max, v_expf_avx512)
+from ggml_reference import (flash_attn, mul_mat_float, mul_mat_q0, mul_mat_q0_blocks, mul_mat_q4_k, mul_mat_q6_k,
+                            decode_q4_0, decode_q5_0, decode_q8_0, half, soft_max, v_expf_avx512)
 from numba import njit
 
 import ggmlpy as gg
@@ -51,6 +51,8 @@ def activations(rng, n, k):
 
 
 def reference(type, rows, x):
+    if type == T.Q4_0:  # ggml repacks the matrices of rows % 8 == 0 (8x8 kernels: block sums)
+        return (mul_mat_q0_blocks if len(rows) % 8 == 0 else mul_mat_q0)(*decode_q4_0(rows), x)
     if type == T.Q5_0:
         return mul_mat_q0(*decode_q5_0(rows), x)
     if type == T.Q8_0:
@@ -63,8 +65,9 @@ def reference(type, rows, x):
 COLUMNS = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 37]  # gemv / gemm, Q4_K's groups of 4, Q6_K's 8, tiles of 16
 
 
-@pytest.mark.parametrize("type, m, k", [(T.Q5_0, 40, 640), (T.Q8_0, 35, 320), (T.Q4_K, 48, 512),
-                                        (T.Q6_K, 37, 512)], ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("type, m, k", [(T.Q4_0, 48, 640), (T.Q4_0, 37, 320), (T.Q5_0, 40, 640), (T.Q8_0, 35, 320),
+                                        (T.Q4_K, 48, 512), (T.Q6_K, 37, 512)],
+                         ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("n", COLUMNS)
 def test_quantized_products_are_ggmls(kernels, type, m, k, n):
     rng = np.random.default_rng(m * 100 + n)
@@ -77,7 +80,7 @@ def test_quantized_products_are_ggmls(kernels, type, m, k, n):
     assert np.isnan(big[:, :2]).all() and np.isnan(big[:, m + 2:]).all()
 
 
-@pytest.mark.parametrize("type", [T.Q5_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("type", [T.Q4_0, T.Q5_0, T.Q6_K], ids=lambda t: t.name)
 def test_rows_addressed_by_offset_in_a_shared_buffer(kernels, type):
     """Rows inside a larger buffer (a memory-mapped file), in any order."""
     rng = np.random.default_rng(3)
@@ -101,7 +104,7 @@ def test_rows_addressed_by_offset_in_a_shared_buffer(kernels, type):
 def test_q4_k_rows_not_a_multiple_of_8_take_the_repacked_order_too(kernels, n):
     """ggml repacks only Q4_K matrices whose rows are a multiple of 8 (the others it sums with
     ggml_vec_dot_q4_K_q8_K); here every Q4_K matrix takes the repacked kernels' order, so that
-    a type has one kernel. Q4_0 and Q5_K are not claimed by qexact (qdot.py, the tile path)."""
+    a type has one kernel. Q5_K is not claimed by qexact (qdot.py, the tile path)."""
     rng = np.random.default_rng(60 + n)
     m, k = 60, 512
     rows = quantized_rows(rng, T.Q4_K, m, k)
@@ -109,7 +112,7 @@ def test_q4_k_rows_not_a_multiple_of_8_take_the_repacked_order_too(kernels, n):
     out = np.empty((n, m), F32)
     mul_mat_q(QuantMatrix.from_bytes(T.Q4_K, rows, k), x, out, Scratch())
     np.testing.assert_array_equal(out, reference(T.Q4_K, rows, x))
-    assert qexact.supports(T.Q5_0) and not qexact.supports(T.Q4_0) and not qexact.supports(T.Q5_K)
+    assert qexact.supports(T.Q4_0) and not qexact.supports(T.Q5_K)
 
 
 def test_the_graph_product_uses_them():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import llamapy
-from llamapy.perplexity import expf_or_nan_row, perplexity, token_nll
+from llamapy.log_softmax import expf_or_nan_row, token_nll
+from llamapy.perplexity import perplexity
 
 from conftest import shared_path
 from ggml_reference import expf

@@ -194,10 +194,9 @@ ENTRIES: list[_Entry] = [
           "--no-kv-unified", 0), tools=("perplexity",)),
     *note("llamapy warms up by itself where it helps", ("--warmup --no-warmup", 0),
           tools=("perplexity", "completion", "cli", "server")),
-    *refuse("not in llamapy-perplexity: it computes perplexity over chunks", ("--hellaswag", 0),
+    *refuse("not in llamapy-perplexity: it computes perplexity and KL divergence over chunks", ("--hellaswag", 0),
             ("--hellaswag-tasks", 1), ("--winogrande", 0), ("--winogrande-tasks", 1), ("--multiple-choice", 0),
-            ("--multiple-choice-tasks", 1), ("--kl-divergence", 0), ("--save-all-logits --kl-divergence-base", 1),
-            ("--ppl-stride", 1), ("--ppl-output-type", 1), tools=("perplexity",)),
+            ("--multiple-choice-tasks", 1), ("--ppl-stride", 1), ("--ppl-output-type", 1), tools=("perplexity",)),
     # generation and chat
     *note("llamapy stops generating when the context is full (no context shift)", ("--keep", 1),
           ("--context-shift --no-context-shift", 0), tools=GENERATING),

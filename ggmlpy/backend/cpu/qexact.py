@@ -8,6 +8,10 @@ reproduced here (simd.py says why it matters), for the kernels llama.cpp's x86 b
   Q5_0, Q8_0 (x Q8_0)   ggml_vec_dot_q*_0_q8_0 and llamafile's tinyBLAS_Q0_AVX (any number
                         of columns): per 32-block b, 8 lanes of 4 products each,
                         lane_j = fma(d_w[b] * d_x[b], isum[b, j], lane_j), then hsum8.
+  Q4_0 (x Q8_0)         the 8x8-repacked kernels every Q4_0 matrix with rows % 8 == 0 gets
+                        (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0, any number of columns): per
+                        32-block b, acc = fma(isum[b], d_w[b] * d_x[b], acc), one chain; other
+                        Q4_0 matrices: Q5_0's order (ggml_vec_dot_q4_0_q8_0, tinyBLAS).
   Q4_K (x Q8_K)         the 8x8-repacked kernels every Q4_K matrix with rows % 8 == 0 gets:
                         columns in groups of 4 through ggml_gemm_q4_K_8x8_q8_K (per 64-element
                         chunk: acc = fma(isum, d_w * d_x, acc), the mins in a second sum,
@@ -18,7 +22,7 @@ reproduced here (simd.py says why it matters), for the kernels llama.cpp's x86 b
                         (8 lanes over ggml's mix of elements and scales, then hsum8).
 
 So, as in ggml, the number of columns (tokens in a ubatch) picks the formula for Q4_K and
-Q6_K products, never the thread count. The sums of integer products are float32 where every
+Q6_K products, never the thread count (the number of rows picks Q4_0's). The sums of integer products are float32 where every
 partial sum stays below 2^24 (exact in any order, so they vectorise), float64 otherwise.
 The float work runs in vecir.py's vector micro-kernels, 16 columns (or, for fewer columns,
 16 matrix rows) at a time; the matrix rows are unpacked from their blocks per task into
@@ -39,11 +43,14 @@ from .vecir import (BLOCK_ROWS, Q0_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_
                     q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
 
 QK = 32
+Q4_0_BYTES = 18          # bytes of a block: f16 d, then the elements (Q8_0's are 34, Q5_0's 22)
+Q8_0_BYTES = 34
 ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with every column tile)
 Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
 Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
 Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
 GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their scratch shared)
+INT_SUMS = {"reassoc", "contract", "nsz"}  # float32 sums of integer products: exact in any order
 
 
 # ---- activations ---------------------------------------------------------------------------------
@@ -232,11 +239,17 @@ def _u32(buf, o):
 
 
 @njit(cache=True, inline="always")
-def _decode_q0_block(buf, o, is_q8, w):
-    """w[e] = integer of element e of the Q5_0 / Q8_0 block at buf[o] (natural order)."""
-    if is_q8:
+def _decode_q0_block(buf, o, block_bytes, w):
+    """w[e] = integer of element e of the Q4_0 / Q5_0 / Q8_0 block (18 / 22 / 34 bytes) at
+    buf[o] (natural order)."""
+    if block_bytes == Q8_0_BYTES:
         for e in range(QK):
             w[e] = F32(np.int8(buf[o + 2 + e]))
+    elif block_bytes == Q4_0_BYTES:
+        for e in range(16):
+            q = np.int32(buf[o + 2 + e])
+            w[e] = F32((q & 0xF) - 8)
+            w[e + 16] = F32((q >> 4) - 8)
     else:
         qh = _u32(buf, o + 2)
         for e in range(16):
@@ -246,7 +259,7 @@ def _decode_q0_block(buf, o, is_q8, w):
 
 
 @njit(cache=True)
-def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, lane_major):
+def _unpack_q0_rows(buf, offs, m0, block_bytes, wq, wd, lane_major):
     """Rows m0.. (as many as wq has; past the last matrix row, the last again) -> wq[r, _at(e)]
     = integer of element e, wd[r, b] = d."""
     nb = wd.shape[1]
@@ -257,9 +270,9 @@ def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, lane_major):
             o = o0 + b * block_bytes
             wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
             if not lane_major:
-                _decode_q0_block(buf, o, is_q8, wq[r, b * QK:(b + 1) * QK])
+                _decode_q0_block(buf, o, block_bytes, wq[r, b * QK:(b + 1) * QK])
                 continue
-            _decode_q0_block(buf, o, is_q8, w)
+            _decode_q0_block(buf, o, block_bytes, w)
             for j in range(8):
                 run = 4 * (j * nb + b)  # _at's place of element 4 j of block b
                 for t in range(4):
@@ -267,9 +280,9 @@ def _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, lane_major):
 
 
 @njit(cache=True)
-def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd):
-    """Rows m0.. -> wu[r, k] = integer of element k + the type's bias (Q8_0: 128, Q5_0: 16),
-    the byte as stored made unsigned (Q8_0's flipped sign bit, Q5_0's five bits), wd[r, b] = d."""
+def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd):
+    """Rows m0.. -> wu[r, k] = integer of element k + the type's bias (Q0_BIAS), the bits as
+    stored made unsigned (Q8_0's flipped sign bit, Q5_0's five bits, Q4_0's nibble), wd[r, b] = d."""
     nb = wd.shape[1]
     for r in range(wu.shape[0]):
         o0 = offs[min(m0 + r, offs.shape[0] - 1)]
@@ -277,9 +290,14 @@ def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd):
         for b in range(nb):
             o = o0 + b * block_bytes
             wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
-            if is_q8:
+            if block_bytes == Q8_0_BYTES:
                 for e in range(QK):
                     dst[b * QK + e] = buf[o + 2 + e] ^ np.uint8(0x80)
+            elif block_bytes == Q4_0_BYTES:
+                for e in range(16):
+                    q = buf[o + 2 + e]
+                    dst[b * QK + e] = q & np.uint8(0xF)
+                    dst[b * QK + e + 16] = q >> np.uint8(4)
             else:
                 qh = _u32(buf, o + 2)
                 for e in range(16):
@@ -385,7 +403,7 @@ def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
 
 
 @njit(parallel=True, cache=True)
-def _q0_gemm(buf, offs, block_bytes, is_q8, blocks, xq, xd, out):
+def _q0_gemm(buf, offs, block_bytes, blocks, xq, xd, out):
     """out = the Q5_0/Q8_0 product, in ggml's order (q0_lanes_tile, xq lane-major) or with
     `blocks` by block sums (q0_blocks_tile, xq in natural order): one kernel for both, as a
     training step takes both (the layers' products and the output layer's), compiled once."""
@@ -398,7 +416,7 @@ def _q0_gemm(buf, offs, block_bytes, is_q8, blocks, xq, xd, out):
         wd = np.empty((group, nb), dtype=np.float32)
         sbuf = np.empty(0 if blocks else Q0_ROWS * nb * W, dtype=np.float32)  # q0_lanes_tile's lane sums
         res = np.empty(Q0_ROWS * W, dtype=np.float32)
-        _unpack_q0_rows(buf, offs, m0, block_bytes, is_q8, wq, wd, not blocks)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, wq, wd, not blocks)
         for tile in range(xq.shape[0]):
             for r in range(0, min(group, m_rows - m0), Q0_ROWS):
                 if blocks:
@@ -409,7 +427,7 @@ def _q0_gemm(buf, offs, block_bytes, is_q8, blocks, xq, xd, out):
 
 
 @njit(parallel=True, cache=True)
-def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
+def _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out):
     """_q0_gemm in ggml's order with AVX512-VNNI (q0_tile2_vnni, 2 rows a step). It and
     _q0_blocks_gemm_vnni stay two drivers, unlike _q0_gemm: one with a `blocks` flag made the
     row step a run-time value and the block-sum product 1.4x slower (bench/RESULTS.md,
@@ -421,7 +439,7 @@ def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
         wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
         wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
         res = np.empty(2 * W, dtype=np.float32)
-        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd)
         for tile in range(xq.shape[0]):
             for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
                 q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
@@ -429,7 +447,7 @@ def _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out):
 
 
 @njit(parallel=True, cache=True)
-def _q0_blocks_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xcb, xd, out):
+def _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out):
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
     for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
@@ -437,7 +455,7 @@ def _q0_blocks_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xcb, xd, out):
         wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
         wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
         res = np.empty(BLOCK_ROWS * W, dtype=np.float32)
-        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, is_q8, wu, wd)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd)
         for tile in range(xq.shape[0]):
             for r in range(0, min(ROW_GROUP, m_rows - m0), BLOCK_ROWS):
                 q0_blocks_vnni(wu, wd, xq, xcb, xd, res, r, tile, nb)
@@ -483,7 +501,7 @@ def _q8_0_gemv_vnni(buf, offs, xu, xd, out):
 
 
 @njit(parallel=True, cache=True, fastmath={"contract"})
-def _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out):
+def _q0_gemv(buf, offs, block_bytes, xq, xd, out):
     """Few columns (generation): a row at a time, each block decoded once for every column.
     xq (N, K): the activations' integers in natural order, xd (N, nb). Lane j of block b is
     the exact sum of the 4 products 4 j .. 4 j + 3, fma'd into lane j's chain; hsum8."""
@@ -496,7 +514,7 @@ def _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out):
             acc[:] = 0.0
             for b in range(nb):
                 o = offs[m] + b * block_bytes
-                _decode_q0_block(buf, o, is_q8, w)
+                _decode_q0_block(buf, o, block_bytes, w)
                 dw = f16_to_f32(buf[o], buf[o + 1])
                 for n in range(n_cols):
                     x = xq[n, b * QK:(b + 1) * QK]
@@ -508,6 +526,44 @@ def _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out):
             for n in range(n_cols):
                 a = acc[n]
                 out[n, m] = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
+
+
+@njit(cache=True, fastmath=INT_SUMS)
+def _q4_0_block_sums(buf, o, x, sums):
+    """sums[b] = the integer sum of the 32 products of Q4_0 block b of the row at buf[o] with
+    x, in float32 straight from the nibbles: every partial sum is an integer below 2^24, exact
+    in any order (so vectorised)."""
+    half = x.shape[0] // sums.shape[0] // 2  # 16, as a run-time count: LLVM vectorises the loop then
+    for b in range(sums.shape[0]):
+        w = buf[o + b * Q4_0_BYTES + 2:o + b * Q4_0_BYTES + 2 + half]
+        xb = x[b * QK:b * QK + QK]
+        s = F32(0.0)
+        for j in range(half):
+            q = np.int32(w[j])
+            s += F32((q & 0xF) - 8) * xb[j] + F32((q >> 4) - 8) * xb[half + j]
+        sums[b] = s
+
+
+@njit(parallel=True, cache=True)
+def _q4_0_gemv(buf, offs, xq, xd, out):
+    """Few columns of ggml_gemv_q4_0_8x8_q8_0 (the repacked Q4_0): per row and column,
+    acc = fma(d_w * d_x, the block's integer sum, acc) over the blocks in order. xq (N, K) the
+    activations' integers in natural order, xd (N, nb)."""
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = xd.shape[1]
+    for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
+        sums = np.empty(nb, dtype=np.float32)
+        wd = np.empty(nb, dtype=np.float32)
+        for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS)):
+            o = offs[m]
+            for b in range(nb):
+                wd[b] = f16_to_f32(buf[o + b * Q4_0_BYTES], buf[o + b * Q4_0_BYTES + 1])
+            for n in range(n_cols):
+                _q4_0_block_sums(buf, o, xq[n], sums)
+                acc = F32(0.0)
+                for b in range(nb):
+                    acc = fma_f32(wd[b] * xd[n, b], sums[b], acc)
+                out[n, m] = acc
 
 
 @njit(parallel=True, cache=True)
@@ -596,14 +652,16 @@ def _q8_k_vnni(scratch, xq, bs16, n: int, k: int, nb: int):
 
 
 # ---- dispatch --------------------------------------------------------------------------------------
-Q0_BLOCK_BYTES = {GGMLType.Q5_0: 22, GGMLType.Q8_0: 34}
+Q0_BLOCK_BYTES = {GGMLType.Q4_0: Q4_0_BYTES, GGMLType.Q5_0: 22, GGMLType.Q8_0: Q8_0_BYTES}
+Q0_BIAS = {GGMLType.Q4_0: 8, GGMLType.Q5_0: 16, GGMLType.Q8_0: 128}  # stored bits = integer + bias
 
 
 def supports(type: GGMLType) -> bool:
     """Whether products with a `type` matrix follow ggml's order here. (For Q4_K, ggml repacks
     only matrices whose rows are a multiple of 8 and sums the others with
     ggml_vec_dot_q4_K_q8_K: those get the repacked kernels' order here too, equal to llama.cpp's
-    to float32 rounding rather than bit for bit.)"""
+    to float32 rounding rather than bit for bit. Q4_0 takes either order, as ggml does; the
+    rows counted are all of the product's matrices', where ggml's test is on one 2-D matrix.)"""
     return type in Q0_BLOCK_BYTES or type in (GGMLType.Q4_K, GGMLType.Q6_K)
 
 
@@ -630,49 +688,55 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
     tiles = (n + W - 1) // W
     if type in Q0_BLOCK_BYTES:
         nb = k // QK
-        block_bytes, is_q8 = Q0_BLOCK_BYTES[type], type == GGMLType.Q8_0
-        if block_sums and not VNNI and n > Q0_GEMV_MAX_COLS:
+        block_bytes, bias = Q0_BLOCK_BYTES[type], Q0_BIAS[type]  # bias: makes the matrix integers unsigned
+        # ggml repacks the Q4_0 matrices whose rows are a multiple of 8 and sums them by blocks
+        # (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0), whatever the column count
+        repacked = type == GGMLType.Q4_0 and offs.shape[0] % 8 == 0
+        if repacked and n <= Q0_GEMV_MAX_COLS:
+            xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
+            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+            quantize_q8_0_rows(x, xq, xd)
+            _q4_0_gemv(buf, offs, xq, xd, out)
+        elif (block_sums or repacked) and not VNNI and n > Q0_GEMV_MAX_COLS:
             xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
             quantize_q8_0_tiles(x, xq, xd, False)
-            _q0_gemm(buf, offs, block_bytes, is_q8, True, xq, xd, out)
-        elif block_sums and n > Q0_GEMV_MAX_COLS:
-            bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
+            _q0_gemm(buf, offs, block_bytes, True, xq, xd, out)
+        elif (block_sums or repacked) and n > Q0_GEMV_MAX_COLS:
             xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
             xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb, 8, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
             quantize_q8_0_tiles_vnni(x, xq, xc.reshape(tiles, nb * 8, W), xd, bias)
             xcb = scratch.get("q8_0_cb", tiles * nb * W).view(np.int32).reshape(tiles, nb, W)
             np.sum(xc, axis=2, out=xcb)
-            _q0_blocks_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xcb, xd, out)
-        elif VNNI and n <= Q0_GEMV_MAX_COLS and is_q8:
+            _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out)
+        elif VNNI and n <= Q0_GEMV_MAX_COLS and type == GGMLType.Q8_0:
             xu = _bytes(scratch, "q8_0_u8", n * nb * QK).reshape(n, nb * QK)
             xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
             quantize_q8_0_biased(x, xu, xd)
             _q8_0_gemv_vnni(buf, offs, xu, xd, out)
-        elif VNNI and n <= Q0_GEMV_MAX_COLS:
+        elif VNNI and n <= Q0_GEMV_MAX_COLS and type == GGMLType.Q5_0:
             xs = _bytes(scratch, "q8_0_i8", n * nb * QK).view(np.int8).reshape(n, nb * QK)
             xsum = scratch.get("q8_0_c", n * nb * 8).view(np.int32).reshape(n, nb * 8)
             xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
             quantize_q8_0_signed(x, xs, xsum, xd)
             _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out)
         elif VNNI and n > Q0_GEMV_MAX_COLS:
-            bias = 128 if is_q8 else 16  # makes the matrix integers unsigned
             xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
             xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb * 8, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
             quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias)
-            _q0_gemm_vnni(buf, offs, block_bytes, is_q8, xq, xc, xd, out)
+            _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out)
         elif n <= Q0_GEMV_MAX_COLS:
             xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
             xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
             quantize_q8_0_rows(x, xq, xd)
-            _q0_gemv(buf, offs, block_bytes, is_q8, xq, xd, out)
+            _q0_gemv(buf, offs, block_bytes, xq, xd, out)
         else:
             xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
             xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
             quantize_q8_0_tiles(x, xq, xd, True)
-            _q0_gemm(buf, offs, block_bytes, is_q8, False, xq, xd, out)
+            _q0_gemm(buf, offs, block_bytes, False, xq, xd, out)
         return
     nb = k // QK_K
     xq = scratch.get("q8_k", n * k).reshape(n, k)
