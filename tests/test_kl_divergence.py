@@ -6,12 +6,11 @@ The row kernels against numpy transcriptions of llama-perplexity's float32 arith
 base files llamapy writes against the bytes of llama-perplexity's, and every figure printed
 by the KL-divergence runs against llama-perplexity's own output (tests/data, recorded by
 tests/record_llama_cpp_kld.py): stories260K against its Q8_0, Gemma 3 270M Q4_K_M against its
-Q4_0. The quantized models are made again here, by llamapy-quantize when this tree has it,
-else by llama.cpp's llama-quantize; their sha256 must be the recorded one.
+Q4_0. The quantized models are made again here by llamapy-quantize (the bytes llama-quantize
+writes); their sha256 must be the recorded one.
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import math
 import re
@@ -29,13 +28,13 @@ from llamapy.kl_divergence import KLDivergenceResult, kl_divergence, kld_rows, m
 from llamapy.kld_base import MAGIC, BaseLogProbs, BaseLogProbsWriter, file_size, quantize_log_probs, row_width
 from llamapy.perplexity import perplexity
 
+from conftest import REPO_ROOT
 from ggml_reference import expf
 from record_llama_cpp_kld import CASES, sha256
 
 F32 = np.float32
 REL = 1e-4  # acceptance: every printed figure within 1e-4 relative of llama-perplexity's
 DATA = Path(__file__).parent / "data"
-LLAMA_QUANTIZE = Path("/work/vendor/build/bin/llama-quantize")
 
 
 # ---- llama-perplexity's arithmetic, transcribed --------------------------------------------------
@@ -297,17 +296,9 @@ class Recorded:
 
 
 def quantize(src: Path, dst: Path, qtype: str) -> None:
-    """The quantized model of the recorded run: by llamapy-quantize where this tree has it,
-    else by llama.cpp's llama-quantize (the two write the same bytes)."""
-    if importlib.util.find_spec("llamapy.cli.quantize") is not None:
-        command = [sys.executable, "-m", "llamapy.cli.quantize"]
-    elif LLAMA_QUANTIZE.exists():
-        command = [str(LLAMA_QUANTIZE)]
-    else:
-        pytest.skip(f"nothing to quantize with: llamapy.cli.quantize is not in this tree and {LLAMA_QUANTIZE} "
-                    "is absent")
-    subprocess.run([*command, "--allow-requantize", str(src), str(dst), qtype], capture_output=True, check=True,
-                   timeout=1800)
+    """The quantized model of the recorded run, by llamapy-quantize (llama-quantize's bytes)."""
+    subprocess.run([sys.executable, "-m", "llamapy.cli.quantize", "--allow-requantize", str(src), str(dst), qtype],
+                   capture_output=True, check=True, timeout=1800, cwd=REPO_ROOT)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
