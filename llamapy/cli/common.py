@@ -174,7 +174,7 @@ def draw_seed() -> int:
 
 def note_first_run() -> None:
     """Say why the run is slow when numba really compiles (the first run after installing)."""
-    from ggmlpy.backend.cpu import on_first_compile
+    from ggmlpy.compile_events import on_first_compile
     on_first_compile(lambda: log("compiling numba kernels this run has not used before (tens of seconds after "
                                  "installing; once: they are cached)"))
 
