@@ -182,6 +182,18 @@ class Server:
         finally:
             job.cancelled.set()  # a no-op once done; else the engine frees the slot at its next step
 
+    async def collect(self, request: Request, job: Job, queue: asyncio.Queue) -> tuple[list[TokenOut], Done | None]:
+        """A whole (not streamed) answer: its tokens, and how it ended (None: the client left)."""
+        outs, done = [], None
+        async for event in self.events(request, job, queue):
+            if isinstance(event, TokenOut):
+                outs.append(event)
+            elif isinstance(event, Done):
+                done = event
+            else:
+                raise ApiError(500, event.message)
+        return outs, done
+
     def submit(self, req: Sampling, tokens: list[int], n_probs: int) -> tuple[Job, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -301,19 +313,11 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
                         yield _sse({"error": {"code": 500, "message": event.message, "type": "server_error"}})
                 yield "data: [DONE]\n\n"
             return StreamingResponse(chunks(), media_type="text/event-stream")
-        text, logprobs, done = [], [], None
-        async for event in server.events(request, job, queue):
-            if isinstance(event, TokenOut):
-                text.append(event.text)
-                if event.logprob is not None:
-                    logprobs.append(server.chat_logprob(event))
-            elif isinstance(event, Done):
-                done = event
-            else:
-                raise ApiError(500, event.message)
+        outs, done = await server.collect(request, job, queue)
         if done is None:
             return PlainTextResponse("", status_code=499)  # the client is gone
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+        logprobs = [server.chat_logprob(o) for o in outs if o.logprob is not None]
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
                   "finish_reason": done.finish_reason, "logprobs": {"content": logprobs} if req.logprobs else None}
         return {**head, "object": "chat.completion", "choices": [choice], "usage": server.usage(done),
                 "timings": server.timings(done)}
@@ -361,20 +365,12 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
                         yield _sse({"error": {"code": 500, "message": event.message, "type": "server_error"}})
                 yield "data: [DONE]\n\n"
             return StreamingResponse(chunks(), media_type="text/event-stream")
-        text, outs, done = [], [], None
-        async for event in server.events(request, job, queue):
-            if isinstance(event, TokenOut):
-                text.append(event.text)
-                if event.logprob is not None and event.token is not None:
-                    outs.append(event)
-            elif isinstance(event, Done):
-                done = event
-            else:
-                raise ApiError(500, event.message)
+        outs, done = await server.collect(request, job, queue)
         if done is None:
             return PlainTextResponse("", status_code=499)
-        choice = {"index": 0, "text": "".join(text), "finish_reason": done.finish_reason,
-                  "logprobs": logprobs_of(outs, 0)}
+        scored = [o for o in outs if o.logprob is not None and o.token is not None]
+        choice = {"index": 0, "text": "".join(o.text for o in outs), "finish_reason": done.finish_reason,
+                  "logprobs": logprobs_of(scored, 0)}
         return {**head, "choices": [choice], "usage": server.usage(done), "timings": server.timings(done)}
 
     @app.post("/tokenize")

@@ -304,7 +304,9 @@ class Engine:
             logp -= np.log(np.exp(logp).sum())
         token = slot.chain.sample(self.ctx, row)
         if job.n_probs:
-            best = np.argsort(-logp, kind="stable")[:job.n_probs]
+            n = min(job.n_probs, len(logp))
+            best = np.argpartition(-logp, n - 1)[:n]              # the n best of the whole vocabulary,
+            best = best[np.argsort(-logp[best], kind="stable")]  # then only they are sorted
             logprob, top = float(logp[token]), [(int(t), float(logp[t])) for t in best]
         if not slot.t_first:
             slot.t_first = time.perf_counter()
