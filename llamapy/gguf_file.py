@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -65,13 +65,64 @@ class MetaValue:
     """One metadata value: its type, the element type of an array, and the decoded value.
 
     Scalars are Python numbers, booleans or strings; numeric arrays are numpy arrays;
-    string arrays are lists of str (bytes that are not UTF-8 kept via surrogateescape);
+    string arrays are read as StringArray (a sequence of str, bytes that are not UTF-8 kept via
+    surrogateescape) and may be given as lists;
     arrays of arrays are lists of MetaValue (each inner array keeps its own item type).
     """
 
     type: ValueType
     sub_type: ValueType | None
     value: Any
+
+
+class StringArray(Sequence[str]):
+    """A metadata array of strings as a file stores them (each a little-endian uint64 length,
+    then its bytes), decoded on the first use of an item. A file written from it copies the
+    bytes back, so a 262,144-token vocabulary that a tool only passes on (llamapy-quantize) is
+    read and written in milliseconds. Immutable: a changed list is a new list or StringArray."""
+
+    __slots__ = ("raw", "_n", "_items")
+
+    def __init__(self, raw: bytes, n: int) -> None:
+        self.raw = raw
+        self._n = n
+        self._items: list[str] | None = None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            raw, pos, items = self.raw, 0, []
+            append = items.append
+            for _ in range(self._n):
+                length = int.from_bytes(raw[pos:pos + 8], "little")
+                append(str(raw[pos + 8:pos + 8 + length], "utf-8", "surrogateescape"))
+                pos += 8 + length
+            self._items = items
+        return self._items
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __iter__(self):
+        return iter(self._decoded())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringArray):
+            return self._n == other._n and self.raw == other.raw
+        if isinstance(other, (list, tuple)):
+            return self._decoded() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compared by value, like the list it stands for
+
+    def tolist(self) -> list[str]:
+        """The items as a new list (the numpy arrays of numeric values have the same method)."""
+        return list(self._decoded())
+
+    def __repr__(self) -> str:
+        return f"StringArray({self._n} strings, {len(self.raw)} bytes)"
 
 
 @dataclass(frozen=True)
@@ -152,23 +203,20 @@ class _Parser:
         self.pos += dtype.itemsize
         return MetaValue(vtype, None, v)
 
-    def string_array(self, n: int) -> list[str]:
-        """n length-prefixed strings; one pass of slicing, the one hot loop of loading."""
+    def string_array(self, n: int) -> StringArray:
+        """n length-prefixed strings, kept as their bytes: one pass over the length prefixes (the
+        one hot loop of loading), the decoding left to the first use of an item."""
         buf, pos, end = self.buf, self.pos, len(self.buf)
-        out: list[str] = []
-        append = out.append
-        frombytes = int.from_bytes
+        length_at = struct.Struct("<Q").unpack_from
+        start = pos
         for _ in range(n):
             if pos + 8 > end:
                 raise ModelLoadError(f"{self.path} is damaged or truncated (string array runs past the end)")
-            length = frombytes(buf[pos:pos + 8], "little")
-            pos += 8
-            if pos + length > end:
-                raise ModelLoadError(f"{self.path} is damaged or truncated (string array runs past the end)")
-            append(str(buf[pos:pos + length], "utf-8", "surrogateescape"))
-            pos += length
+            pos += 8 + length_at(buf, pos)[0]
+        if pos > end:
+            raise ModelLoadError(f"{self.path} is damaged or truncated (string array runs past the end)")
         self.pos = pos
-        return out
+        return StringArray(bytes(buf[start:pos]), n)
 
     def tensor_info(self) -> TensorInfo:
         name = self.string()

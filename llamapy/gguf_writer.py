@@ -18,7 +18,7 @@ import numpy as np
 from ggmlpy import GGMLType
 from ggmlpy.types import TYPE_TRAITS, row_size
 
-from .gguf_file import _NUMPY, GGUF_DEFAULT_ALIGNMENT, MetaValue, ValueType
+from .gguf_file import _NUMPY, GGUF_DEFAULT_ALIGNMENT, MetaValue, StringArray, ValueType
 
 GGUF_VERSION = 3
 
@@ -82,7 +82,9 @@ def _value_chunks(vtype: ValueType, value: Any, sub: ValueType | None = None) ->
         yield struct.pack(_SCALAR_FORMAT[vtype], value)
     else:
         yield struct.pack("<IQ", sub, len(value))
-        if sub == ValueType.STRING:  # a few thousand at a time: few writes, little memory
+        if isinstance(value, StringArray) and sub == ValueType.STRING:  # as read: its bytes
+            yield value.raw
+        elif sub == ValueType.STRING:  # a few thousand at a time: few writes, little memory
             for i in range(0, len(value), _STRINGS_PER_CHUNK):
                 yield b"".join(map(_string, value[i:i + _STRINGS_PER_CHUNK]))
         elif sub == ValueType.ARRAY:  # inner arrays as the reader gives them, each with its own item type

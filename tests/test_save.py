@@ -12,7 +12,7 @@ import pytest
 import llamapy
 from ggmlpy import GGMLType, traits
 from llamapy.errors import SaveError
-from llamapy.gguf_file import GGUFFile
+from llamapy.gguf_file import GGUFFile, StringArray
 
 
 def fields_of(source) -> dict:
@@ -228,3 +228,19 @@ def test_metadata_gguf_can_hold_is_saved_byte_for_byte(tmp_path, value):
     dest = tmp_path / "saved.gguf"
     llamapy.save_model_to_file(model, dest)
     assert dest.read_bytes() == src.read_bytes()
+
+
+def test_a_string_array_is_read_as_its_bytes_and_used_as_a_list(tmp_path):
+    """A vocabulary passes through a tool as the bytes it was read as (llamapy-quantize never
+    decodes Gemma's 262,144 tokens), and reads like the list of str it stands for."""
+    items = ["a", "", "é", "a\udcff(", "<s>"]  # the 4th: the bytes a\xff( kept via surrogateescape
+    body = b"".join(len(s.encode("utf-8", "surrogateescape")).to_bytes(8, "little")
+                    + s.encode("utf-8", "surrogateescape") for s in items)
+    value = (9).to_bytes(4, "little") + (8).to_bytes(4, "little") + len(items).to_bytes(8, "little") + body
+    f = GGUFFile(gguf_with_one_key(tmp_path / "strings.gguf", "some.strings", value))
+    read = f.metadata["some.strings"].value
+    assert isinstance(read, StringArray) and read.raw == body
+    assert len(read) == 5 and read == items and list(read) == items and read.tolist() == items
+    assert read[2] == "é" and read[-1] == "<s>" and read[1:3] == ["", "é"]
+    assert StringArray(body, 5) == read and StringArray(body[:-11], 4) != read
+    assert read != items[:-1] and read != ["a", "", "é", "a\udcff(", "</s>"]

@@ -70,3 +70,28 @@ def test_compile_ahead_serialises_numba_cache_saves(tmp_path):
         assert (tmp_path / ".ggmlpy-save.lock").exists()
     finally:
         IndexDataCacheFile.save = original
+
+
+def test_a_command_starts_numba_without_scipy_linalg_and_leaves_it_importable(stories_path, tmp_path):
+    """The tools load numba's registries with scipy.linalg hidden (its BLAS probe costs 0.1 s of
+    every start); the kernels never need numba's np.dot, and scipy.linalg imports afterwards."""
+    script = f"""
+import sys
+from llamapy.cli.quantize import main
+sys.argv = ["llamapy-quantize", {str(stories_path)!r}, {str(tmp_path / 'q.gguf')!r}, "Q4_0"]
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+print("scipy.linalg" in sys.modules, sys.modules["numba.np.arraymath"]._HAVE_BLAS)
+try:
+    import scipy.linalg
+    print(scipy.linalg.norm([3.0, 4.0]))
+except ImportError:
+    print("no scipy")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+    state, after = r.stdout.splitlines()[-2:]
+    assert state == "False False"  # scipy.linalg not imported; numba's np.dot off in this process
+    assert after in ("5.0", "no scipy")

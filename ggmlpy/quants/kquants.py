@@ -201,10 +201,15 @@ def signed_absmax(x, xo, n):
     return amax, mx
 
 
-@njit(cache=True)
-def make_qx_quants(n, nmax, x, xo, L, lo):
+_QX_TRIALS = 18  # make_qx_quants' trial scales: k = -9..-1, 1..9
+
+
+@njit(cache=True, error_model="numpy")
+def make_qx_quants(n, nmax, x, xo, L, lo, trial):
     """make_qx_quants(n, nmax, x + xo, L + lo, rmse_type=1, qw=NULL): symmetric levels
-    L in [0, 2*nmax) with weights x^2; returns the scale."""
+    L in [0, 2*nmax) with weights x^2; returns the scale. The 18 trial scales are summed side
+    by side (each in ggml's order, a vector lane per trial) and then compared in ggml's order;
+    trial: float32 scratch (3, 18)."""
     amax, mx = signed_absmax(x, xo, n)
     if amax < GROUP_MAX_EPS:
         for i in range(n):
@@ -223,22 +228,25 @@ def make_qx_quants(n, nmax, x, xo, L, lo):
         suml2 += w * F32(l) * F32(l)
     scale = sumlx / suml2 if suml2 != 0 else F32(0.0)
     best = scale * sumlx
-    for k in range(-9, 10):
-        if k == 0:
-            continue
-        iscale = -(fnmax + F32(0.1) * F32(k)) / mx
-        sumlx = F32(0.0)
-        suml2 = F32(0.0)
-        for i in range(n):
-            v = x[xo + i]
-            l = max(-nmax, min(nmax - 1, nearest_int(iscale * v)))
-            w = v * v
-            sumlx += w * v * F32(l)
-            suml2 += w * F32(l) * F32(l)
+    iscales, sumlxs, suml2s = trial[0], trial[1], trial[2]
+    for j in range(_QX_TRIALS):
+        k = j - 9 if j < 9 else j - 8
+        iscales[j] = -(fnmax + F32(0.1) * F32(k)) / mx
+        sumlxs[j] = F32(0.0)
+        suml2s[j] = F32(0.0)
+    for i in range(n):
+        v = x[xo + i]
+        w = v * v
+        wv = w * v
+        for j in range(_QX_TRIALS):
+            fl = F32(max(-nmax, min(nmax - 1, nearest_int(iscales[j] * v))))
+            sumlxs[j] += wv * fl
+            suml2s[j] += w * fl * fl
+    for j in range(_QX_TRIALS):
+        sumlx, suml2 = sumlxs[j], suml2s[j]
         if suml2 > 0 and sumlx * sumlx > best * suml2:
             for i in range(n):
-                l = nearest_int(iscale * x[xo + i])
-                L[lo + i] = nmax + max(-nmax, min(nmax - 1, l))
+                L[lo + i] = nmax + max(-nmax, min(nmax - 1, nearest_int(iscales[j] * x[xo + i])))
             scale = sumlx / suml2
             best = scale * sumlx
     return scale
@@ -327,14 +335,13 @@ def make_qkx2_quants(n, nmax, x, xo, w, L, lo, Laux, rmin, rdelta, nstep, use_ma
         sum_l = F32(0.0)
         sum_l2 = F32(0.0)
         sum_xl = F32(0.0)
-        for i in range(n):
-            v = x[xo + i]
-            l = max(0, min(nmax, nearest_int(iscale * (v - mn))))
-            Laux[i] = l
-            fl = F32(l)
+        for i in range(n):  # the levels first: a loop LLVM vectorises
+            Laux[i] = max(0, min(nmax, nearest_int(iscale * (x[xo + i] - mn))))
+        for i in range(n):  # then the sums, in ggml's order (latency-bound chains)
+            fl = F32(Laux[i])
             sum_l += w[i] * fl
             sum_l2 += w[i] * fl * fl
-            sum_xl += w[i] * fl * v
+            sum_xl += w[i] * fl * x[xo + i]
         D = sum_w * sum_l2 - sum_l * sum_l
         if D > 0:
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
@@ -571,13 +578,14 @@ def quantize_q6_k(x, out):
     for r in prange(x.shape[0]):
         xr, y = x[r], out[r]
         L = np.zeros(QK_K, dtype=np.int32)
+        trial = np.empty((3, _QX_TRIALS), dtype=np.float32)
         scales = np.empty(16, dtype=np.float32)
         for i in range(nb):
             xo, o = i * QK_K, i * 210
             max_scale = F32(0.0)
             max_abs_scale = F32(0.0)
             for ib in range(16):
-                s = make_qx_quants(16, 32, xr, xo + 16 * ib, L, 16 * ib)
+                s = make_qx_quants(16, 32, xr, xo + 16 * ib, L, 16 * ib, trial)
                 scales[ib] = s
                 if abs(s) > max_abs_scale:
                     max_abs_scale = abs(s)

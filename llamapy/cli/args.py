@@ -173,7 +173,7 @@ class Tool:
             self._register_paths(values["typer_context"], values)
             common.configure_logging(**{name: values.pop(name) for name in _LOGGING if name != "version"})
             values.pop("version")
-            common.note_first_run()
+            common.prepare_numba()
             for note in self._notes:
                 common.log(note)
             typer_context = values.pop("typer_context")

@@ -172,11 +172,13 @@ def draw_seed() -> int:
     return secrets.randbelow(2**31)
 
 
-def note_first_run() -> None:
-    """Say why the run is slow when numba really compiles (the first run after installing)."""
-    from ggmlpy.compile_events import on_first_compile
+def prepare_numba() -> None:
+    """Before a command runs: say why the run is slow when numba really compiles (the first run
+    after installing), and load numba's registries without its scipy probe (numba_compat)."""
+    from ggmlpy.numba_compat import load_numba_without_scipy, on_first_compile
     on_first_compile(lambda: log("compiling numba kernels this run has not used before (tens of seconds after "
                                  "installing; once: they are cached)"))
+    load_numba_without_scipy()
 
 
 KV_TYPES = ("f16", "f32")

@@ -11,7 +11,7 @@ import numpy as np
 
 from ...graph import Graph
 from . import bf16dot, compile_ahead, dispatch, train_kernels
-from ...compile_events import on_first_compile  # noqa: F401 -- public
+from ...numba_compat import on_first_compile  # noqa: F401 -- public
 from .plan import Plan, Scratch
 
 
