@@ -520,3 +520,36 @@ def test_cpy_between_f32_and_quantized(type):
     ref_q = Q.quantize(x, type)
     np.testing.assert_array_equal(dst.array()[0], ref_q)
     np.testing.assert_array_equal(back.array()[0, 0], ref_dequantize(ref_q, type).reshape(3, 2 * k))
+
+
+def test_the_q4_k_scale_search_side_by_side_is_the_scalar_one_bit_for_bit():
+    """make_qkx2_quants_lanes (32 groups at once, selects for branches) gives each group the
+    scale, min and levels of ggml's scalar make_qkx2_quants, for Q4_K's and Q5_K's settings,
+    on groups that take its rare paths: flat, all positive, all negative, tiny, huge, zeros."""
+    from ggmlpy.quants import kquants as K
+    rng = np.random.default_rng(7)
+    G = K.QKX_LANES
+    groups = rng.standard_normal((G, 32)).astype(np.float32)
+    groups[1] = 0.25
+    groups[2] = np.abs(groups[2])
+    groups[3] = -np.abs(groups[3])
+    groups[4] *= np.float32(1e-20)
+    groups[5] *= np.float32(1e15)
+    groups[6] = 0.0
+    groups[7, :31] = 0.0
+    groups[8] = np.round(groups[8] * 4) / 4  # values on a grid: ties in the rounding
+    for nmax, rmin, rdelta, nstep in ((15, -1.0, 0.1, 20), (31, -0.5, 0.1, 15)):
+        weights = np.sqrt(np.mean(groups * groups, axis=1, dtype=np.float32))[:, None] + np.abs(groups)
+        xw = np.concatenate([groups.T.reshape(-1), weights.astype(np.float32).T.reshape(-1)])
+        L = np.zeros(32 * G, np.int32)
+        st = np.zeros(K._QKX_STATE * G, np.float32)
+        K.make_qkx2_quants_lanes(32, nmax, xw, L, np.zeros(32 * G, np.int32), np.float32(rmin), np.float32(rdelta),
+                                 nstep, st)
+        for g in range(G):
+            Lg = np.zeros(32, np.int32)
+            scale, the_min = K.make_qkx2_quants(32, nmax, groups[g], 0, weights[g].astype(np.float32), Lg, 0,
+                                                np.zeros(32, np.int32), np.float32(rmin), np.float32(rdelta), nstep,
+                                                False)
+            assert np.float32(scale).view(np.uint32) == st[K._SCALE * G + g].view(np.uint32), g
+            assert np.float32(the_min).view(np.uint32) == (-st[K._MN * G + g]).view(np.uint32), g
+            assert np.array_equal(Lg, L.reshape(32, G)[:, g]), g
