@@ -1,6 +1,7 @@
 """What ggmlpy relies on in numba beyond its public decorators, in one place: the compile
 event a front end hooks before anything compiles (without loading the CPU backend), and the
-start of numba's lowering registries without its scipy probe."""
+start of numba's lowering registries without the packages it probes for features no kernel
+uses."""
 from __future__ import annotations
 
 import os
@@ -28,21 +29,29 @@ def on_first_compile(callback: Callable[[], None]) -> None:
     event.register("numba:compile", FirstCompile())
 
 
-def load_numba_without_scipy() -> None:
-    """Load numba's lowering registries (what its first compile or cache load does) with scipy
-    hidden. numba.np.arraymath imports scipy.linalg at that moment to find a BLAS for np.dot
-    in njit code: 0.1 s of every command's start where scipy is installed, and no ggmlpy
-    kernel uses it (products call BLAS through backend/cpu/gemm.py). For processes that run
-    only ggmlpy's kernels (the command-line tools): numba's np.dot stays unavailable in them,
-    scipy.linalg itself imports normally afterwards. Does nothing once it or the registries
-    are loaded."""
-    if "scipy.linalg" in sys.modules or "numba.np.arraymath" in sys.modules:
+# What numba imports when its registries load, for features no ggmlpy kernel uses: scipy's
+# BLAS (np.dot in njit code; products call BLAS through backend/cpu/gemm.py) and cffi's
+# C parser (cffi functions called from njit code).
+_UNUSED_BY_KERNELS = ("scipy.linalg", "cffi")
+
+
+def start_numba_registries() -> None:
+    """Load numba's lowering registries (what its first compile or cache load does) with
+    scipy.linalg and cffi hidden: numba imports them at that moment for features no ggmlpy
+    kernel uses (_UNUSED_BY_KERNELS), 0.15 s of every command's start where they are
+    installed. For processes that run only ggmlpy's kernels (the command-line tools): those
+    numba features stay off in them, the packages themselves import normally afterwards.
+    Does nothing once the registries are loaded; a package already imported stays seen."""
+    if "numba.np.arraymath" in sys.modules:
         return
     from numba.core.registry import cpu_target
 
-    sys.modules["scipy.linalg"] = None  # importing it fails at once: numba's probe finds no BLAS
+    hidden = [name for name in _UNUSED_BY_KERNELS if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # importing it fails at once: numba's probe finds nothing
     try:
         cpu_target.target_context.refresh()
     finally:
-        if sys.modules.get("scipy.linalg", 0) is None:
-            del sys.modules["scipy.linalg"]
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ggmlpy.numba_compat import load_numba_without_scipy
+from ggmlpy.numba_compat import start_numba_registries
 
 # as the command-line tools start numba: any kernel that needed numba's np.dot (its BLAS from
 # scipy) would fail here, in every test, not only in the tools' own
-load_numba_without_scipy()
+start_numba_registries()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("LLAMAPY_SHARED", REPO_ROOT.parent / "shared")).resolve()

@@ -174,11 +174,11 @@ def draw_seed() -> int:
 
 def prepare_numba() -> None:
     """Before a command runs: say why the run is slow when numba really compiles (the first run
-    after installing), and load numba's registries without its scipy probe (numba_compat)."""
-    from ggmlpy.numba_compat import load_numba_without_scipy, on_first_compile
+    after installing), and load numba's registries without the packages it probes for unused features (numba_compat)."""
+    from ggmlpy.numba_compat import on_first_compile, start_numba_registries
     on_first_compile(lambda: log("compiling numba kernels this run has not used before (tens of seconds after "
                                  "installing; once: they are cached)"))
-    load_numba_without_scipy()
+    start_numba_registries()
 
 
 KV_TYPES = ("f16", "f32")
