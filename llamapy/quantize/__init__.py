@@ -26,6 +26,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from ggmlpy import GGMLType
+from ggmlpy.cores import FreeCores
 from ggmlpy.quants import KERNELS
 from ggmlpy.records import Bool, Int, Record, Str
 from ggmlpy.types import traits
@@ -243,12 +244,13 @@ def quantize_model(in_path: str | os.PathLike, out_path: str | os.PathLike | Non
         return QuantizeResult(None, file_type, reports, chooser.fallbacks, n_elements)
 
     n_threads = min(params.n_threads or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS)
+    free_cores = FreeCores()  # fewer threads while other processes keep cores busy
 
     def pieces(i: int, p: _Planned) -> Callable[[], Iterator[np.ndarray]]:
         def make() -> Iterator[np.ndarray]:
             t = src.tensors[p.source]
             # a small tensor on one thread: waking the others costs more than they save
-            numba.set_num_threads(n_threads if t.nbytes() >= _PARALLEL_BYTES else 1)
+            numba.set_num_threads(free_cores.threads(n_threads) if t.nbytes() >= _PARALLEL_BYTES else 1)
             yield from convert_rows(p.source, fd, t.offset, p.type_in, p.type_out, p.ne[0], t.nrows(),
                                     params.slab_bytes)
             report(i, p)

@@ -1,6 +1,7 @@
 """The CPU backend: computes graphs with numpy/BLAS and numba kernels."""
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections import defaultdict
@@ -12,6 +13,7 @@ import numpy as np
 from ...graph import Graph
 from . import bf16dot, compile_ahead, dispatch, train_kernels
 from ...numba_compat import on_first_compile  # noqa: F401 -- public
+from ...cores import FreeCores
 from .plan import Plan, Scratch
 
 
@@ -60,6 +62,9 @@ class CpuBackend:
 
     def __init__(self, n_threads: int | None = None) -> None:
         self.profile: dict[str, float] | None = None
+        # the threads a run uses: n_threads, or fewer while other processes keep cores busy
+        # (ggmlpy/cores.py); GGMLPY_FIXED_THREADS=1 always uses n_threads (for measuring the threads)
+        self.free_cores = None if os.environ.get("GGMLPY_FIXED_THREADS") == "1" else FreeCores()
         self.scratch = Scratch()
         self._plans: weakref.WeakKeyDictionary[Graph, Plan] = weakref.WeakKeyDictionary()
         self.set_n_threads(n_threads or numba.config.NUMBA_NUM_THREADS)
@@ -101,12 +106,17 @@ class CpuBackend:
             return
         self._run_steps(plan, None)
 
+    def threads_now(self) -> int:
+        """The threads the next run uses: n_threads, or the cores other processes leave free."""
+        return self.n_threads if self.free_cores is None else self.free_cores.threads(self.n_threads)
+
     def _run_steps(self, plan: Plan, at_step: Callable[[int], None] | None) -> None:
         threads = 0
         profile = self.profile
+        n_threads = self.threads_now()
         if at_step is None and profile is None:  # the plain loop: calls, and a switch per run
             for parallel, calls in plan.runs:
-                want = self.n_threads if parallel else 1
+                want = n_threads if parallel else 1
                 if want != threads:
                     _set_threads(want)
                     threads = want
@@ -116,7 +126,7 @@ class CpuBackend:
         for i, (name, run, parallel) in enumerate(plan.steps):
             if at_step is not None:
                 at_step(i)
-            want = self.n_threads if parallel else 1
+            want = n_threads if parallel else 1
             if want != threads:
                 _set_threads(want)
                 threads = want
