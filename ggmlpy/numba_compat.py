@@ -1,12 +1,22 @@
-"""What ggmlpy relies on in numba beyond its public decorators, in one place: the compile
-event a front end hooks before anything compiles (without loading the CPU backend), and the
-start of numba's lowering registries without the packages it probes for features no kernel
-uses."""
+"""Everything ggmlpy reaches in numba and llvmlite beyond their public API, in one place, so a
+new numba is checked here (pyproject.toml pins the versions this was written against, and
+`missing()` names what a numba lacks; tests/test_startup.py runs it):
+
+- the compile event a front end hooks before anything compiles (event API);
+- numba's lowering registries loaded without the packages it probes for unused features;
+- the thread-count setter without numba's checks and lock (the executor switches often);
+- whether a kernel's on-disk cache has entries; serialised cache saves and a dispatcher
+  that compiles instead of running (compile-ahead's child, backend/cpu/compile_ahead.py);
+- LLVM's bfloat type, which llvmlite's IR builder does not name (backend/cpu/bf16dot.py).
+
+Each user degrades to the public path when what it needs is missing (slower, never wrong).
+"""
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 
 def on_first_compile(callback: Callable[[], None]) -> None:
@@ -55,3 +65,109 @@ def start_numba_registries() -> None:
         for name in hidden:
             if sys.modules.get(name, 0) is None:
                 del sys.modules[name]
+
+
+def fast_thread_setter() -> Callable[[int], None]:
+    """numba.set_num_threads checks and locks on every call; the private function it ends in,
+    reached once the pool is launched, only sets (bench/RESULTS.md has the difference). Used
+    where it exists and is seen to set the count, else the public setter."""
+    import numba
+
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # launches the pool
+    from numba.np.ufunc import parallel
+    fast = getattr(parallel, "_set_num_threads", None)
+    try:
+        fast(1)
+        works = numba.get_num_threads() == 1
+    except Exception:  # noqa: BLE001 -- any failure of a private API means: do not use it
+        works = False
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    return fast if works else numba.set_num_threads
+
+
+def has_cached_code(dispatcher: Any) -> bool:
+    """Whether a cache=True kernel has compiled code in memory or in numba's on-disk cache
+    index; True when that cannot be told (unknown means: do not warn)."""
+    try:
+        return bool(dispatcher.signatures) or dispatcher._cache._cache_file._load_index() != {}
+    except Exception:  # noqa: BLE001 -- numba's cache internals
+        return True
+
+
+def cache_saves_lockable() -> bool:
+    """Whether numba saves its cache through the method lock_cache_saves wraps."""
+    from numba.core.caching import IndexDataCacheFile
+    return hasattr(IndexDataCacheFile, "save")
+
+
+def lock_cache_saves() -> None:
+    """Make numba's cache saves exclusive between processes (one lock file per cache folder):
+    numba writes a function's index before its data, so two processes saving two signatures
+    of one function at once could otherwise pair one's index entry with the other's code."""
+    import fcntl
+
+    from numba.core.caching import IndexDataCacheFile
+    save = IndexDataCacheFile.save
+    if getattr(save, "locked", False):
+        return
+
+    def locked_save(self: IndexDataCacheFile, key, data) -> None:
+        with open(os.path.join(self._cache_path, ".ggmlpy-save.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            save(self, key, data)
+
+    locked_save.locked = True
+    IndexDataCacheFile.save = locked_save
+
+
+def compile_instead_of_running(compiled: type[BaseException]) -> None:
+    """From now on in this process (compile-ahead's child), a call of any numba kernel
+    compiles (or loads) it for the arguments' types, drops every dispatcher's compiled code
+    from memory again and raises `compiled` instead of running."""
+    import gc
+
+    from numba.core.dispatcher import Dispatcher
+    dispatchers = [obj for obj in gc.get_objects() if isinstance(obj, Dispatcher)]
+
+    def forget_all() -> None:
+        for d in dispatchers:
+            if d.overloads:
+                d._reset_overloads()
+
+    def compile_only(self: Dispatcher, *args, **kws):
+        self.compile(tuple(self.typeof_pyval(a) for a in args))
+        forget_all()
+        raise compiled
+
+    Dispatcher._compile_for_args = compile_only
+    forget_all()
+
+
+def bfloat_type() -> Any:
+    """LLVM's bfloat as an llvmlite IR type (llvmlite's builder has none; its types print
+    themselves through _to_string)."""
+    from llvmlite import ir
+
+    class BFloat(ir.Type):
+        def _to_string(self) -> str:
+            return "bfloat"
+
+        def __eq__(self, other) -> bool:
+            return isinstance(other, BFloat)
+
+        def __hash__(self) -> int:
+            return hash("bfloat")
+
+    return BFloat()
+
+
+def missing() -> list[str]:
+    """The private names this module uses that the installed numba / llvmlite lack."""
+    from llvmlite import ir
+    from numba.core import caching, dispatcher, event
+    from numba.np.ufunc import parallel
+    wanted = [(parallel, "_set_num_threads"), (caching.IndexDataCacheFile, "save"),
+              (dispatcher.Dispatcher, "_compile_for_args"), (dispatcher.Dispatcher, "_reset_overloads"),
+              (dispatcher.Dispatcher, "typeof_pyval"), (caching, "IndexDataCacheFile"), (ir.Type, "_to_string"),
+              (event, "Listener"), (event, "register")]
+    return [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in wanted if not hasattr(owner, name)]

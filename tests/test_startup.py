@@ -58,11 +58,11 @@ def test_compile_ahead_child_compiles_the_last_steps_into_the_cache_without_runn
 def test_compile_ahead_serialises_numba_cache_saves(tmp_path):
     """Two processes saving signatures of one function at once must not mix index and data."""
     from numba.core.caching import IndexDataCacheFile
-    from ggmlpy.backend.cpu import compile_ahead
+    from ggmlpy import numba_compat
     original = IndexDataCacheFile.save
     try:
-        compile_ahead._lock_cache_saves()
-        compile_ahead._lock_cache_saves()  # idempotent: one lock, not two nested
+        numba_compat.lock_cache_saves()
+        numba_compat.lock_cache_saves()  # idempotent: one lock, not two nested
         assert IndexDataCacheFile.save.locked and IndexDataCacheFile.save is not original
         cache = IndexDataCacheFile(str(tmp_path), "f", ("stamp", 1))
         cache.save("key", b"data")
@@ -98,3 +98,14 @@ for name in ("scipy.linalg", "cffi"):
     assert state == "False False False"  # neither imported; numba's np.dot off in this process
     assert scipy_after in ("scipy.linalg imports", "scipy.linalg not installed")
     assert cffi_after in ("cffi imports", "cffi not installed")
+
+
+def test_the_numba_this_runs_on_has_every_private_name_ggmlpy_uses():
+    """ggmlpy/numba_compat.py holds every use of numba's and llvmlite's private API; with a
+    numba outside the pinned range this names what moved (each use falls back to the public
+    path, slower, so nothing else would fail)."""
+    from ggmlpy import numba_compat
+    assert numba_compat.missing() == []
+    setter = numba_compat.fast_thread_setter()
+    import numba
+    assert setter is not numba.set_num_threads  # the fast one works on this numba

@@ -12,31 +12,13 @@ import numpy as np
 
 from ...graph import Graph
 from . import bf16dot, compile_ahead, dispatch, train_kernels
-from ...numba_compat import on_first_compile  # noqa: F401 -- public
+from ...numba_compat import fast_thread_setter, has_cached_code, on_first_compile  # noqa: F401 -- public
 from ...cores import FreeCores
 from .plan import Plan, Scratch
 
 
-def _thread_setter():
-    """How the executor sets numba's thread count between ops: a graph switches between one
-    thread and all of them around a hundred times. numba.set_num_threads checks and locks
-    on every call; the private function it ends in, reached once the pool is launched, only
-    sets (bench/RESULTS.md has the difference). It is used only where it exists and is seen
-    to set the count, else the public setter: a numba that changes it costs speed, not
-    correctness."""
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # launches the pool
-    from numba.np.ufunc import parallel
-    fast = getattr(parallel, "_set_num_threads", None)
-    try:
-        fast(1)
-        works = numba.get_num_threads() == 1
-    except Exception:  # noqa: BLE001 -- any failure of a private API means: do not use it
-        works = False
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    return fast if works else numba.set_num_threads
-
-
-_set_threads = _thread_setter()
+# the executor switches between one thread and all around a hundred times a graph
+_set_threads = fast_thread_setter()
 
 
 def kernels_cached() -> bool:
@@ -45,10 +27,7 @@ def kernels_cached() -> bool:
     cache index of RMS_NORM's kernel, which every supported model runs; True when that
     cannot be told."""
     from .kernels import rms_norm_f32
-    try:
-        return bool(rms_norm_f32.signatures) or rms_norm_f32._cache._cache_file._load_index() != {}
-    except Exception:  # noqa: BLE001 -- numba's cache internals: unknown means do not warn
-        return True
+    return has_cached_code(rms_norm_f32)
 
 
 class CpuBackend:

@@ -27,6 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ... import convert
+from ...numba_compat import bfloat_type
 from ...types import GGMLType
 from .gemm import matmul
 from .plan import Scratch
@@ -88,24 +89,11 @@ def pack_col_pairs(g, gp):
 
 
 # ---- the micro-tile (LLVM vector code) ------------------------------------------------------------
-class _BFloat(ir.Type):
-    """LLVM's bfloat, which llvmlite's IR builder does not name (the instruction's operand type)."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _BFloat)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
-
-
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _VF = ir.VectorType(ir.FloatType(), LANES)
 _VI = ir.VectorType(_I32, LANES)
-_VBF = ir.VectorType(_BFloat(), 2 * LANES)
+_VBF = ir.VectorType(bfloat_type(), 2 * LANES)
 
 
 def _tile(rows: int, cols: int):

@@ -15,8 +15,6 @@ in shared memory), and is killed when the run ends.
 """
 from __future__ import annotations
 
-import fcntl
-import gc
 import mmap
 import os
 import signal
@@ -24,8 +22,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from numba.core.caching import IndexDataCacheFile
-from numba.core.dispatcher import Dispatcher
+
+from ...numba_compat import cache_saves_lockable, compile_instead_of_running, lock_cache_saves
 
 
 class _Compiled(Exception):
@@ -35,26 +33,11 @@ class _Compiled(Exception):
 def available() -> bool:
     """Forking is only safe for a plain process on a system with fork and a spare core:
     never under MPI (its library does not support fork) or on one core; and numba must
-    save its cache the way _lock_cache_saves expects.
+    save its cache the way numba_compat.lock_cache_saves expects.
     GGMLPY_COMPILE_AHEAD=0 turns it off (to compare, bench/cold_start.py)."""
     return (os.environ.get("GGMLPY_COMPILE_AHEAD", "1") != "0" and hasattr(os, "fork")
             and (os.cpu_count() or 1) > 1 and "mpi4py" not in sys.modules
-            and hasattr(IndexDataCacheFile, "save"))
-
-
-def _lock_cache_saves() -> None:
-    """Make numba's cache saves exclusive between processes (one lock file per cache folder)."""
-    save = IndexDataCacheFile.save
-    if getattr(save, "locked", False):
-        return
-
-    def locked_save(self: IndexDataCacheFile, key, data) -> None:
-        with open(os.path.join(self._cache_path, ".ggmlpy-save.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            save(self, key, data)
-
-    locked_save.locked = True
-    IndexDataCacheFile.save = locked_save
+            and cache_saves_lockable())
 
 
 class CompileAhead:
@@ -64,7 +47,7 @@ class CompileAhead:
         self._shared = mmap.mmap(-1, 8)
         self._progress = np.frombuffer(self._shared, dtype=np.int64)
         self._progress[0] = 0
-        _lock_cache_saves()
+        lock_cache_saves()
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
@@ -102,20 +85,7 @@ def _compile_backwards(steps: Sequence[Callable[[], None]], progress: np.ndarray
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    dispatchers = [obj for obj in gc.get_objects() if isinstance(obj, Dispatcher)]
-
-    def forget_all() -> None:
-        for d in dispatchers:
-            if d.overloads:
-                d._reset_overloads()
-
-    def compile_only(self: Dispatcher, *args, **kws):
-        self.compile(tuple(self.typeof_pyval(a) for a in args))
-        forget_all()
-        raise _Compiled
-
-    Dispatcher._compile_for_args = compile_only
-    forget_all()
+    compile_instead_of_running(_Compiled)
     with np.errstate(all="ignore"):
         for i in range(len(steps) - 1, 0, -1):
             if progress[0] >= i:
