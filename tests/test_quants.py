@@ -553,3 +553,37 @@ def test_the_q4_k_scale_search_side_by_side_is_the_scalar_one_bit_for_bit():
             assert np.float32(scale).view(np.uint32) == st[K._SCALE * G + g].view(np.uint32), g
             assert np.float32(the_min).view(np.uint32) == (-st[K._MN * G + g]).view(np.uint32), g
             assert np.array_equal(Lg, L.reshape(32, G)[:, g]), g
+
+
+@pytest.mark.parametrize("n_cols", [1, 5, 40])
+def test_a_product_decides_its_kernel_when_the_plan_is_prepared(monkeypatch, n_cols):
+    """Every MUL_MAT of a quantized matrix picks its kernel and activation layout once, when
+    the plan is prepared: running the plan again consults no chooser (ggml-cpu's
+    type_traits_cpu lookup is per node, not per call)."""
+    from ggmlpy.backend.cpu import qdot, qexact
+    rng = np.random.default_rng(3)
+    ctx = gg.Context()
+    outs = []
+    for type in MATMUL_TYPES + [T.Q4_0, T.Q5_K]:
+        k = gg.traits(type).blck_size * (1 if gg.traits(type).blck_size == 256 else 8)
+        q, _ = quantized_weights(rng, type, (16, k))
+        x = rng.standard_normal((n_cols, k)).astype(np.float32)
+        outs.append(gg.mul_mat(ctx, ctx.from_numpy(q, type), ctx.from_numpy(x)))
+    graph = gg.new_graph(outs[0])
+    for out in outs[1:]:
+        gg.build_forward_expand(graph, out)
+    from ggmlpy.backend.cpu import CpuBackend
+    backend = CpuBackend()
+    gg.compute(graph, backend)
+    first = [o.array().copy() for o in outs]
+
+    def chooser_called(*args, **kwargs):
+        raise AssertionError("a kernel was chosen while the plan ran")
+    for module, name in ((qexact, "plan_mul_mat"), (qexact, "supports"), (qdot, "supports"),
+                         (qmatmul, "plan_mul_mat_q")):
+        monkeypatch.setattr(module, name, chooser_called)
+    for o in outs:
+        o.array()[...] = np.nan
+    gg.compute(graph, backend)  # the same plan, run again
+    for o, f in zip(outs, first):
+        assert np.array_equal(o.array(), f)

@@ -126,7 +126,8 @@ class WeightRows:
         tile path's tiles."""
         if self.exact:
             q, offs = self.quant, self.quant.offs[c0:c0 + z.shape[1]]
-            return [lambda: qexact.mul_mat(q.type, q.buf, offs, x, z, scratch, block_sums=True)]
+            exact = qexact.plan_mul_mat(q.type, x.shape[0], offs.shape[0], self.k, block_sums=True)
+            return [lambda: exact(q.buf, offs, x, z, scratch)]
         if self.quant is None:
             return [Matmul(x, wc.T, z)]
         t, n = self.tile, wc.shape[0]

@@ -33,7 +33,7 @@ from . import floatdot
 from .gemm import GRAIN, Matmul, matmul
 from .kernel_table import KernelTable, Prepared, require_f32
 from .plan import Plan
-from .qmatmul import QuantMatrix, mul_mat_q, mul_mat_qt, row_offsets
+from .qmatmul import QuantMatrix, mul_mat_qt, plan_mul_mat_q, row_offsets
 
 KERNELS = KernelTable()
 
@@ -108,10 +108,11 @@ def _prepare_quantized(node: Tensor, a: Tensor, b: Tensor, plan: Plan) -> Prepar
             else:
                 work += [(w, bs[j3, j2], ds[j3, j2]) for j3 in range(bs.shape[0]) for j2 in range(bs.shape[1])]
     scratch = plan.scratch  # tiles and rounded activations, shared by every product
+    products = [(plan_mul_mat_q(w, x.shape[0]), x, out) for w, x, out in work]  # kernels chosen here, once
 
     def run() -> None:
-        for w, x, out in work:
-            mul_mat_q(w, x, out, scratch)
+        for product, x, out in products:
+            product(x, out, scratch)
     return run
 
 

@@ -30,6 +30,9 @@ integers (float32) in the kernels' layout, so nothing of the matrix is kept expa
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 from numba import njit, prange
 
@@ -671,9 +674,13 @@ def block_sums(type: GGMLType) -> bool:
     return type in Q0_BLOCK_BYTES
 
 
-def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch,
-            block_sums: bool = False) -> None:
-    """out (N, M) = x (N, K) times the M quantized rows at buf[offs] (ggml's sums, module doc).
+Product = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any], None]  # (buf, offs, x, out, scratch)
+
+
+def plan_mul_mat(type: GGMLType, n: int, m: int, k: int, block_sums: bool = False) -> Product:
+    """The product out (n, m) = x (n, k) times the m quantized rows at buf[offs] (ggml's
+    sums, module doc), chosen once for its shape: the returned call quantizes x into the
+    backend's scratch and runs one kernel, deciding nothing.
 
     block_sums (Q5_0 and Q8_0 with more than Q0_GEMV_MAX_COLS columns, else ignored): one
     float multiply-add per block of 32 and column, in place of ggml's 8 lanes of 4 products
@@ -682,90 +689,120 @@ def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, ou
     whatever columns come with it. For the output layer
     fused with the loss (linear_ce.py), which needs logits, not llama.cpp's bits. (Few columns
     keep the gemv kernels: 2-10x faster there, bench/quant_matmul.py.)"""
-    n, k = x.shape
     if n == 0:
-        return
+        return lambda buf, offs, x, out, scratch: None
     tiles = (n + W - 1) // W
+    few = n <= Q0_GEMV_MAX_COLS
     if type in Q0_BLOCK_BYTES:
         nb = k // QK
         block_bytes, bias = Q0_BLOCK_BYTES[type], Q0_BIAS[type]  # bias: makes the matrix integers unsigned
         # ggml repacks the Q4_0 matrices whose rows are a multiple of 8 and sums them by blocks
         # (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0), whatever the column count
-        repacked = type == GGMLType.Q4_0 and offs.shape[0] % 8 == 0
-        if repacked and n <= Q0_GEMV_MAX_COLS:
-            xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
-            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-            quantize_q8_0_rows(x, xq, xd)
-            _q4_0_gemv(buf, offs, xq, xd, out)
-        elif (block_sums or repacked) and not VNNI and n > Q0_GEMV_MAX_COLS:
-            xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
-            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-            quantize_q8_0_tiles(x, xq, xd, False)
-            _q0_gemm(buf, offs, block_bytes, True, xq, xd, out)
-        elif (block_sums or repacked) and n > Q0_GEMV_MAX_COLS:
-            xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
-            xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb, 8, W)
-            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-            quantize_q8_0_tiles_vnni(x, xq, xc.reshape(tiles, nb * 8, W), xd, bias)
-            xcb = scratch.get("q8_0_cb", tiles * nb * W).view(np.int32).reshape(tiles, nb, W)
-            np.sum(xc, axis=2, out=xcb)
-            _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out)
-        elif VNNI and n <= Q0_GEMV_MAX_COLS and type == GGMLType.Q8_0:
-            xu = _bytes(scratch, "q8_0_u8", n * nb * QK).reshape(n, nb * QK)
-            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-            quantize_q8_0_biased(x, xu, xd)
-            _q8_0_gemv_vnni(buf, offs, xu, xd, out)
-        elif VNNI and n <= Q0_GEMV_MAX_COLS and type == GGMLType.Q5_0:
-            xs = _bytes(scratch, "q8_0_i8", n * nb * QK).view(np.int8).reshape(n, nb * QK)
-            xsum = scratch.get("q8_0_c", n * nb * 8).view(np.int32).reshape(n, nb * 8)
-            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-            quantize_q8_0_signed(x, xs, xsum, xd)
-            _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out)
-        elif VNNI and n > Q0_GEMV_MAX_COLS:
-            xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
-            xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb * 8, W)
-            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-            quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias)
-            _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out)
-        elif n <= Q0_GEMV_MAX_COLS:
-            xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
-            xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-            quantize_q8_0_rows(x, xq, xd)
-            _q0_gemv(buf, offs, block_bytes, xq, xd, out)
+        repacked = type == GGMLType.Q4_0 and m % 8 == 0
+        if repacked and few:
+            def run(buf, offs, x, out, scratch):
+                xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
+                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+                quantize_q8_0_rows(x, xq, xd)
+                _q4_0_gemv(buf, offs, xq, xd, out)
+        elif (block_sums or repacked) and not VNNI and not few:
+            def run(buf, offs, x, out, scratch):
+                xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
+                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+                quantize_q8_0_tiles(x, xq, xd, False)
+                _q0_gemm(buf, offs, block_bytes, True, xq, xd, out)
+        elif (block_sums or repacked) and not few:
+            def run(buf, offs, x, out, scratch):
+                xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
+                xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb, 8, W)
+                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+                quantize_q8_0_tiles_vnni(x, xq, xc.reshape(tiles, nb * 8, W), xd, bias)
+                xcb = scratch.get("q8_0_cb", tiles * nb * W).view(np.int32).reshape(tiles, nb, W)
+                np.sum(xc, axis=2, out=xcb)
+                _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out)
+        elif VNNI and few and type == GGMLType.Q8_0:
+            def run(buf, offs, x, out, scratch):
+                xu = _bytes(scratch, "q8_0_u8", n * nb * QK).reshape(n, nb * QK)
+                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+                quantize_q8_0_biased(x, xu, xd)
+                _q8_0_gemv_vnni(buf, offs, xu, xd, out)
+        elif VNNI and few and type == GGMLType.Q5_0:
+            def run(buf, offs, x, out, scratch):
+                xs = _bytes(scratch, "q8_0_i8", n * nb * QK).view(np.int8).reshape(n, nb * QK)
+                xsum = scratch.get("q8_0_c", n * nb * 8).view(np.int32).reshape(n, nb * 8)
+                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+                quantize_q8_0_signed(x, xs, xsum, xd)
+                _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out)
+        elif VNNI and not few:
+            def run(buf, offs, x, out, scratch):
+                xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
+                xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb * 8, W)
+                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+                quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias)
+                _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out)
+        elif few:
+            def run(buf, offs, x, out, scratch):
+                xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
+                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
+                quantize_q8_0_rows(x, xq, xd)
+                _q0_gemv(buf, offs, block_bytes, xq, xd, out)
         else:
-            xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
-            xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-            quantize_q8_0_tiles(x, xq, xd, True)
-            _q0_gemm(buf, offs, block_bytes, False, xq, xd, out)
-        return
+            def run(buf, offs, x, out, scratch):
+                xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
+                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
+                quantize_q8_0_tiles(x, xq, xd, True)
+                _q0_gemm(buf, offs, block_bytes, False, xq, xd, out)
+        return run
     nb = k // QK_K
-    xq = scratch.get("q8_k", n * k).reshape(n, k)
-    xd = scratch.get("q8_k_d", n * nb).reshape(n, nb)
-    bs16 = scratch.get("q8_k_bs16", n * nb * 16).reshape(n, nb * 16)
-    bs32 = scratch.get("q8_k_bs32", n * nb * 8).reshape(n, nb * 8)
-    quantize_q8_k_rows(x, xq, xd, bs16, bs32)
+
+    def q8_k(x, scratch):
+        xq = scratch.get("q8_k", n * k).reshape(n, k)
+        xd = scratch.get("q8_k_d", n * nb).reshape(n, nb)
+        bs16 = scratch.get("q8_k_bs16", n * nb * 16).reshape(n, nb * 16)
+        bs32 = scratch.get("q8_k_bs32", n * nb * 8).reshape(n, nb * 8)
+        quantize_q8_k_rows(x, xq, xd, bs16, bs32)
+        return xq, xd, bs16, bs32
+
+    def q8_k_tiled(xq, xd, bs32, scratch, cols):
+        t = (cols + W - 1) // W
+        tq = scratch.get("q8_k_tiles", t * k * W).reshape(t, k, W)
+        td = scratch.get("q8_k_tiles_d", t * nb * W).reshape(t, nb, W)
+        tbs = scratch.get("q8_k_tiles_bs", t * nb * 8 * W).reshape(t, nb * 8, W)
+        q8_k_tiles(xq, xd, bs32, tq, td, tbs, cols)
+        return tq, td, tbs
+
     if type == GGMLType.Q4_K:
-        n_gemm = n - n % Q4_K_GEMM_GROUP
-        if n_gemm:
-            t = (n_gemm + W - 1) // W
-            tq = scratch.get("q8_k_tiles", t * k * W).reshape(t, k, W)
-            td = scratch.get("q8_k_tiles_d", t * nb * W).reshape(t, nb, W)
-            tbs = scratch.get("q8_k_tiles_bs", t * nb * 8 * W).reshape(t, nb * 8, W)
-            q8_k_tiles(xq, xd, bs32, tq, td, tbs, n_gemm)
-            _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm)
-        if n_gemm < n and VNNI:
-            xs, bse, bso, b32 = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
-            _q4_k_gemv_vnni(buf, offs, xs, xd, b32, out, n_gemm)
-        elif n_gemm < n:
-            _q4_k_gemv(buf, offs, xq, xd, bs32, out, n_gemm)
+        n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns through the tiles, the rest one by one
+
+        def run(buf, offs, x, out, scratch):
+            xq, xd, bs16, bs32 = q8_k(x, scratch)
+            if n_gemm:
+                tq, td, tbs = q8_k_tiled(xq, xd, bs32, scratch, n_gemm)
+                _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm)
+            if n_gemm < n and VNNI:
+                xs, bse, bso, b32 = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
+                _q4_k_gemv_vnni(buf, offs, xs, xd, b32, out, n_gemm)
+            elif n_gemm < n:
+                _q4_k_gemv(buf, offs, xq, xd, bs32, out, n_gemm)
     elif n >= Q6_K_TILED_MIN_COLS:
-        tq = scratch.get("q8_k_tiles", tiles * k * W).reshape(tiles, k, W)
-        td = scratch.get("q8_k_tiles_d", tiles * nb * W).reshape(tiles, nb, W)
-        tbs = scratch.get("q8_k_tiles_bs", tiles * nb * 8 * W).reshape(tiles, nb * 8, W)
-        q8_k_tiles(xq, xd, bs32, tq, td, tbs, n)
-        _q6_k_tiled(buf, offs, tq, td, out)
+        def run(buf, offs, x, out, scratch):
+            xq, xd, bs16, bs32 = q8_k(x, scratch)
+            tq, td, _ = q8_k_tiled(xq, xd, bs32, scratch, n)
+            _q6_k_tiled(buf, offs, tq, td, out)
     elif VNNI:
-        xs, bse, bso, _ = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
-        _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out)
+        def run(buf, offs, x, out, scratch):
+            xq, xd, bs16, bs32 = q8_k(x, scratch)
+            xs, bse, bso, _ = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
+            _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out)
     else:
-        _q6_k_vec_dot(buf, offs, xq, xd, bs16, out)
+        def run(buf, offs, x, out, scratch):
+            xq, xd, bs16, bs32 = q8_k(x, scratch)
+            _q6_k_vec_dot(buf, offs, xq, xd, bs16, out)
+    return run
+
+
+def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch,
+            block_sums: bool = False) -> None:
+    """plan_mul_mat's product for these operands, chosen and run at once (a one-off product;
+    a graph's nodes choose theirs when the plan is prepared)."""
+    plan_mul_mat(type, x.shape[0], offs.shape[0], x.shape[1], block_sums)(buf, offs, x, out, scratch)

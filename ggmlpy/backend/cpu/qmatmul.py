@@ -1,9 +1,10 @@
 """Products with a block-quantized matrix, computed from the packed blocks.
 
-Q5_0, Q8_0, Q4_K and Q6_K matrices (Gemma 3's and most Q4_K_M models') go through
-qexact.py, which sums as llama.cpp's x86 kernels do, bit for bit. Q4_0 and Q5_K with a few
-activation columns (generation) take qdot.py's integer dot products on the blocks. Every
-other product:
+Q4_0, Q5_0, Q8_0, Q4_K and Q6_K matrices (Gemma 3's and most Q4_K_M models') go through
+qexact.py, which sums as llama.cpp's x86 kernels do, bit for bit. Q5_K with a few activation
+columns (generation) takes qdot.py's integer dot products on the blocks. Each product's
+kernel is chosen when its plan is prepared (plan_mul_mat_q), never per call. Every other
+product:
 
 A quantized matrix W (M rows of K elements, as ggml stores weights) is never expanded
 whole: a tile of rows is dequantized into a small float32 scratch (about TILE_BYTES)
@@ -22,6 +23,8 @@ Rows are addressed by byte offsets into one flat uint8 buffer, so strided and
 broadcast layouts, memory-mapped files and arenas are all handled the same way.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numba
 import numpy as np
@@ -87,27 +90,33 @@ def _tiles(w: QuantMatrix, scratch: Scratch, tiles: int = 1) -> tuple[int, np.nd
     return t, scratch.get("tile", tiles * t * w.k).reshape(tiles * t, w.k)
 
 
-def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
-    """out[n, m] = sum_k x~[n, k] * W[m, k]  (x: (N, K) float32, out: (N, M) float32 view).
+ProductQ = Callable[[np.ndarray, np.ndarray, Scratch], None]  # (x, out, scratch)
+
+
+def plan_mul_mat_q(w: QuantMatrix, n: int) -> ProductQ:
+    """The product out[n, m] = sum_k x~[n, k] * W[m, k] (x: (n, K) float32, out: (n, M)
+    float32 view) for n columns, chosen once: the returned call decides nothing.
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
     into `scratch` (the backend's; tiles go there too); x is left unchanged. The types
     llama.cpp's x86 build sums in a fixed order (Q5_0, Q8_0, Q4_K, Q6_K) take qexact.py's
-    kernels instead, which reproduce that order bit for bit, for any number of columns; Q4_0
-    and Q5_K with up to qdot.MAX_COLUMNS columns take qdot.py's integer dot products on the
-    blocks; the rest below.
+    kernels instead, which reproduce that order bit for bit, for any number of columns; Q5_K
+    with up to qdot.MAX_COLUMNS columns takes qdot.py's integer dot products on the blocks;
+    the rest below.
 
     Tiles are dequantized one group at a time, a tile per thread, and each tile's product
     is one whole BLAS call: the result is the same for any thread count and the float
     rounding of every product is that of an unsliced (N, K) x (K, tile) GEMM."""
-    scratch = scratch or Scratch()
     if qexact.supports(w.type):  # ggml's own summation order (qexact.py), any column count
-        qexact.mul_mat(w.type, w.buf, w.offs, x, out, scratch)
-        return out
-    if qdot.supports(w.type, x.shape[0]):  # Q4_0, Q5_K with a few columns: integer dots on the blocks
-        qdot.mul_mat_dot(w.type, w.buf, w.offs, x, out, scratch)
-        return out
+        exact = qexact.plan_mul_mat(w.type, n, w.m, w.k)
+        return lambda x, out, scratch: exact(w.buf, w.offs, x, out, scratch)
+    if qdot.supports(w.type, n):  # Q5_K with a few columns: integer dots on the blocks
+        return lambda x, out, scratch: qdot.mul_mat_dot(w.type, w.buf, w.offs, x, out, scratch)
+    return lambda x, out, scratch: _mul_mat_tiles(w, x, out, scratch)
+
+
+def _mul_mat_tiles(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch) -> None:
     group = max(1, numba.get_num_threads())
     t, tiles_buf = _tiles(w, scratch, group)
     if w.round_activations is not None and x.size:
@@ -126,6 +135,12 @@ def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch |
         r0 = n_full * t
         tile = w.dequantize_rows(r0, w.m, tiles_buf)
         matmul(x, tile.T, out[:, r0:], slice_rows=None)
+
+
+def mul_mat_q(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
+    """plan_mul_mat_q's product for these operands, chosen and run at once (a one-off product;
+    a graph's nodes choose theirs when the plan is prepared)."""
+    plan_mul_mat_q(w, x.shape[0])(x, out, scratch or Scratch())
     return out
 
 
