@@ -650,54 +650,60 @@ def _quantize_qkx_block(xr, xo, y, o, nmax, bi, scratch):
             L[32 * j + ii] = max(0, min(nmax, nearest_int((xr[xo + 32 * j + ii] + dm) / d)))
 
 
+@njit(cache=True, inline="always")
+def _pack_q4_k(L, y, o):
+    for c in range(4):
+        for l in range(32):
+            y[o + 16 + 32 * c + l] = np.uint8(L[64 * c + l] | (L[64 * c + 32 + l] << 4))
+
+
+@njit(cache=True, inline="always")
+def _pack_q5_k(L, y, o):
+    for l in range(32):
+        y[o + 16 + l] = 0
+    for c in range(4):
+        for l in range(32):
+            l1 = L[64 * c + l]
+            l2 = L[64 * c + 32 + l]
+            h = np.int32(y[o + 16 + l])
+            if l1 > 15:
+                l1 -= 16
+                h |= 1 << (2 * c)
+            if l2 > 15:
+                l2 -= 16
+                h |= 2 << (2 * c)
+            y[o + 16 + l] = np.uint8(h)
+            y[o + 48 + 32 * c + l] = np.uint8(l1 | (l2 << 4))
+
+
 @njit(parallel=True, cache=True)
+def _quantize_qkx(x, out, nmax, rmin, rdelta, nstep, block_bytes):
+    """quantize_row_q4_K_ref (nmax 15) or q5_K_ref (nmax 31) on every row, in parallel."""
+    nb = x.shape[1] // QK_K
+    for r in prange(x.shape[0]):
+        xr, y = x[r], out[r]
+        scratch = _qkx_scratch()
+        for b0 in range(0, nb, QKX_LANES // 8):
+            nblk = min(QKX_LANES // 8, nb - b0)
+            _qkx_search(xr, b0, nblk, nmax, rmin, rdelta, nstep, scratch)
+            for bi in range(nblk):
+                i = b0 + bi
+                o = i * block_bytes
+                _quantize_qkx_block(xr, i * QK_K, y, o, nmax, bi, scratch)
+                if nmax == 15:
+                    _pack_q4_k(scratch[4], y, o)
+                else:
+                    _pack_q5_k(scratch[4], y, o)
+
+
+@njit(cache=True)
 def quantize_q4_k(x, out):
-    nb = x.shape[1] // QK_K
-    for r in prange(x.shape[0]):
-        xr, y = x[r], out[r]
-        scratch = _qkx_scratch()
-        L = scratch[4]
-        for b0 in range(0, nb, QKX_LANES // 8):
-            nblk = min(QKX_LANES // 8, nb - b0)
-            _qkx_search(xr, b0, nblk, 15, F32(-1.0), F32(0.1), 20, scratch)
-            for bi in range(nblk):
-                i = b0 + bi
-                o = i * 144
-                _quantize_qkx_block(xr, i * QK_K, y, o, 15, bi, scratch)
-                for c in range(4):
-                    for l in range(32):
-                        y[o + 16 + 32 * c + l] = np.uint8(L[64 * c + l] | (L[64 * c + 32 + l] << 4))
+    _quantize_qkx(x, out, 15, F32(-1.0), F32(0.1), 20, 144)
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def quantize_q5_k(x, out):
-    nb = x.shape[1] // QK_K
-    for r in prange(x.shape[0]):
-        xr, y = x[r], out[r]
-        scratch = _qkx_scratch()
-        L = scratch[4]
-        for b0 in range(0, nb, QKX_LANES // 8):
-            nblk = min(QKX_LANES // 8, nb - b0)
-            _qkx_search(xr, b0, nblk, 31, F32(-0.5), F32(0.1), 15, scratch)
-            for bi in range(nblk):
-                i = b0 + bi
-                o = i * 176
-                _quantize_qkx_block(xr, i * QK_K, y, o, 31, bi, scratch)
-                for l in range(32):
-                    y[o + 16 + l] = 0
-                for c in range(4):
-                    for l in range(32):
-                        l1 = L[64 * c + l]
-                        l2 = L[64 * c + 32 + l]
-                        h = np.int32(y[o + 16 + l])
-                        if l1 > 15:
-                            l1 -= 16
-                            h |= 1 << (2 * c)
-                        if l2 > 15:
-                            l2 -= 16
-                            h |= 2 << (2 * c)
-                        y[o + 16 + l] = np.uint8(h)
-                        y[o + 48 + 32 * c + l] = np.uint8(l1 | (l2 << 4))
+    _quantize_qkx(x, out, 31, F32(-0.5), F32(0.1), 15, 176)
 
 
 @njit(parallel=True, cache=True)
