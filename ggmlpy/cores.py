@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 SAMPLE_SECONDS = 0.5
+FIRST_SAMPLE_SECONDS = 0.1  # the first measurement comes sooner: a short run is mostly its start
 
 
 def _machine_busy_seconds(path: str = "/proc/stat") -> float | None:
@@ -44,9 +45,11 @@ class FreeCores:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.n_cores = n_cores or os.cpu_count() or 1
         self._machine_busy, self._own_busy, self._clock = machine_busy, own_busy, clock
-        self._last: tuple[float, float, float] | None = None
         self.free = float(self.n_cores)  # the last measurement
+        self._last: tuple[float, float, float] | None = None
         self._next = 0.0
+        self._sample(self._clock())  # the counters at creation: the first measurement is over
+        self._next = self._clock() + FIRST_SAMPLE_SECONDS  # the first FIRST_SAMPLE_SECONDS
 
     def _sample(self, now: float) -> None:
         machine = self._machine_busy()
@@ -60,6 +63,7 @@ class FreeCores:
         self._last = (now, machine, own)
 
     def threads(self, wanted: int) -> int:
+        """wanted, or the cores other processes leave free when fewer (at least 1)."""
         now = self._clock()
         if now >= self._next:
             self._next = now + SAMPLE_SECONDS
