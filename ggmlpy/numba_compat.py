@@ -2,11 +2,12 @@
 new numba is checked here (pyproject.toml pins the versions this was written against, and
 `missing()` names what a numba lacks; tests/test_startup.py runs it):
 
-- the compile event a front end hooks before anything compiles (event API);
+- the compile event a front end hooks before anything compiles, and a count of compiles
+  (compile-ahead starts when a plan's step compiles) (event API);
 - numba's lowering registries loaded without the packages it probes for unused features;
 - the thread-count setter without numba's checks and lock (the executor switches often);
-- whether a kernel's on-disk cache has entries; serialised cache saves and a dispatcher
-  that compiles instead of running (compile-ahead's child, backend/cpu/compile_ahead.py);
+- serialised cache saves and a dispatcher that compiles instead of running (compile-ahead's
+  child, backend/cpu/compile_ahead.py);
 - LLVM's bfloat type, which llvmlite's IR builder does not name (backend/cpu/bf16dot.py).
 
 Each user degrades to the public path when what it needs is missing (slower, never wrong).
@@ -37,6 +38,28 @@ def on_first_compile(callback: Callable[[], None]) -> None:
             pass
 
     event.register("numba:compile", FirstCompile())
+
+
+_COMPILES = [0]
+_COUNTING: list[bool] = []
+
+
+def compile_count() -> Callable[[], int]:
+    """A function giving how many kernels numba has started compiling in this process (cache
+    misses; loads from the on-disk cache do not count). Registers the listener once."""
+    if not _COUNTING:
+        from numba.core import event
+
+        class Count(event.Listener):
+            def on_start(self, ev: event.Event) -> None:
+                _COMPILES[0] += 1
+
+            def on_end(self, ev: event.Event) -> None:
+                pass
+
+        event.register("numba:compile", Count())
+        _COUNTING.append(True)
+    return lambda: _COMPILES[0]
 
 
 # What numba imports when its registries load, for features no ggmlpy kernel uses: scipy's
@@ -83,15 +106,6 @@ def fast_thread_setter() -> Callable[[int], None]:
         works = False
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     return fast if works else numba.set_num_threads
-
-
-def has_cached_code(dispatcher: Any) -> bool:
-    """Whether a cache=True kernel has compiled code in memory or in numba's on-disk cache
-    index; True when that cannot be told (unknown means: do not warn)."""
-    try:
-        return bool(dispatcher.signatures) or dispatcher._cache._cache_file._load_index() != {}
-    except Exception:  # noqa: BLE001 -- numba's cache internals
-        return True
 
 
 def cache_saves_lockable() -> bool:
@@ -162,10 +176,13 @@ def bfloat_type() -> Any:
 
 
 def missing() -> list[str]:
-    """The private names this module uses that the installed numba / llvmlite lack."""
+    """The private names this module uses that the installed numba / llvmlite lack (launches
+    numba's thread pool: the thread setter exists from then on)."""
+    import numba
     from llvmlite import ir
     from numba.core import caching, dispatcher, event
     from numba.np.ufunc import parallel
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     wanted = [(parallel, "_set_num_threads"), (caching.IndexDataCacheFile, "save"),
               (dispatcher.Dispatcher, "_compile_for_args"), (dispatcher.Dispatcher, "_reset_overloads"),
               (dispatcher.Dispatcher, "typeof_pyval"), (caching, "IndexDataCacheFile"), (ir.Type, "_to_string"),

@@ -1,4 +1,4 @@
-"""The first run after installing says it is compiling (numba's cache is empty), later ones do not."""
+"""Start-up: compile-ahead, numba's private names, what the tools load of numba."""
 from __future__ import annotations
 
 import os
@@ -6,23 +6,6 @@ import subprocess
 import sys
 
 from conftest import REPO_ROOT
-
-PROBE = "from ggmlpy.backend.cpu import kernels_cached; print(kernels_cached())"
-
-
-def probe(env: dict) -> str:
-    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=REPO_ROOT, env=env,
-                          timeout=120).stdout.strip()
-
-
-def test_an_empty_numba_cache_is_seen_and_a_filled_one_is_not(tmp_path):
-    import numpy as np
-    from ggmlpy.backend.cpu.kernels import rms_norm_f32
-    x = np.ones((1, 1, 2, 8), np.float32)
-    rms_norm_f32(x, np.empty_like(x), 1e-5)  # compiled (and cached) by now, if not before
-    assert probe({**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}) == "False"
-    assert probe(dict(os.environ)) == "True"
-
 
 AHEAD = """
 import mmap, os
@@ -109,3 +92,64 @@ def test_the_numba_this_runs_on_has_every_private_name_ggmlpy_uses():
     setter = numba_compat.fast_thread_setter()
     import numba
     assert setter is not numba.set_num_threads  # the fast one works on this numba
+
+
+def test_compile_ahead_starts_when_a_plans_step_compiles(monkeypatch):
+    """A plan's first run forks the compiling child from the step after the first one that
+    compiled (a first run after installing, a model of another shape), never when nothing
+    compiles, in a plan's later runs or while another thread runs."""
+    import threading
+
+    from ggmlpy.backend import cpu
+    from ggmlpy.backend.cpu import compile_ahead
+
+    started = []
+
+    class FakePlan:  # what the backend reads of a plan
+        pass
+
+    class Recorder:
+        def __init__(self, steps, first=0):
+            started.append(first)
+
+        def at(self, i):
+            pass
+
+        def close(self):
+            pass
+    monkeypatch.setattr(compile_ahead, "CompileAhead", Recorder)
+    count = [0]
+    monkeypatch.setattr(cpu, "compile_count", lambda: lambda: count[0])
+
+    def plan_compiling_at(step: int | None):
+        def call(i):
+            def run():
+                if i == step:
+                    count[0] += 1
+            return run
+        plan = FakePlan()
+        plan.steps = [(f"s{i}", call(i), False) for i in range(5)]
+        plan.runs, plan.n_runs = [(False, tuple(r for _, r, _ in plan.steps))], 0
+        return plan
+
+    backend = cpu.CpuBackend(1)
+    backend._compile_ahead = True
+    backend._run(plan_compiling_at(None))
+    assert started == []
+    backend._run(plan_compiling_at(1))
+    assert started == [2]
+    plan = plan_compiling_at(1)
+    backend._run(plan)
+    backend._run(plan)  # a plan's later runs never fork
+    assert started == [2, 2]
+    backend._run(plan_compiling_at(0))
+    assert started == [2, 2, 1]
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        backend._run(plan_compiling_at(1))
+        assert started == [2, 2, 1]
+    finally:
+        stop.set()
+        other.join()

@@ -12,22 +12,13 @@ import numpy as np
 
 from ...graph import Graph
 from . import bf16dot, compile_ahead, dispatch, train_kernels
-from ...numba_compat import fast_thread_setter, has_cached_code, on_first_compile  # noqa: F401 -- public
+from ...numba_compat import compile_count, fast_thread_setter, on_first_compile  # noqa: F401 -- public
 from ...cores import FreeCores
 from .plan import Plan, Scratch
 
 
 # the executor switches between one thread and all around a hundred times a graph
 _set_threads = fast_thread_setter()
-
-
-def kernels_cached() -> bool:
-    """Whether numba's on-disk cache already holds compiled kernels (False on the first run
-    after installing, when the first graphs spend tens of seconds compiling). Read from the
-    cache index of RMS_NORM's kernel, which every supported model runs; True when that
-    cannot be told."""
-    from .kernels import rms_norm_f32
-    return has_cached_code(rms_norm_f32)
 
 
 class CpuBackend:
@@ -47,8 +38,8 @@ class CpuBackend:
         self.scratch = Scratch()
         self._plans: weakref.WeakKeyDictionary[Graph, Plan] = weakref.WeakKeyDictionary()
         self.set_n_threads(n_threads or numba.config.NUMBA_NUM_THREADS)
-        # on a cold numba cache, each plan's first run shares its compiling with a child
-        self._compile_ahead = compile_ahead.available() and not kernels_cached()
+        # a plan's first run shares its compiling with a child (_first_run)
+        self._compile_ahead = compile_ahead.available()
         self._plans_run: weakref.WeakSet[Plan] = weakref.WeakSet()
 
     @property
@@ -77,13 +68,30 @@ class CpuBackend:
         plan.n_runs += 1
         if self._compile_ahead and plan not in self._plans_run:
             self._plans_run.add(plan)
-            ahead = compile_ahead.CompileAhead([run for _, run, _ in plan.steps])
-            try:
-                self._run_steps(plan, ahead.at)
-            finally:
-                ahead.close()
+            self._first_run(plan)
             return
         self._run_steps(plan, None)
+
+    def _first_run(self, plan: Plan) -> None:
+        """A plan's first run. When a step compiles a kernel (the first run after installing,
+        or a model of another shape or type than those run before), a child process compiles
+        the steps from the last one backwards meanwhile (compile_ahead.py), from then on."""
+        steps = [run for _, run, _ in plan.steps]
+        compiles = compile_count()
+        seen = compiles()
+        ahead = None
+
+        def at_step(i: int) -> None:
+            nonlocal ahead
+            if ahead is None and compiles() != seen and i < len(steps) - 1 and compile_ahead.safe_to_fork():
+                ahead = compile_ahead.CompileAhead(steps, first=i)
+            if ahead is not None:
+                ahead.at(i)
+        try:
+            self._run_steps(plan, at_step)
+        finally:
+            if ahead is not None:
+                ahead.close()
 
     def threads_now(self) -> int:
         """The threads the next run uses: n_threads, or the cores other processes leave free."""

@@ -19,6 +19,7 @@ import mmap
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -40,13 +41,20 @@ def available() -> bool:
             and cache_saves_lockable())
 
 
+def safe_to_fork() -> bool:
+    """No other Python thread is running (a server's, a user's): one holding a lock at the
+    fork would leave the child waiting on it for ever."""
+    return threading.active_count() == 1
+
+
 class CompileAhead:
     """The child compiling `steps` backwards, and the shared counter of this process's step."""
 
-    def __init__(self, steps: Sequence[Callable[[], None]]) -> None:
+    def __init__(self, steps: Sequence[Callable[[], None]], first: int = 0) -> None:
+        """Fork the child; this process is at step `first`."""
         self._shared = mmap.mmap(-1, 8)
         self._progress = np.frombuffer(self._shared, dtype=np.int64)
-        self._progress[0] = 0
+        self._progress[0] = first
         lock_cache_saves()
         sys.stdout.flush()
         sys.stderr.flush()
