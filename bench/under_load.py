@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--env", nargs="*", default=[], help="NAME=VALUE for the measured command")
     args = ap.parse_args()
+    bad = [kv for kv in args.env if "=" not in kv or kv.startswith("=")]
+    if bad:
+        ap.error(f"--env takes NAME=VALUE, not {bad[0]!r}")
     env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.env))
     whats = ["finetune", "generate"] if args.what == "both" else [args.what]
     print(f"{os.cpu_count()} cores, -t {args.threads}, {args.hogs} busy process(es), env {args.env or 'default'}, "

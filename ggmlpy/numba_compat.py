@@ -71,9 +71,10 @@ _UNUSED_BY_KERNELS = ("scipy.linalg", "cffi")
 def start_numba_registries() -> None:
     """Load numba's lowering registries (what its first compile or cache load does) with
     scipy.linalg and cffi hidden: numba imports them at that moment for features no ggmlpy
-    kernel uses (_UNUSED_BY_KERNELS), 0.15 s of every command's start where they are
-    installed. For processes that run only ggmlpy's kernels (the command-line tools): those
-    numba features stay off in them, the packages themselves import normally afterwards.
+    kernel uses (_UNUSED_BY_KERNELS), 70 ms of every command's start where they are
+    installed (bench/RESULTS.md, twelfth session). For processes that run only ggmlpy's
+    kernels (the command-line tools): those numba features stay off in them, the packages
+    themselves import normally afterwards.
     Does nothing once the registries are loaded; a package already imported stays seen."""
     if "numba.np.arraymath" in sys.modules:
         return

@@ -3,6 +3,7 @@
 `LLAMAPY_SHARED` overrides the default `../shared` (relative to the repository root).
 Tests skip with a stated reason only when that folder is absent; in CI it never is.
 """
+import hashlib
 import os
 from pathlib import Path
 
@@ -16,6 +17,12 @@ start_numba_registries()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("LLAMAPY_SHARED", REPO_ROOT.parent / "shared")).resolve()
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in blocks (a model can be gigabytes)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def shared_path(*parts: str) -> Path:

@@ -12,7 +12,6 @@ files (1.3 GB for Gemma 3) and the quantized models stay in a temporary folder.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import shared_path  # noqa: E402
+from conftest import file_sha256, shared_path  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 # name -> (quantized type, flags of the base run, flags of the KL-divergence run). stories260K
@@ -31,14 +30,6 @@ CASES = {
     "gemma3": ("Q4_0", ["-c", "512", "--chunks", "10", "-t", "2"], ["-t", "2"]),
 }
 ETA = re.compile(r"[\d.]+ minutes")  # the end of llama.cpp's ETA line lands on stdout
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def model_path(name: str) -> Path:
@@ -75,8 +66,8 @@ def record(bin_dir: Path, name: str, work: Path) -> None:
     final = re.search(r"Final estimate: PPL = .*", run.stderr).group(0)
     kld = llama_perplexity(bin_dir, "-m", str(quantized), *kld_flags, "--kl-divergence", "--kl-divergence-base",
                            str(base), must_print="Same top p")
-    lines = [f"quantized {qtype} sha256: {sha256(quantized)}",
-             f"base bytes: {base.stat().st_size}", f"base sha256: {sha256(base)}",
+    lines = [f"quantized {qtype} sha256: {file_sha256(quantized)}",
+             f"base bytes: {base.stat().st_size}", f"base sha256: {file_sha256(base)}",
              f"== base run: {' '.join(base_flags)}", *stdout_lines(run), final,
              f"== kld run: {' '.join(kld_flags)}", *stdout_lines(kld)]
     (DATA / f"llama_cpp_kld_{name}.txt").write_text("\n".join(lines) + "\n")

@@ -10,7 +10,6 @@ files over the first SLICE_CHARS characters of wiki.test.raw (-c 128 -b 128, 20 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 import gguf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import shared_path  # noqa: E402
+from conftest import file_sha256, shared_path  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 SHARED_F32 = ("stories260K", "stories260K-qwen2", "stories260K-qwen3", "stories260K-rope-freqs")
@@ -52,14 +51,6 @@ def listing(path: Path) -> list[list[str]]:
     return [[t.name, t.tensor_type.name.lower()] for t in gguf.GGUFReader(path).tensors]
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 BUILD: list[str] = []  # llama-quantize's "version: ... built with ..." lines
 
 
@@ -69,7 +60,7 @@ def quantize(bin_dir: Path, model: Path, flags: list[str], qtype: str, out: Path
     if run.returncode != 0:
         raise SystemExit(f"llama-quantize {flags} {model} {qtype} failed:\n{run.stderr[-2000:]}")
     BUILD[:] = [line for line in run.stderr.splitlines() if line.startswith(("version:", "built with"))]
-    return {"model": model.stem, "flags": flags, "type": qtype, "sha256": sha256(out), "tensors": listing(out)}
+    return {"model": model.stem, "flags": flags, "type": qtype, "sha256": file_sha256(out), "tensors": listing(out)}
 
 
 def perplexity(bin_dir: Path, model: Path, text: Path) -> dict:

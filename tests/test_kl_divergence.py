@@ -28,9 +28,9 @@ from llamapy.kl_divergence import KLDivergenceResult, kl_divergence, kld_rows, m
 from llamapy.kld_base import MAGIC, BaseLogProbs, BaseLogProbsWriter, file_size, quantize_log_probs, row_width
 from llamapy.perplexity import perplexity
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, file_sha256
 from ggml_reference import expf
-from record_llama_cpp_kld import CASES, sha256
+from record_llama_cpp_kld import CASES
 
 F32 = np.float32
 REL = 1e-4  # acceptance: every printed figure within 1e-4 relative of llama-perplexity's
@@ -343,7 +343,7 @@ def case_run(request, wiki_path, tmp_path_factory):
         base_run = run_cli("-m", str(model), "-f", str(wiki_path), *base_flags, "--kl-divergence-base", str(base))
         assert base_run.returncode == 0, base_run.stderr
         quantize(model, quantized, qtype)
-        assert sha256(quantized) == recorded.quantized_sha256, f"the {qtype} model is not the one llama.cpp ran"
+        assert file_sha256(quantized) == recorded.quantized_sha256, f"the {qtype} model is not the one llama.cpp ran"
         kld_run = run_cli("-m", str(quantized), *kld_flags, "--kl-divergence", "--kl-divergence-base", str(base))
         assert kld_run.returncode == 0, kld_run.stderr
         yield CaseRun(recorded, base, base_run, kld_run)
@@ -356,7 +356,7 @@ def test_the_base_file_is_llama_perplexitys(case_run):
     """Acceptance: the same bytes as llama-perplexity's file for the same model, text and
     flags (so either tool reads the other's), and the base run's printed perplexities."""
     assert case_run.base.stat().st_size == case_run.recorded.base_bytes
-    assert sha256(case_run.base) == case_run.recorded.base_sha256
+    assert file_sha256(case_run.base) == case_run.recorded.base_sha256
     final = re.search(r"Final estimate: PPL = .*", case_run.base_run.stderr).group(0)
     assert_same_figures([case_run.base_run.stdout.strip(), final], case_run.recorded.base_lines)
 

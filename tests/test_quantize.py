@@ -3,7 +3,6 @@ tensor types in the same order, the same perplexity; the command line and its ba
 llama-quantize's results are recorded by tests/record_llama_cpp_quantize.py."""
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -24,16 +23,12 @@ from llamapy.quantize.rows import _first_bad_row
 from llamapy.quantize.ftypes import find_option
 from llamapy.quantize.rules import ModelFacts, TypeChooser, tensor_order
 
-from conftest import shared_path
+from conftest import file_sha256, shared_path
 from test_cli_flags import one_error_line, run_tool
 
 RECORD = json.loads((Path(__file__).parent / "data" / "llama_cpp_quantize.json").read_text())
 CASES = RECORD["cases"]
 SHARED_CASES = sorted(k for k in CASES if not k.startswith(("gemma3", "llama-2")) and "--allow-requantize" not in k)
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def listing(path: Path) -> list[list[str]]:
@@ -79,7 +74,7 @@ def check_case(key: str, source: Path, out: Path) -> None:
     case = CASES[key]
     quantize_model(source, out, case["type"], params_of(case["flags"]))
     assert listing(out) == case["tensors"]
-    assert sha256(out) == case["sha256"]
+    assert file_sha256(out) == case["sha256"]
 
 
 @pytest.mark.parametrize("key", SHARED_CASES)
@@ -120,7 +115,7 @@ def test_perplexity_of_the_quantized_model_is_llama_perplexitys(qtype, tmp_path,
     slice of wiki.test.raw at -c 128 -b 128, every running value to four decimals."""
     out = tmp_path / "q.gguf"
     quantize_model(stories_path, out, qtype)
-    assert sha256(out) == CASES[f"stories260K {qtype}"]["sha256"]
+    assert file_sha256(out) == CASES[f"stories260K {qtype}"]["sha256"]
     model = llamapy.load_model(out)
     text = wiki_path.read_text(encoding="utf-8")[:RECORD["slice_chars"]]
     expected = RECORD["perplexity"][qtype]
@@ -136,7 +131,7 @@ def test_threads_and_slabs_do_not_change_the_bytes(stories_path, tmp_path, monke
     for i, (threads, slab) in enumerate([(1, 64 << 20), (2, 1), (2, 5000)]):
         out = tmp_path / f"{i}.gguf"
         quantize_model(stories_path, out, "Q4_0", QuantizeParams(n_threads=threads, slab_bytes=slab))
-        runs.append(sha256(out))
+        runs.append(file_sha256(out))
     assert runs == [CASES["stories260K Q4_0"]["sha256"]] * 3
 
 
@@ -204,7 +199,7 @@ def test_the_command_line_writes_llama_quantizes_file(stories_path, tmp_path, ca
     out = tmp_path / "q.gguf"
     code, _, err = run_tool("quantize", str(stories_path), str(out), "q4_k_m", "1", capsys=capsys)
     assert code == 0, err
-    assert sha256(out) == CASES["stories260K Q4_K_M"]["sha256"]
+    assert file_sha256(out) == CASES["stories260K Q4_K_M"]["sha256"]
     assert "using 1 threads" in err
     assert "[  48/  48] blk.4.ffn_up.weight" in err and "converting to q5_0 .. size =" in err
     assert "warning: blk.0.ffn_down.weight                - ncols    172 not divisible by 256" in err
@@ -216,7 +211,7 @@ def test_without_out_the_file_goes_beside_the_input(stories_path, tmp_path, caps
     shutil.copy(stories_path, source)
     code, _, err = run_tool("quantize", str(source), "7", capsys=capsys)  # 7: Q8_0's number
     assert code == 0, err
-    assert sha256(tmp_path / "ggml-model-Q8_0.gguf") == CASES["stories260K Q8_0"]["sha256"]
+    assert file_sha256(tmp_path / "ggml-model-Q8_0.gguf") == CASES["stories260K Q8_0"]["sha256"]
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -256,4 +251,4 @@ def test_the_tool_runs_as_a_program(stories_path, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "llamapy", "quantize", str(stories_path), str(out), "Q4_0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert sha256(out) == CASES["stories260K Q4_0"]["sha256"]
+    assert file_sha256(out) == CASES["stories260K Q4_0"]["sha256"]

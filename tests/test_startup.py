@@ -57,7 +57,7 @@ def test_compile_ahead_serialises_numba_cache_saves(tmp_path):
 
 def test_a_command_starts_numba_without_what_its_kernels_never_use(stories_path, tmp_path):
     """The tools load numba's registries with scipy.linalg and cffi hidden (numba's probes for
-    np.dot and cffi calls cost 0.15 s of every start); the kernels need neither, and both
+    np.dot and cffi calls cost 70 ms of every start); the kernels need neither, and both
     packages import afterwards as usual."""
     script = f"""
 import sys

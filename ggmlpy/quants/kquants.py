@@ -492,7 +492,8 @@ def make_qkx2_quants_lanes(n, nmax, xw, L, Laux, rmin, rdelta, nstep, st):
     lanes), flattened; L and Laux: levels (n, lanes); st: state (_QKX_STATE, lanes). Leaves
     each lane's scale in st row _SCALE and its min (negated) in row _MN. The lanes live in
     memory, not registers (numba vectorises innermost loops only), hence 32 lanes: enough
-    independent work per step to hide the round trips (3.2x the scalar function's speed)."""
+    independent work per step to hide the round trips (Q4_K 2.9x the scalar search,
+    bench/RESULTS.md)."""
     G = QKX_LANES
     W0 = n * G
     for g in range(G):
