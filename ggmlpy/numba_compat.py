@@ -8,7 +8,8 @@ new numba is checked here (pyproject.toml pins the versions this was written aga
 - the thread-count setter without numba's checks and lock (the executor switches often);
 - serialised cache saves and a dispatcher that compiles instead of running (compile-ahead's
   child, backend/cpu/compile_ahead.py);
-- LLVM's bfloat type, which llvmlite's IR builder does not name (backend/cpu/bf16dot.py).
+- LLVM's bfloat type, which llvmlite's IR builder does not name (backend/cpu/bf16dot.py);
+- the code libraries of parallel kernels linked without compiling their bodies four times.
 
 Each user degrades to the public path when what it needs is missing (slower, never wrong).
 """
@@ -89,6 +90,58 @@ def start_numba_registries() -> None:
         for name in hidden:
             if sys.modules.get(name, 0) is None:
                 del sys.modules[name]
+
+
+_PARFOR_BODY = "__numba_parfor_gufunc_"  # the name numba gives a prange loop's body function
+
+
+def lean_parfor_libraries() -> None:
+    """Compile each `parallel=True` kernel's loop body through LLVM twice instead of four times.
+
+    numba lowers a prange loop into three code libraries besides the kernel's own: the loop
+    body (a gufunc), a gufunc wrapper and a thread-launch wrapper, each linking the one
+    before it, and it optimises every library at -O3 as a whole module and makes machine
+    code of it, so the body (with every function it calls) goes through LLVM four times.
+    Only the kernel's own library runs and is cached: it links the others' IR. Here the two
+    wrappers are linked as IR only (no module passes, no machine code) and the body's
+    library skips the module passes the kernel's library runs over it again. What runs is
+    the kernel's library, optimised as before. Other gufuncs (numba's @guvectorize) are
+    built as before. Idempotent."""
+    from numba.core import codegen
+    from numba.np.ufunc import parallel, ufuncbuilder
+    if getattr(parallel.build_gufunc_wrapper, "lean", False):
+        return
+    build, build_inner = parallel.build_gufunc_wrapper, ufuncbuilder.build_gufunc_wrapper
+    optimize, finalize = codegen.CPUCodeLibrary._optimize_final_module, codegen.CPUCodeLibrary._finalize_final_module
+
+    def ir_only(info):
+        info.library.ggmlpy_ir_only = True
+        return info
+
+    def build_parfor_wrappers(py_func, cres, sin, sout, cache, is_parfors):
+        if not is_parfors:
+            return build(py_func, cres, sin, sout, cache, is_parfors)
+        ufuncbuilder.build_gufunc_wrapper = lambda *a, **k: ir_only(build_inner(*a, **k))
+        try:  # numba's compiler lock is held: no other thread sees the swap
+            return ir_only(build(py_func, cres, sin, sout, cache, is_parfors))
+        finally:
+            ufuncbuilder.build_gufunc_wrapper = build_inner
+
+    def optimize_once(self: codegen.CPUCodeLibrary) -> None:
+        if not (getattr(self, "ggmlpy_ir_only", False) or self.name.startswith(_PARFOR_BODY)):
+            optimize(self)
+
+    def finalize_ir_only(self: codegen.CPUCodeLibrary) -> None:
+        if not getattr(self, "ggmlpy_ir_only", False):
+            return finalize(self)
+        self._finalize_dynamic_globals()
+        self._verify_declare_only_symbols()
+        self._finalized = True
+
+    build_parfor_wrappers.lean = True
+    parallel.build_gufunc_wrapper = build_parfor_wrappers
+    codegen.CPUCodeLibrary._optimize_final_module = optimize_once
+    codegen.CPUCodeLibrary._finalize_final_module = finalize_ir_only
 
 
 def fast_thread_setter() -> Callable[[int], None]:
@@ -181,11 +234,14 @@ def missing() -> list[str]:
     numba's thread pool: the thread setter exists from then on)."""
     import numba
     from llvmlite import ir
-    from numba.core import caching, dispatcher, event
-    from numba.np.ufunc import parallel
+    from numba.core import caching, codegen, dispatcher, event
+    from numba.np.ufunc import parallel, ufuncbuilder
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     wanted = [(parallel, "_set_num_threads"), (caching.IndexDataCacheFile, "save"),
               (dispatcher.Dispatcher, "_compile_for_args"), (dispatcher.Dispatcher, "_reset_overloads"),
               (dispatcher.Dispatcher, "typeof_pyval"), (caching, "IndexDataCacheFile"), (ir.Type, "_to_string"),
-              (event, "Listener"), (event, "register")]
+              (event, "Listener"), (event, "register"), (codegen.CPUCodeLibrary, "_optimize_final_module"),
+              (codegen.CPUCodeLibrary, "_finalize_final_module"), (codegen.CPUCodeLibrary, "_finalize_dynamic_globals"),
+              (codegen.CPUCodeLibrary, "_verify_declare_only_symbols"),
+              (parallel, "build_gufunc_wrapper"), (ufuncbuilder, "build_gufunc_wrapper")]
     return [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in wanted if not hasattr(owner, name)]

@@ -38,6 +38,83 @@ def test_compile_ahead_child_compiles_the_last_steps_into_the_cache_without_runn
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+AHEAD_KINDS = """
+import os
+import numpy as np
+from ggmlpy.backend.cpu import kernels as K
+from ggmlpy.backend.cpu.compile_ahead import CompileAhead
+
+x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(1, 1, 4, 16)
+y, norm = np.empty_like(x), np.empty_like(x)
+steps = [lambda: K.silu_f32(x, y), lambda: K.rms_norm_f32(x, norm, 1e-5), lambda: K.silu_f32(x, y)]
+ahead = CompileAhead(steps, first=0, kinds=["SILU", "RMS_NORM", "SILU"])
+_, status = os.waitpid(ahead.pid, 0)
+assert os.WEXITSTATUS(status) == 0
+for step in steps:
+    step()
+assert sum(K.rms_norm_f32._cache_hits.values()) == 1, "the child should have compiled rms_norm"
+assert sum(K.silu_f32._cache_misses.values()) == 1, "the child compiled the kind this process was on"
+print("ok")
+"""
+
+
+def test_compile_ahead_child_leaves_the_kind_of_step_this_process_is_on(tmp_path):
+    """The parent at a SILU step is most likely compiling silu: the child passes over the
+    later SILU step and compiles the others."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AHEAD_KINDS], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=env, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+LEAN = """
+import numpy as np
+from numba import guvectorize, njit, prange
+from numba.core import codegen
+from ggmlpy.numba_compat import lean_parfor_libraries
+
+lean_parfor_libraries()
+lean_parfor_libraries()  # idempotent
+made_code = []
+emit = codegen.JITCodeLibrary._finalize_specific
+codegen.JITCodeLibrary._finalize_specific = lambda lib: made_code.append(lib.name) or emit(lib)
+
+
+@njit(parallel=True, cache=True)
+def twice(a, out):
+    for i in prange(a.shape[0]):
+        out[i] = 2.0 * a[i] + a[i] * a[i]
+
+
+@guvectorize(["void(float64[:], float64[:])"], "(n)->(n)", target="parallel")
+def cumulative(a, out):  # numba's own parallel gufunc: its wrappers are run, so still compiled
+    t = 0.0
+    for i in range(a.shape[0]):
+        t += a[i]
+        out[i] = t
+
+
+a = np.linspace(-1, 1, 1000)
+out = np.empty_like(a)
+twice(a, out)
+assert np.array_equal(out, 2.0 * a + a * a)
+assert np.array_equal(cumulative(a.reshape(10, 100)), np.cumsum(a.reshape(10, 100), axis=1))
+print(sum(n == "parallelgufuncwrapper" for n in made_code), len(twice.stats.cache_hits))
+"""
+
+
+def test_parallel_kernels_compile_their_wrappers_as_ir_only_and_still_cache(tmp_path):
+    """numba_compat.lean_parfor_libraries: a prange kernel's wrappers make no machine code of
+    their own (the kernel links their IR), its results and its cache entry are numba's, and
+    numba's @guvectorize(target="parallel"), whose wrappers do run, is left alone."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    script = tmp_path / "lean.py"  # numba caches kernels of files only
+    script.write_text(LEAN)
+    runs = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env,
+                           timeout=300) for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["1", "0"], ["1", "1"]], runs[-1].stderr[-2000:]
+
+
 def test_compile_ahead_serialises_numba_cache_saves(tmp_path):
     """Two processes saving signatures of one function at once must not mix index and data."""
     from numba.core.caching import IndexDataCacheFile
@@ -109,7 +186,7 @@ def test_compile_ahead_starts_when_a_plans_step_compiles(monkeypatch):
         pass
 
     class Recorder:
-        def __init__(self, steps, first=0):
+        def __init__(self, steps, first=0, kinds=None):
             started.append(first)
 
         def at(self, i):

@@ -15,9 +15,12 @@ from typing import Callable
 
 import numpy as np
 
+from ..numba_compat import lean_parfor_libraries
 from ..types import GGMLType, row_size, traits
 from . import kquants as _k
 from . import simple as _s
+
+lean_parfor_libraries()  # before any of their kernels compiles
 
 
 @dataclass(frozen=True)

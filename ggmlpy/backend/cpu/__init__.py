@@ -12,11 +12,12 @@ import numpy as np
 
 from ...graph import Graph
 from . import bf16dot, compile_ahead, dispatch, train_kernels
-from ...numba_compat import compile_count, fast_thread_setter, on_first_compile  # noqa: F401 -- public
+from ...numba_compat import compile_count, fast_thread_setter, lean_parfor_libraries, on_first_compile  # noqa: F401 -- public
 from ...cores import FreeCores
 from .plan import Plan, Scratch
 
 
+lean_parfor_libraries()  # before any of the kernels above compiles
 # the executor switches between one thread and all around a hundred times a graph
 _set_threads = fast_thread_setter()
 
@@ -84,7 +85,7 @@ class CpuBackend:
         def at_step(i: int) -> None:
             nonlocal ahead
             if ahead is None and compiles() != seen and i < len(steps) - 1 and compile_ahead.safe_to_fork():
-                ahead = compile_ahead.CompileAhead(steps, first=i)
+                ahead = compile_ahead.CompileAhead(steps, first=i, kinds=[name for name, _, _ in plan.steps])
             if ahead is not None:
                 ahead.at(i)
         try:
