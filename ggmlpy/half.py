@@ -1,34 +1,21 @@
 """float32 <-> IEEE half conversions for numba kernels (numba has no float16 type, so halves
 travel as their uint16 bits).
 
-On CPUs with conversion instructions (x86 F16C, every aarch64) they are LLVM's fptrunc/fpext,
-which vectorise to vcvtps2ph/vcvtph2ps: round to nearest even, as ggml's GGML_FP32_TO_FP16
-and numpy. Elsewhere integer selects give the same bits. (Only signaling NaNs differ: the
-instructions quieten them, as ggml's conversions on such CPUs do.)
+Where numba compiles for conversion instructions (x86 F16C, every aarch64) they are LLVM's
+fptrunc/fpext (llvmir/scalar.py), which vectorise to vcvtps2ph/vcvtph2ps: round to nearest
+even, as ggml's GGML_FP32_TO_FP16 and numpy. Elsewhere (NUMBA_CPU_NAME=generic included)
+integer selects give the same bits. (Only signaling NaNs differ: the instructions quieten
+them, as ggml's conversions on such CPUs do.)
 """
 from __future__ import annotations
 
 import platform
 
-import llvmlite.binding as llvm
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-
-@intrinsic
-def _fptrunc_half_bits(typingctx, x):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return types.uint16(types.float32), codegen
-
-
-@intrinsic
-def _fpext_half_bits(typingctx, h):
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
+from .llvmir.emit import target_has
+from .llvmir.scalar import f32_to_half_bits, half_bits_to_f32
 
 
 @njit(cache=True, inline="always")
@@ -62,14 +49,14 @@ def f16_bits_to_f32_select(h):
 
 @njit(cache=True, inline="always")
 def _f32_to_f16_bits_hw(x):
-    return _fptrunc_half_bits(np.float32(x))
+    return f32_to_half_bits(np.float32(x))
 
 
 @njit(cache=True, inline="always")
 def _f16_bits_to_f32_hw(h):
-    return _fpext_half_bits(np.uint16(h))
+    return half_bits_to_f32(np.uint16(h))
 
 
-HARDWARE = platform.machine().lower() in ("aarch64", "arm64") or bool(llvm.get_host_cpu_features().get("f16c"))
+HARDWARE = platform.machine().lower() in ("aarch64", "arm64") or target_has("f16c")  # numba's target's
 f32_to_f16_bits = _f32_to_f16_bits_hw if HARDWARE else f32_to_f16_bits_select
 f16_bits_to_f32 = _f16_bits_to_f32_hw if HARDWARE else f16_bits_to_f32_select

@@ -1,5 +1,5 @@
 """ggmlpy's LLVM-IR kernels on a CPU without AVX-512: numba compiles for the CPU that
-NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name (here Haswell: AVX2 and FMA, no AVX-512), vecir.VNNI
+NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name (here Haswell: AVX2 and FMA, no AVX-512), llvmir.vnni.VNNI
 follows that target, and the products take their float32 integer-sum kernels. Those sum the
 same exact integers in the same float order, so Gemma 3's greedy text is still llama.cpp's.
 (test_ggml_numerics.py runs both kernels of every product against ggml's arithmetic.)"""
@@ -26,7 +26,7 @@ def _env(tmp_path, **extra) -> dict[str, str]:
 @pytest.mark.parametrize("extra, vnni", [(HASWELL, False), ({"GGMLPY_NO_VNNI": "1"}, False)],
                          ids=["haswell", "no-vnni-env"])
 def test_the_kernels_follow_numbas_target(tmp_path, extra, vnni):
-    code = "from ggmlpy.backend.cpu import vecir; print(vecir.VNNI)"
+    code = "from ggmlpy.llvmir import vnni; print(vnni.VNNI)"
     out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path, **extra), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(vnni)

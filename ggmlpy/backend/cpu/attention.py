@@ -13,8 +13,8 @@ ggml has two kernels and picks one per op, so the number of query rows in a ubat
              ggml_vec_dot_f16 (4 x 16 lanes, reduced as ggml), and for an F16 V the output
              accumulated in F16 (each step rounded to half: ggml_vec_mad_f16, _scale_f16).
 
-An F32 K's scores are ggml_vec_dot_f32, its tail as GCC compiles it (vecir.vec_dot_f32_row;
-numba caches these kernels by this file's date, not vecir's: change both together).
+An F32 K's scores are ggml_vec_dot_f32, its tail as GCC compiles it (llvmir/float_dots.py;
+numba caches these kernels by this file's date, not llvmir's: change both together).
 
 Not reproduced: ggml's split-KV path for one query row over 512 cells or more, whose
 partial sums depend on the thread count (here: the one-chunk kernel), and K/V types other
@@ -31,9 +31,11 @@ import numpy as np
 from numba import njit, prange
 
 from ...half import f16_bits_to_f32, f32_to_f16_bits
+from ...llvmir.attention import attn_scores_4x64, attn_values_4x64
+from ...llvmir.float_dots import vec_dot_f16_row, vec_dot_f32_row
+from ...llvmir.scalar import fma_f32
 from .kernels import alibi_slope
-from .simd import expf, expf_avx512, fma_f32, reduce16
-from .vecir import attn_scores_4x64, attn_values_4x64, vec_dot_f16_row, vec_dot_f32_row
+from .simd import expf, expf_avx512, reduce16
 
 F32 = np.float32
 Q_TILE = 64   # ggml_fa_tile_config::Q: rows from which ggml uses the tiled kernel

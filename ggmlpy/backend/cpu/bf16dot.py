@@ -17,23 +17,17 @@ the same numbers up to float32 summation order.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from ... import convert
-from ...numba_compat import bfloat_type
+from ...llvmir.bf16 import BF16, tile
 from ...types import GGMLType
 from .gemm import matmul
 from .plan import Scratch
-from .vecir import target_features
 
-BF16 = target_features().get("avx512bf16", False) and not os.environ.get("GGMLPY_NO_BF16")
 LANES = 16           # float32 lanes of one vector (16 columns of out)
 TILE_COLS = 4        # vectors of columns per micro-tile (64 columns)
 TILE_ROWS = 6        # rows of out per micro-tile: 24 accumulators in registers
@@ -88,61 +82,9 @@ def pack_col_pairs(g, gp):
             dst[half] = _bf16_bits(src[m - 1])
 
 
-# ---- the micro-tile (LLVM vector code) ------------------------------------------------------------
-_I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
-_VF = ir.VectorType(ir.FloatType(), LANES)
-_VI = ir.VectorType(_I32, LANES)
-_VBF = ir.VectorType(bfloat_type(), 2 * LANES)
-
-
-def _tile(rows: int, cols: int):
-    """An intrinsic res[rows * cols * 16] += G[t0:t0 + rows] @ W[:, k0:k0 + 16 cols] over the
-    pairs p0..p0 + n_pairs of gp and 0..n_pairs of wp (res row-major, rows of 16 cols floats),
-    adding the pairs one after the other to what res holds."""
-
-    @intrinsic
-    def tile(typingctx, wp, gp, res, t0, k0, p0, n_pairs):
-        sig = types.void(wp, gp, res, t0, k0, p0, n_pairs)
-
-        def codegen(context, builder, signature, args):
-            b = builder
-            arys = [context.make_array(ty)(context, b, a) for ty, a in zip(signature.args[:3], args[:3])]
-            wp_p, gp_p, res_p = (a.data for a in arys)
-            w_stride, g_stride = (cgutils.unpack_tuple(b, a.strides)[0] for a in arys[:2])
-            four = ir.Constant(_I64, 4)
-            w_stride, g_stride = b.sdiv(w_stride, four), b.sdiv(g_stride, four)  # in uint32
-            t0_, k0_, p0_, n_ = (a if a.type == _I64 else b.sext(a, _I64) for a in args[3:])
-            dp = cgutils.get_or_insert_function(b.module, ir.FunctionType(_VF, [_VF, _VBF, _VBF]),
-                                                "llvm.x86.avx512bf16.dpbf16ps.512")
-            g_rows = [b.gep(gp_p, [b.add(b.mul(b.add(t0_, ir.Constant(_I64, t)), g_stride), p0_)]) for t in range(rows)]
-            res_at = [[b.bitcast(b.gep(res_p, [ir.Constant(_I64, (t * cols + c) * LANES)]), _VF.as_pointer())
-                       for c in range(cols)] for t in range(rows)]
-            accs = [[cgutils.alloca_once_value(b, b.load(res_at[t][c], align=4)) for c in range(cols)]
-                    for t in range(rows)]
-            with cgutils.for_range(b, n_) as loop:
-                p = loop.index
-                w_row = b.gep(wp_p, [b.add(b.mul(p, w_stride), k0_)])
-                wv = [b.bitcast(b.load(b.bitcast(b.gep(w_row, [ir.Constant(_I64, LANES * c)]), _VI.as_pointer()),
-                                       align=4), _VBF) for c in range(cols)]
-                for t in range(rows):
-                    g2 = b.load(b.gep(g_rows[t], [p]))
-                    gv = b.shuffle_vector(b.insert_element(ir.Constant(_VI, ir.Undefined), g2, ir.Constant(_I32, 0)),
-                                          ir.Constant(_VI, ir.Undefined), ir.Constant(_VI, [0] * LANES))
-                    gv = b.bitcast(gv, _VBF)
-                    for c in range(cols):
-                        slot = accs[t][c]
-                        b.store(b.call(dp, [b.load(slot), gv, wv[c]]), slot)
-            for t in range(rows):
-                for c in range(cols):
-                    b.store(b.load(accs[t][c]), res_at[t][c], align=4)
-            return context.get_dummy_value()
-        return sig, codegen
-    return tile
-
-
-_tile_wide = _tile(TILE_ROWS, TILE_COLS)  # 64 columns
-_tile_narrow = _tile(TILE_ROWS, 1)        # the last columns, 16 at a time
+# ---- the micro-tiles (LLVM vector code: ggmlpy/llvmir/bf16.py) ---------------------------------------
+_tile_wide = tile(TILE_ROWS, TILE_COLS)  # 64 columns
+_tile_narrow = tile(TILE_ROWS, 1)        # the last columns, 16 at a time
 
 
 @njit(cache=True, inline="always")

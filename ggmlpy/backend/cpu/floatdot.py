@@ -7,11 +7,11 @@ llamafile's tinyBLAS (AVX-512: 16 lanes, lane t summing elements t, t + 16, ... 
 the lanes added as _mm512_reduce_add_ps); otherwise each element is ggml_vec_dot_f16 or
 ggml_vec_dot_f32. Without flash attention an F16 cache's attention products (K x Q,
 V x softmax) come here; F32 weights (small models) do too. ggml_vec_dot_f32's tail past
-its 64-element blocks is a plain C loop, summed as GCC compiles it (vecir.vec_dot_f32_row:
+its 64-element blocks is a plain C loop, summed as GCC compiles it (llvmir/float_dots.py:
 the rounded products of whole groups of 8 added in order, the last K % 8 by fma): so an F32
 model's FFN down product (K = n_ff, 172 on stories260K) is llama.cpp's bit for bit.
 
-(numba caches this module's kernels by this file's date: a change to the vecir intrinsics
+(numba caches this module's kernels by this file's date: a change to the llvmir intrinsics
 they call needs a change here too, or a cleared __pycache__, to take effect.)
 
 Arrays: a [a3, a2, M, K] and b [b3, b2, N, K] float32 (values of halves for F16; b2 a
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from .vecir import dot_lanes16, float_tile_4x4, vec_dot_f16_row, vec_dot_f32_row
+from ...llvmir.float_dots import dot_lanes16, float_tile_4x4, vec_dot_f16_row, vec_dot_f32_row
 
 LANES = 16
 
@@ -36,7 +36,7 @@ def mul_mat(a, b, out, tinyblas, halves):
     """out = the products (module doc); a, b C-contiguous float32, out C-contiguous; halves:
     an F16 product. Each matrix pair's rows four at a time: with tinyblas (M a multiple of 4)
     its 4 x 4 blocks and the columns past the last whole block in tinyBLAS's lanes, else
-    each element as ggml_vec_dot_f16/_f32 (vecir's LLVM vector code: quick to compile)."""
+    each element as ggml_vec_dot_f16/_f32 (LLVM vector code, llvmir/float_dots.py: quick to compile)."""
     a3, a2, m_rows, k = a.shape
     b3, b2, n_cols = b.shape[0], b.shape[1], b.shape[2]
     r3, r2 = b3 // a3, b2 // a2

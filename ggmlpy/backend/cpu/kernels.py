@@ -16,7 +16,8 @@ import numpy as np
 from numba import njit, prange
 
 from ...half import f16_bits_to_f32, f32_to_f16_bits
-from .simd import expf_avx512, fma_f32, reduce16
+from ...llvmir.scalar import fma_f32
+from .simd import expf_avx512, reduce16
 
 F32 = np.float32
 

@@ -40,10 +40,13 @@ from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
 from ...quants.kquants import scale_min_k4
 from ...quants.simple import activation_block_scale
 from ...types import GGMLType
-from .simd import fma_f32, hsum8
-from .vecir import (BLOCK_ROWS, Q0_ROWS, Q4K_ROWS, Q6K_ROWS, VNNI, W, q0_blocks_tile, q0_blocks_vnni, q0_lanes_tile,
-                    q0_tile2_vnni, q4_k_gemv_tile, q4_k_row_vnni, q4_k_tile, q5_0_row_vnni, q6_k_gemv_tile,
-                    q6_k_row_vnni, q6_k_tile, q8_0_row_vnni)
+from ...llvmir.emit import W
+from ...llvmir.quant_tiles import (Q0_ROWS, Q4K_ROWS, Q6K_ROWS, q0_blocks_tile, q0_lanes_tile, q4_k_gemv_tile, q4_k_tile,
+                                   q6_k_gemv_tile, q6_k_tile)
+from ...llvmir.scalar import fma_f32
+from ...llvmir.vnni import (BLOCK_ROWS, VNNI, q0_blocks_vnni, q0_tile2_vnni, q4_k_row_vnni, q5_0_row_vnni, q6_k_row_vnni,
+                            q8_0_row_vnni)
+from .simd import hsum8
 
 QK = 32
 Q4_0_BYTES = 18          # bytes of a block: f16 d, then the elements (Q8_0's are 34, Q5_0's 22)

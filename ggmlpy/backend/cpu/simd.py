@@ -18,24 +18,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
+
+from ...llvmir.scalar import fma_f32
 
 F32 = np.float32
-
-
-@intrinsic
-def fma_f32(typingctx, a, b, c):
-    """a * b + c rounded once (LLVM's llvm.fma: the vfmadd instruction, or an exact
-    emulation on CPUs without it)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        ft = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [ft], ir.FunctionType(ft, [ft, ft, ft]))
-        return builder.call(fn, args)
-    return sig, codegen
 
 
 @njit(cache=True, inline="always")

@@ -21,10 +21,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ...llvmir.attention import LANES, lanes_scores, lanes_values
+from ...llvmir.scalar import fma_f32
 from .attention import KV_TILE
 from .kernels import alibi_slope
-from .simd import expf, expf_avx512, fma_f32
-from .vecir import LANES, lanes_scores, lanes_values
+from .simd import expf, expf_avx512
 
 F32 = np.float32
 MAX_HEAD_DIM = 32  # head sizes unrolled at compile time; wider heads go to attention.py
@@ -142,9 +143,10 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
 
     q: [n3, n_head, n_q, dk], k/v: [n3, n_kv, n_head_kv, dk/dv] (the KV cache's memory order),
     mask: [m3, m2, >= n_q, n_kv], dst: [n3, n_q, n_head, dv]. A task is Q_TILE queries of one
-    sequence, for every head; its inner loops are vecir's lane kernels. The head sizes arrive as the lengths of tuples (dk_dims, dv_dims),
-    which are part of the type, so numba compiles them as constants. Only the cells some
-    query of a tile sees are read.
+    sequence, for every head; its inner loops are llvmir/attention.py's lane kernels. The
+    head sizes arrive as the lengths of tuples (dk_dims, dv_dims), which are part of the
+    type, so numba compiles them as constants. Only the cells some query of a tile sees are
+    read.
     """
     dk, dv = len(dk_dims), len(dv_dims)
     n3, n_head, n_q = q.shape[0], q.shape[1], q.shape[2]

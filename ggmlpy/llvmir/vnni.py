@@ -1,0 +1,232 @@
+"""The quantized products' integer sums by AVX512-VNNI (vpdpbusd: 4 byte products per lane
+and their sum in one instruction; the same exact sums), around the float arithmetic of
+ggml's kernels in its order: the tiles of many columns (q0_*_vnni) and the row kernels of
+few columns, which read a matrix row's packed blocks in place.
+
+Without AVX512-VNNI (or with GGMLPY_NO_VNNI=1) qexact.py runs the integer sums as exact
+float32 vector code instead (quant_tiles.py): the same numbers.
+"""
+from __future__ import annotations
+
+import os
+from functools import reduce
+
+from llvmlite import ir
+from numba import types
+
+from .emit import F32, I8, I32, VF, VI, Emit, W, kernel, target_has, vec
+
+VNNI = target_has("avx512f", "avx512bw", "avx512vl", "avx512vnni") and not os.environ.get("GGMLPY_NO_VNNI")
+BLOCK_ROWS = 8  # matrix rows per call of q0_blocks_vnni (8 chains of vpdpbusd hide its latency)
+
+VI8 = vec(I32, 8)  # the row kernels' registers: 8 int32 lanes (32 bytes), 8 float32
+VF8 = vec(F32, 8)
+B32 = vec(I8, 32)
+
+
+def _dp(e: Emit, acc, u, s):
+    """vpdpbusd: acc + per lane the sum of the 4 products of unsigned bytes u and signed s."""
+    return e.call(f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type, acc, u, s)
+
+
+def _q0_operands(e: Emit, wu, wd, xq, xd, r0, tile, nb, rows: int):
+    """What a Q0 tile reads: xq's tile and each row's unsigned bytes as int32 lanes (4 bytes
+    each), xd's tile and each row's scales."""
+    b = e.b
+    xq_t = b.bitcast(e.gep(xq, b.mul(tile, b.mul(b.mul(nb, e.const(8)), e.const(64)))), I32.as_pointer())
+    xd_t = e.gep(xd, b.mul(tile, b.mul(nb, e.const(W))))
+    w_rows = [b.bitcast(p, I32.as_pointer()) for p in e.rows(wu, r0, b.mul(nb, e.const(32)), rows)]
+    return xq_t, xd_t, w_rows, e.rows(wd, r0, nb, rows)
+
+
+@kernel()
+def q0_tile2_vnni(e, wu, wd, xq, xc, xd, res, r0, tile, nb):
+    """q0_lanes_tile's numbers for 2 rows, the integer sums by AVX512-VNNI. wu (rows, 32 nb) int8
+    bytes of the matrix integers plus a bias making them unsigned (natural order), wd (rows,
+    nb); xq (tiles, 8 nb, 16, 4) int8: lane j of block b for 16 columns, 4 bytes each;
+    xc (tiles, 8 nb, 16) int32: -bias times each lane's sum of x (vpdpbusd adding the
+    products of w + bias and x to it gives the lane's exact integer sum, without a
+    subtraction per row); xd (tiles, nb, 16); res (32,)."""
+    b = e.b
+    xq_t, xd_t, w_rows, d_rows = _q0_operands(e, wu, wd, xq, xd, r0, tile, nb, 2)
+    xc_t = e.gep(xc, b.mul(tile, b.mul(b.mul(nb, e.const(8)), e.const(W))))
+    accs = [[e.acc() for _ in range(8)] for _ in range(2)]
+    with e.loop(nb) as blk:
+        dx = e.load(xd_t, b.mul(blk, e.const(W)))
+        s = [e.mul(e.splat(e.at(d_rows[r], blk)), dx) for r in range(2)]
+        for j in range(8):
+            lane = b.add(b.mul(blk, e.const(8)), e.const(j))
+            xv = e.load(xq_t, b.mul(lane, e.const(W)), VI)
+            corr = e.load(xc_t, b.mul(lane, e.const(W)), VI)
+            for r in range(2):
+                wv = e.splat(e.at(w_rows[r], lane))  # the lane's 4 unsigned bytes
+                p = b.sitofp(_dp(e, corr, wv, xv), VF)  # starts from -bias * sum(x)
+                slot = accs[r][j]
+                b.store(e.fma(s[r], p, b.load(slot)), slot)
+    for r in range(2):
+        e.store(res, e.const(W * r), e.hsum([b.load(slot) for slot in accs[r]]))
+
+
+@kernel()
+def q0_blocks_vnni(e, wu, wd, xq, xcb, xd, res, r0, tile, nb):
+    """The Q0 product of 8 matrix rows and 16 columns with one float multiply-add per block of
+    32: the block's integer sum (exact) whole, acc = fma(d_w * d_x, isum, acc) over the blocks
+    in order, where ggml's order keeps 8 lanes of 4 products each (q0_tile2_vnni); 2.4 times
+    fewer vector operations, results equal to float32 rounding. Operands as q0_tile2_vnni's
+    but xcb (tiles, nb, 16) int32: -bias times each block's sum of x; res (128,)."""
+    b, rows = e.b, BLOCK_ROWS
+    xq_t, xd_t, w_rows, d_rows = _q0_operands(e, wu, wd, xq, xd, r0, tile, nb, rows)
+    xcb_t = e.gep(xcb, b.mul(tile, b.mul(nb, e.const(W))))
+    accs = [e.acc() for _ in range(rows)]
+    with e.loop(nb) as blk:
+        dx = e.load(xd_t, b.mul(blk, e.const(W)))
+        isum = [e.load(xcb_t, b.mul(blk, e.const(W)), VI)] * rows
+        for j in range(8):
+            lane = b.add(b.mul(blk, e.const(8)), e.const(j))
+            xv = e.load(xq_t, b.mul(lane, e.const(W)), VI)
+            for r in range(rows):
+                isum[r] = _dp(e, isum[r], e.splat(e.at(w_rows[r], lane)), xv)
+        for r in range(rows):
+            s = e.mul(e.splat(e.at(d_rows[r], blk)), dx)
+            b.store(e.fma(s, b.sitofp(isum[r], VF), b.load(accs[r])), accs[r])
+    for r in range(rows):
+        e.store(res, e.const(W * r), b.load(accs[r]))
+
+
+def _lane_fma(e: Emit, acc, scale, isum) -> None:
+    """acc = fma(scale in every lane, the 8 lanes' integer sums, acc)."""
+    e.b.store(e.fma(e.splat(scale, 8), e.b.sitofp(isum, VF8), e.b.load(acc)), acc)
+
+
+def _q0_row(e: Emit, buf, o, xd, nb, block_bytes: int, lane_sums):
+    """The float part of the Q0 row kernels in ggml's order: per block, lane_j =
+    fma(d_w * d_x, isum_j, lane_j), then hsum8; lane_sums(bo, blk) gives block blk's 8 lane
+    integer sums (bo: its offset in buf, where d_w is)."""
+    b = e.b
+    acc = e.acc(VF8)
+    with e.loop(nb) as blk:
+        bo = b.add(o, b.mul(blk, e.const(block_bytes)))
+        dw = e.half(buf, bo)
+        isum = lane_sums(bo, blk)
+        _lane_fma(e, acc, b.fmul(dw, e.at(xd, blk)), isum)
+    return e.hsum(e.lanes(b.load(acc)))
+
+
+@kernel(types.float32)
+def q8_0_row_vnni(e, buf, o, xu, xd, nb):
+    """ggml_vec_dot_q8_0_q8_0 of the Q8_0 row at buf[o] (its packed blocks, used in place)
+    and one activation column: per block, 8 lanes of 4 products by AVX512-VNNI, lane_j =
+    fma(d_w * d_x, isum_j, lane_j), then hsum8 (as q0_lanes_tile computes it, for one column).
+    xu (32 nb,) uint8: the activations' integers plus 128; xd (nb,) their scales."""
+    b = e.b
+    zero, ones, seven = e.const(0, VI8), e.const(0x01010101, VI8), e.const(7, VI8)
+
+    def lane_sums(bo, blk):  # sum (x + 128) w - 128 sum w
+        w = e.load(buf, b.add(bo, e.const(2)), VI8, align=1)
+        xv = e.load(xu, b.mul(blk, e.const(32)), VI8, align=1)
+        return b.sub(_dp(e, zero, xv, w), b.shl(_dp(e, zero, ones, w), seven))
+    return _q0_row(e, buf, o, xd, nb, 34, lane_sums)
+
+
+@kernel(types.float32)
+def q5_0_row_vnni(e, buf, o, xs, xsum, xd, nb):
+    """ggml_vec_dot_q5_0_q8_0 of the Q5_0 row at buf[o] (packed blocks, used in place) and one
+    activation column: per block the 32 5-bit integers (plus 16: unsigned) by AVX512-VNNI
+    against the column's int8 integers xs, minus 16 xsum (its lane sums), lane_j =
+    fma(d_w * d_x, isum_j, lane_j); hsum8. xs (32 nb,) int8, xsum (8 nb,) int32, xd (nb,)."""
+    b = e.b
+    b16, v32 = vec(I8, 16), vec(I32, 32)
+    zero = e.const(0, VI8)
+    bitmask = ir.Constant(v32, [1 << i for i in range(32)])
+
+    def lane_sums(bo, blk):
+        qh = e.load(buf, b.add(bo, e.const(2)), I32, align=1)
+        qs = e.load(buf, b.add(bo, e.const(6)), b16, align=1)
+        lo = b.and_(qs, e.const(15, b16))
+        hi = b.lshr(qs, e.const(4, b16))
+        nib = b.shuffle_vector(lo, hi, ir.Constant(v32, list(range(32))))
+        bit = b.icmp_unsigned("!=", b.and_(e.splat(qh, 32), bitmask), e.const(0, v32))
+        u = b.or_(nib, b.select(bit, e.const(16, B32), e.const(0, B32)))
+        w = b.bitcast(u, VI8)  # integer + 16, unsigned
+        xv = e.load(xs, b.mul(blk, e.const(32)), VI8, align=1)
+        xsv = e.load(xsum, b.mul(blk, e.const(8)), VI8)
+        return b.sub(_dp(e, zero, w, xv), b.shl(xsv, e.const(4, VI8)))
+    return _q0_row(e, buf, o, xd, nb, 22, lane_sums)
+
+
+@kernel(types.float32)
+def q4_k_row_vnni(e, buf, o, sc, mn, xs, xd, bs32, nb):
+    """ggml_gemv_q4_K_8x8_q8_K for the Q4_K row at buf[o] (used in place) and one column: per
+    super-block i, isum = sum over sub-blocks s of sc[8 i + s] * (nibbles . xs) (AVX512-VNNI,
+    exact integers), imin = sum of mn[8 i + s] * bs32[8 i + s];
+    acc = fma(isum, d * xd[i], acc), accm = fma(imin, dmin * xd[i], accm); acc - accm.
+    sc, mn (8 nb,) int32: the row's decoded 6-bit scales and mins; xs (256 nb,) int8;
+    bs32 (8 nb,) int32: the column's 32-element sums."""
+    b = e.b
+    zero = e.const(0, VI8)
+    acc, accm = e.acc(F32), e.acc(F32)
+    with e.loop(nb) as i:
+        bo = b.add(o, b.mul(i, e.const(144)))
+        lanes = zero
+        for c in range(4):
+            qs = b.bitcast(e.load(buf, b.add(bo, e.const(16 + 32 * c)), VI8, align=1), B32)
+            lo = b.bitcast(b.and_(qs, e.const(15, B32)), VI8)
+            hi = b.bitcast(b.lshr(qs, e.const(4, B32)), VI8)
+            x0 = e.load(xs, b.add(b.mul(i, e.const(256)), e.const(64 * c)), VI8, align=1)
+            x1 = e.load(xs, b.add(b.mul(i, e.const(256)), e.const(64 * c + 32)), VI8, align=1)
+            s1 = e.splat(e.at(sc, b.add(b.mul(i, e.const(8)), e.const(2 * c))), 8)
+            s2 = e.splat(e.at(sc, b.add(b.mul(i, e.const(8)), e.const(2 * c + 1))), 8)
+            lanes = b.add(lanes, b.add(b.mul(_dp(e, zero, lo, x0), s1), b.mul(_dp(e, zero, hi, x1), s2)))
+        isum = reduce(b.add, e.lanes(lanes))  # integers: any order
+        imin = ir.Constant(I32, 0)
+        for s in range(8):
+            idx = b.add(b.mul(i, e.const(8)), e.const(s))
+            imin = b.add(imin, b.mul(e.at(mn, idx), e.at(bs32, idx)))
+        dx = e.at(xd, i)
+        sd = b.fmul(e.half(buf, bo), dx)
+        sm = b.fmul(e.half(buf, b.add(bo, e.const(2))), dx)
+        b.store(e.fma(b.sitofp(isum, F32), sd, b.load(acc)), acc)
+        b.store(e.fma(b.sitofp(imin, F32), sm, b.load(accm)), accm)
+    return b.fsub(b.load(acc), b.load(accm))
+
+
+def _vector(e: Emit, values):
+    """<8 x i32> of 8 i32 values."""
+    v = ir.Constant(VI8, ir.Undefined)
+    for i, x in enumerate(values):
+        v = e.b.insert_element(v, x, ir.Constant(I32, i))
+    return v
+
+
+@kernel(types.float32)
+def q6_k_row_vnni(e, buf, o, xs, xd, bse, bso, nb):
+    """ggml_vec_dot_q6_K_q8_K (AVX2) for the Q6_K row at buf[o] (used in place) and one
+    column: per super-block, lane l (of 8) = sum over halves h and groups g of
+    scale[8 h + 2 g + (l >= 4)] * (unsigned 6-bit integers . xs over 4 l .. 4 l + 3 of the
+    group) (AVX512-VNNI) - 32 (bse[l] scale[2 l] + bso[l] scale[2 l + 1]);
+    lane = fma(xd[i] * d, lane, lane); hsum8. xs (256 nb,) int8; bse, bso (8 nb,) int32: the
+    column's 16-element sums of even and odd sub-blocks."""
+    b = e.b
+    zero = e.const(0, VI8)
+    acc = e.acc(VF8)
+    with e.loop(nb) as i:
+        bo = b.add(o, b.mul(i, e.const(210)))
+        scale = [b.sext(e.at(buf, b.add(bo, e.const(192 + s))), I32) for s in range(16)]
+        tot = zero
+        for h in range(2):
+            qh = b.bitcast(e.load(buf, b.add(bo, e.const(128 + 32 * h)), VI8, align=1), B32)
+            ql = [b.bitcast(e.load(buf, b.add(bo, e.const(64 * h + 32 * part)), VI8, align=1), B32)
+                  for part in range(2)]
+            for g in range(4):
+                low = b.and_(ql[g % 2], e.const(15, B32)) if g < 2 else b.lshr(ql[g % 2], e.const(4, B32))
+                high = b.shl(b.and_(b.lshr(qh, e.const(2 * g, B32)), e.const(3, B32)), e.const(4, B32))
+                u6 = b.bitcast(b.or_(low, high), VI8)
+                xv = e.load(xs, b.add(b.mul(i, e.const(256)), e.const(128 * h + 32 * g)), VI8, align=1)
+                sv = _vector(e, [scale[8 * h + 2 * g]] * 4 + [scale[8 * h + 2 * g + 1]] * 4)
+                tot = b.add(tot, b.mul(_dp(e, zero, u6, xv), sv))
+        even = e.load(bse, b.mul(i, e.const(8)), VI8)
+        odd = e.load(bso, b.mul(i, e.const(8)), VI8)
+        sub = b.add(b.mul(even, _vector(e, scale[0::2])), b.mul(odd, _vector(e, scale[1::2])))
+        lanes = b.sub(tot, b.shl(sub, e.const(5, VI8)))
+        _lane_fma(e, acc, b.fmul(e.at(xd, i), e.half(buf, b.add(bo, e.const(208)))), lanes)
+    return e.hsum(e.lanes(b.load(acc)))
