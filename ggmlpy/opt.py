@@ -15,9 +15,11 @@ One mechanism serves any model, from a linear regression to a language model:
   built from `inputs`/`outputs` and a loss type (ggml_opt_fit's case), or graphs the
   caller builds per evaluation (a language model's ubatches). A `BatchFeeder` says how a
   physical batch of the dataset is evaluated; `OptContext` itself feeds its static graph.
-- `opt_epoch` is the one epoch loop and `fit_epochs` the one fit loop: gradients are
-  zeroed at the start of each optimizer step, accumulated over `opt_period` evaluations
-  and applied by `OptContext.step`, which refuses a step whose losses are not finite.
+- `train_step` is one optimizer step: gradients are zeroed, accumulated over `opt_period`
+  evaluations and applied by `OptContext.step`, which refuses a step whose losses are not
+  finite. `opt_epoch` (ggml_opt_epoch) is those steps then `evaluate_batches`, and
+  `opt_fit` (ggml_opt_fit) a plain loop of epochs; a fit with more to do between steps
+  (llamapy's checkpoints) writes its own loop of `train_step`s.
 
 Optimizer hyper-parameters are checked records (`AdamW`, `SGD`: pydantic models, records.py), defined once, here.
 """
@@ -32,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from functools import partial
 from typing import Annotated, Any, Literal, Protocol, TextIO
 
 import numpy as np
@@ -448,7 +451,7 @@ class BatchFeeder(Protocol):
                   tick: Callable[[], None]) -> None: ...
 
 
-GetOptPars = Callable[[Any], AdamW | SGD]
+GetOptPars = Callable[[], AdamW | SGD]
 
 
 @dataclass
@@ -464,8 +467,9 @@ class OptParams:
     optimizer: AdamW | SGD | None = None  # AdamW() when None
     build_type: BuildType = BuildType.OPT
     opt_period: int = 1                   # evaluations whose gradients make one optimizer step
-    get_opt_pars: GetOptPars | None = None  # hyper-parameters per step (a schedule); `optimizer` when None
-    get_opt_pars_ud: Any = None
+    # the hyper-parameters of the step about to be taken (a schedule; a bound method or a closure
+    # carries what it needs, where ggml passes get_opt_pars_ud); `optimizer`'s own when None
+    get_opt_pars: GetOptPars | None = None
     n_threads: int | None = None
     seed: int = 0
     params: Sequence[Tensor] | None = None
@@ -647,7 +651,7 @@ class OptContext:
             self.reduce_seconds += time.perf_counter() - t0
         if p.grad_clip is not None:
             self.last_grad_norm = self.optimizer.clip_grad_norm(p.grad_clip)
-        self.optimizer.step(p.get_opt_pars(p.get_opt_pars_ud) if p.get_opt_pars else None)
+        self.optimizer.step(p.get_opt_pars() if p.get_opt_pars else None)
         if result is not None and losses:
             result.steps.append(_weighted_mean(*zip(*losses)))
         self._step_losses = []
@@ -694,15 +698,17 @@ def _own_memory(t: Tensor) -> Tensor:
 EpochCallback = Callable[[bool, OptContext, Dataset, Result, int, int, float], None]
 
 
-class _Ticks:
-    """Calls an epoch callback after each evaluation with ggml's (ibatch, ibatch_max, t_start),
-    counting the evaluations of every rank (each of this rank's stands for `stride`); the
-    last call waits for `finish`, when the pass's result is complete on every rank."""
+class PassProgress:
+    """The progress of one pass (an epoch's training or validation): calls an epoch callback
+    after each evaluation with ggml's (ibatch, ibatch_max, t_start), counting the evaluations
+    of every rank (each of this rank's stands for `stride`) from `done` (a resumed epoch's
+    evaluations so far); the last call waits for `finish`, when the pass's result is
+    complete on every rank."""
 
     def __init__(self, callback: EpochCallback | None, train: bool, opt_ctx: OptContext, dataset: Dataset,
-                 result: Result | None, total: int, stride: int = 1) -> None:
+                 result: Result | None, total: int, stride: int = 1, done: int = 0) -> None:
         self.callback, self.train, self.opt_ctx, self.dataset, self.result = callback, train, opt_ctx, dataset, result
-        self.total, self.count, self.stride, self.t_start = total, 0, stride, time.perf_counter()
+        self.total, self.count, self.stride, self.t_start = total, done, stride, time.perf_counter()
 
     def __call__(self) -> None:
         self.count = min(self.count + self.stride, self.total)
@@ -716,38 +722,41 @@ class _Ticks:
 
 def opt_epoch(opt_ctx: OptContext, dataset: Dataset, result_train: Result | None, result_eval: Result | None,
               idata_split: int, callback_train: EpochCallback | None = None,
-              callback_eval: EpochCallback | None = None, *, start_batch: int = 0,
-              after_step: Callable[[int], None] | None = None) -> None:
-    """Train on datapoints [0, idata_split), then evaluate on the rest (ggml_opt_epoch).
+              callback_eval: EpochCallback | None = None) -> None:
+    """Train on datapoints [0, idata_split), then evaluate on the rest (ggml_opt_epoch):
+    one `train_step` after another, then `evaluate_batches`.
 
-    Training takes whole optimizer steps of `opt_period` evaluations per rank: datapoints
-    of an incomplete last step are skipped (neither trained on nor evaluated). With several
-    ranks a step covers the next `opt_period` batches of every rank, rank r taking the r-th
-    share, and the validation batches are dealt round-robin; every rank ends with the same
-    results. `start_batch` (a step boundary) resumes an epoch part-way; `after_step(next_batch)`
-    runs after every optimizer step (checkpoints).
+    Datapoints of an incomplete last optimizer step are skipped (neither trained on nor
+    evaluated). With several ranks every rank ends with the same results.
     """
-    feeder, comm = opt_ctx.feeder, opt_ctx.comm
     n_train, per_step, nbatches, ibatch_split = train_batches(opt_ctx, dataset, idata_split)
-    if start_batch % per_step or not 0 <= start_batch <= n_train:
-        raise ValueError(f"opt: cannot resume an epoch at batch {start_batch} (steps of {per_step}, {n_train} batches)")
-    share = per_step // comm.size  # this rank's batches of each step
-    evals = feeder.evals_per_batch
-    ticks = _Ticks(callback_train, True, opt_ctx, dataset, result_train, n_train * evals, comm.size)
-    ticks.count = start_batch * evals
-    stepping = opt_ctx.params.build_type == BuildType.OPT
-    for first in range(start_batch, n_train, per_step):
-        opt_ctx.zero_grad()
-        feeder.begin_step(dataset, range(first, first + per_step))
-        shard = Result() if comm.size > 1 and stepping else result_train
-        for ibatch in range(first + comm.rank * share, first + (comm.rank + 1) * share):
-            feeder.run_batch(dataset, ibatch, True, shard, ticks)
-        if stepping:
-            opt_ctx.step(result_train, shard if comm.size > 1 else None)
-            if after_step is not None:
-                after_step(first + per_step)
-    ticks.finish()
+    progress = PassProgress(callback_train, True, opt_ctx, dataset, result_train,
+                            n_train * opt_ctx.feeder.evals_per_batch, opt_ctx.comm.size)
+    for first in range(0, n_train, per_step):
+        train_step(opt_ctx, dataset, first, result_train, progress)
+    progress.finish()
     evaluate_batches(opt_ctx, dataset, range(ibatch_split, nbatches), result_eval, callback_eval)
+
+
+def train_step(opt_ctx: OptContext, dataset: Dataset, first: int, result: Result | None,
+               tick: Callable[[], None]) -> None:
+    """One optimizer step over the `batches_per_step` batches from `first`: zero the
+    gradients, evaluate this rank's batches forward and backward (their gradients add up
+    in the accumulators; `tick` after each evaluation), then step (OptContext.step, which
+    sums the gradients over the ranks first). A step covers the next `opt_period` batches
+    of every rank, rank r taking the r-th share. A context built for gradients only
+    (BuildType.GRAD) accumulates them and takes no step."""
+    feeder, comm = opt_ctx.feeder, opt_ctx.comm
+    per_step = batches_per_step(opt_ctx)
+    share = per_step // comm.size  # this rank's batches of the step
+    stepping = opt_ctx.params.build_type == BuildType.OPT
+    opt_ctx.zero_grad()
+    feeder.begin_step(dataset, range(first, first + per_step))
+    shard = Result() if comm.size > 1 and stepping else result  # this rank's part, gathered by the step
+    for ibatch in range(first + comm.rank * share, first + (comm.rank + 1) * share):
+        feeder.run_batch(dataset, ibatch, True, shard, tick)
+    if stepping:
+        opt_ctx.step(result, shard if comm.size > 1 else None)
 
 
 def evaluate_batches(opt_ctx: OptContext, dataset: Dataset, batches: range, result: Result | None,
@@ -756,20 +765,26 @@ def evaluate_batches(opt_ctx: OptContext, dataset: Dataset, batches: range, resu
     part of an epoch, a mid-epoch validation or a test set. With several ranks the batches
     are dealt round-robin and every rank ends with all the results, in batch order."""
     feeder, comm = opt_ctx.feeder, opt_ctx.comm
-    ticks = _Ticks(callback, False, opt_ctx, dataset, result, len(batches) * feeder.evals_per_batch, comm.size)
+    progress = PassProgress(callback, False, opt_ctx, dataset, result, len(batches) * feeder.evals_per_batch,
+                            comm.size)
     mine = batches[comm.rank::comm.size]
     if comm.size == 1:
         for ibatch in mine:
-            feeder.run_batch(dataset, ibatch, False, result, ticks)
+            feeder.run_batch(dataset, ibatch, False, result, progress)
     else:
         shards = {}
         for ibatch in mine:
             shards[ibatch] = Result()
-            feeder.run_batch(dataset, ibatch, False, shards[ibatch], ticks)
+            feeder.run_batch(dataset, ibatch, False, shards[ibatch], progress)
         if result is not None:
             for ibatch, shard in sorted(kv for part in comm.allgather(shards) for kv in part.items()):
                 result.extend(shard)
-    ticks.finish()
+    progress.finish()
+
+
+def batches_per_step(opt_ctx: OptContext) -> int:
+    """The physical batches one optimizer step covers, on all ranks together."""
+    return max(1, opt_ctx.opt_period // opt_ctx.feeder.evals_per_batch) * opt_ctx.comm.size
 
 
 def train_batches(opt_ctx: OptContext, dataset: Dataset, idata_split: int) -> tuple[int, int, int, int]:
@@ -783,7 +798,7 @@ def train_batches(opt_ctx: OptContext, dataset: Dataset, idata_split: int) -> tu
     if idata_split % batch:
         raise ValueError(f"opt: the split at {idata_split} is not a multiple of the batch size {batch}")
     nbatches, ibatch_split = ndata // batch, idata_split // batch
-    per_step = max(1, opt_ctx.opt_period // opt_ctx.feeder.evals_per_batch) * opt_ctx.comm.size
+    per_step = batches_per_step(opt_ctx)
     n_train = ibatch_split - ibatch_split % per_step if opt_ctx.optimizer is not None else 0
     return n_train, per_step, nbatches, ibatch_split
 
@@ -938,7 +953,8 @@ class ProgressBar:
 
 @dataclass
 class FitState:
-    """The position in a fit, passed to `get_opt_pars` by opt_fit so a schedule can use it."""
+    """The position in an opt_fit, passed to its `get_opt_pars` so a schedule can use it
+    (ggml_opt_fit's get_opt_pars_ud)."""
 
     epoch: int = 0   # 0-based
     nepoch: int = 1
@@ -962,54 +978,13 @@ class FitPosition:
     shuffled: bool = False
 
 
-PositionCallback = Callable[[FitPosition, Result], None]
-
-
-def fit_epochs(opt_ctx: OptContext, dataset: Dataset, nepoch: int, idata_split: int, *,
-               shuffle: np.random.Generator | None = None, callback_train: EpochCallback | None = None,
-               callback_eval: EpochCallback | None = None, state: FitState | None = None,
-               before_epoch: Callable[[int], None] | None = None,
-               on_epoch: Callable[[EpochResult], None] | None = None,
-               start: FitPosition | None = None, start_result: Result | None = None,
-               on_position: PositionCallback | None = None) -> list[EpochResult]:
-    """The fit loop: `nepoch` epochs of opt_epoch (shuffling the training part first when
-    `shuffle` is given); `state.epoch` follows the loop for schedules. Returns per-epoch results.
-
-    `start` resumes at a position (with `start_result`, the training result of its epoch
-    so far); `on_position(position, train_result)` runs after every optimizer step and
-    at the end of every epoch, with the position a resumed run would start from.
-    """
-    start = start or FitPosition()
-    history = []
-    for epoch in range(start.epoch, nepoch):
-        resuming = epoch == start.epoch
-        if state is not None:
-            state.epoch, state.nepoch = epoch, nepoch
-        if shuffle is not None and not (resuming and start.shuffled):
-            dataset.shuffle(shuffle, idata_split)
-        if before_epoch:
-            before_epoch(epoch)
-        train = (start_result if resuming and start_result is not None else Result())
-        val = Result()
-
-        def after_step(next_batch: int, epoch: int = epoch, train: Result = train) -> None:
-            on_position(FitPosition(epoch, next_batch, True), train)
-        opt_epoch(opt_ctx, dataset, train, val, idata_split, callback_train, callback_eval,
-                  start_batch=start.ibatch if resuming else 0, after_step=after_step if on_position else None)
-        history.append(EpochResult(epoch, train, val))
-        if on_epoch:
-            on_epoch(history[-1])
-        if on_position:
-            on_position(FitPosition(epoch + 1, 0, False), Result())
-    return history
-
-
 def opt_fit(ctx_compute: Context, inputs: Tensor, outputs: Tensor, dataset: Dataset,
             loss_type: LossType = LossType.MEAN, optimizer: AdamW | SGD | None = None,
-            get_opt_pars: GetOptPars | None = None, nepoch: int = 1, nbatch_logical: int | None = None,
-            val_split: float = 0.0, silent: bool = False, seed: int = 0, n_threads: int | None = None,
-            callback_train: EpochCallback | None = None, callback_eval: EpochCallback | None = None,
-            stream: TextIO | None = None, progress_interval: float | None = None) -> list[EpochResult]:
+            get_opt_pars: Callable[[FitState], AdamW | SGD] | None = None, nepoch: int = 1,
+            nbatch_logical: int | None = None, val_split: float = 0.0, silent: bool = False, seed: int = 0,
+            n_threads: int | None = None, callback_train: EpochCallback | None = None,
+            callback_eval: EpochCallback | None = None, stream: TextIO | None = None,
+            progress_interval: float | None = None) -> list[EpochResult]:
     """Train for `nepoch` epochs with a validation split (ggml_opt_fit); returns per-epoch results.
 
     `nbatch_logical` datapoints make one optimizer step; the batch dimension of `inputs`
@@ -1033,22 +1008,23 @@ def opt_fit(ctx_compute: Context, inputs: Tensor, outputs: Tensor, dataset: Data
 
     state = FitState(0, nepoch)
     opt_ctx = OptContext(OptParams(ctx_compute, inputs, outputs, loss_type, optimizer, BuildType.OPT, opt_period,
-                                   get_opt_pars, state, n_threads, seed))
+                                   get_opt_pars=partial(get_opt_pars, state) if get_opt_pars else None,
+                                   n_threads=n_threads, seed=seed))
     if nbatch_logical < ndata:
         dataset.shuffle(opt_ctx.rng, -1)
     bar = None if silent else ProgressBar(stream, interval=progress_interval)
-
-    def header(epoch: int) -> None:
+    history = []
+    for epoch in range(nepoch):
+        state.epoch = epoch
+        if nbatch_logical < idata_split:
+            dataset.shuffle(opt_ctx.rng, idata_split)
         if not silent:
             stream.write(f"opt_fit: epoch {epoch + 1:04d}/{nepoch:04d}:\n")
-
-    def footer(_: EpochResult) -> None:
+        train, val = Result(), Result()
+        opt_epoch(opt_ctx, dataset, train, val, idata_split, callback_train or bar, callback_eval or bar)
+        history.append(EpochResult(epoch, train, val))
         if not silent:
             stream.write("\n")
-    history = fit_epochs(opt_ctx, dataset, nepoch, idata_split,
-                         shuffle=opt_ctx.rng if nbatch_logical < idata_split else None,
-                         callback_train=callback_train or bar, callback_eval=callback_eval or bar, state=state,
-                         before_epoch=header, on_epoch=footer)
     if not silent:
         stream.write(f"opt_fit: training took {_hms(time.perf_counter() - t0)}\n")
     return history

@@ -404,14 +404,15 @@ class Context:
         every `progress_interval` seconds (default 10, or $GGMLPY_PROGRESS_INTERVAL) and each
         pass's last line.
         """
-        from .fit import fit
+        from .fit import FitOptions, fit
         if self.trainer is None or params is not None:
             self.opt_init(params, comm)
         elif comm is not None and self.trainer.opt.params.comm is not comm:
             raise InputError("opt_fit: this context's trainer was made for another communicator; pass comm to opt_init")
-        return fit(self, dataset, epochs=epochs, val_split=val_split, silent=silent, stream=stream, on_epoch=on_epoch,
-                   seed=seed, checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume,
-                   val_data=val_data, eval_every=eval_every, progress_interval=progress_interval)
+        return fit(self.trainer, dataset, FitOptions(
+            epochs=epochs, val_split=val_split, seed=seed, val_data=val_data, eval_every=eval_every,
+            checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume,
+            silent=silent, stream=stream, progress_interval=progress_interval, on_epoch=on_epoch))
 
     def opt_evaluate(self, dataset) -> Result:
         """The loss and accuracy of the trained model on every window of `dataset` (a test
@@ -425,7 +426,7 @@ class Context:
 
     def opt_save_checkpoint(self, path) -> None:
         """Write the training state (trained tensors, optimizer state, position) to `path`."""
-        from .fit import save_checkpoint_of
+        from .resume import save_checkpoint_of
         if self.trainer is None:
             raise InputError("opt_save_checkpoint: call opt_init first")
         save_checkpoint_of(self.trainer, path)
@@ -434,7 +435,7 @@ class Context:
         """Restore the trained tensors and optimizer state from `path`; the next opt_fit
         continues from its position. Returns the hyper-parameters that differ from the
         checkpoint's (this run's are used). Refused (InputError) for another model unless `force`."""
-        from .fit import load_checkpoint_into
+        from .resume import load_checkpoint_into
         if self.trainer is None:
             raise InputError("opt_load_checkpoint: call opt_init first (with the run's parameters)")
         return load_checkpoint_into(self.trainer, path, force)

@@ -1,12 +1,13 @@
 """Training a language model on token windows, on ggmlpy's optimizer (the engine behind
 Context.opt_init / opt_epoch / opt_fit).
 
-ggmlpy's `OptContext` owns the optimizer (accumulators, state, steps), evaluation and the
-epoch and fit loops; what is specific to a language model is here: a window of
-n_ctx_train tokens is one datapoint, computed in ubatches of n_ubatch tokens, and the
-gradient of a window does not depend on n_ubatch: a later ubatch attends to the keys
-and values of earlier ones, so its loss has a gradient with respect to them, and that
-gradient is carried back. One optimizer step covers n_batch tokens (whole windows).
+ggmlpy's `OptContext` owns the optimizer (accumulators, state, steps) and evaluation, and
+its `train_step` the optimizer step, which runs each window through `Trainer.run_batch`;
+fit.py is the run's loop around those steps. What is specific to a language model is
+here: a window of n_ctx_train tokens is one datapoint, computed in ubatches of n_ubatch
+tokens, and the gradient of a window does not depend on n_ubatch: a later ubatch attends
+to the keys and values of earlier ones, so its loss has a gradient with respect to them,
+and that gradient is carried back. One optimizer step covers n_batch tokens (whole windows).
 
 For a window cut into ubatches u = 0..U-1:
 1. forward u = 0..U-2, keeping each one's K and V (F32, every layer) in a window store;
@@ -132,11 +133,10 @@ class Trainer:
         self.trained = self._select_params(params.param_filter)
         bf16 = params.backward_bf16
         self.backward_bf16 = lctx.backend.bf16_dot_products if bf16 is None else bf16
-        self.epoch = 0
         self.steps_per_epoch = 1  # set from the dataset's split by Context.opt_epoch / opt_fit (schedules)
         self.opt = OptContext(OptParams(
             optimizer=params.optimizer_params(0, 1), opt_period=self.n_batch // self.n_ubatch,
-            get_opt_pars=Trainer._step_params, get_opt_pars_ud=self, grad_clip=params.grad_clip,
+            get_opt_pars=self._step_params, grad_clip=params.grad_clip,
             params=list(self.trained.values()), keep_last_good=True, backend=lctx.backend, feeder=self, comm=comm))
         self.comm = self.opt.comm
         self.run = RunState()
