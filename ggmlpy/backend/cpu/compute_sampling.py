@@ -23,57 +23,34 @@ def _row_iter(*arrays: np.ndarray):
                 yield tuple(a[i3, i2, i1] for a in arrays)
 
 
-@KERNELS.register(Op.TOP_K)
-def _top_k(node: Tensor, plan: Plan) -> Prepared:
+def _top_k(src: np.ndarray, dst: np.ndarray, k: int) -> None:
+    dst[:] = rowops.top_k_desc(src, k)
+
+
+def _top_p_cut(src: np.ndarray, dst: np.ndarray, p: float, min_keep: int) -> None:
+    keep = rowops.top_p_keep(src, p, min_keep)
+    dst[:keep] = src[:keep]
+    dst[keep:] = -np.inf
+
+
+def _min_p_cut(src: np.ndarray, dst: np.ndarray, p: float) -> None:
+    threshold = rowops.min_p_threshold(src, p)
+    dst[:] = np.where(src >= threshold, src, np.float32(-np.inf))
+
+
+# the ops that map each F32 row to a row: row(src, dst, *op params)
+_ROWS = {Op.TOP_K: _top_k, Op.CUMSUM: rowops.cumsum, Op.TOP_P_CUT: _top_p_cut, Op.MIN_P_CUT: _min_p_cut}
+
+
+@KERNELS.register(*_ROWS)
+def _row_by_row(node: Tensor, plan: Plan) -> Prepared:
     (a,) = node.src
     require_f32(node, a)
-    av, dv = a.array(), node.array()
-    k = node.op_params[0]
+    av, dv, row, params = a.array(), node.array(), _ROWS[node.op], tuple(node.op_params)
 
     def run() -> None:
         for src, dst in _row_iter(av, dv):
-            dst[:] = rowops.top_k_desc(src, k)
-    return run
-
-
-@KERNELS.register(Op.CUMSUM)
-def _cumsum(node: Tensor, plan: Plan) -> Prepared:
-    (a,) = node.src
-    require_f32(node, a)
-    av, dv = a.array(), node.array()
-
-    def run() -> None:
-        for src, dst in _row_iter(av, dv):
-            rowops.cumsum(src, dst)
-    return run
-
-
-@KERNELS.register(Op.TOP_P_CUT)
-def _top_p_cut(node: Tensor, plan: Plan) -> Prepared:
-    (a,) = node.src
-    require_f32(node, a)
-    av, dv = a.array(), node.array()
-    p, min_keep = node.op_params
-
-    def run() -> None:
-        for src, dst in _row_iter(av, dv):
-            keep = rowops.top_p_keep(src, p, min_keep)
-            dst[:keep] = src[:keep]
-            dst[keep:] = -np.inf
-    return run
-
-
-@KERNELS.register(Op.MIN_P_CUT)
-def _min_p_cut(node: Tensor, plan: Plan) -> Prepared:
-    (a,) = node.src
-    require_f32(node, a)
-    av, dv = a.array(), node.array()
-    (p,) = node.op_params
-
-    def run() -> None:
-        for src, dst in _row_iter(av, dv):
-            threshold = rowops.min_p_threshold(src, p)
-            dst[:] = np.where(src >= threshold, src, np.float32(-np.inf))
+            row(src, dst, *params)
     return run
 
 

@@ -155,32 +155,19 @@ def _ce_labels(dense, by_id, labels: Tensor, weights: list[Tensor]):
     return dense, (labels.array(),)
 
 
-@KERNELS.register(Op.RMS_NORM_BACK)
-def _rms_norm_back(node: Tensor, plan: Plan) -> Prepared:
-    g, x = node.src
-    require_f32(node, g, x)
-    gv, xv, dv, eps = g.array(), x.array(), node.array(), float(node.op_params[0])
-    return lambda: TK.rms_norm_back_f32(gv, xv, dv, eps)
+# the gradients computed from the incoming gradient and one saved tensor (the op's input or
+# output): kernel(grad, saved, dst, *the first n float op params)
+_GRADIENTS = {Op.RMS_NORM_BACK: (TK.rms_norm_back_f32, 1), Op.SOFT_MAX_BACK: (TK.soft_max_back_f32, 1),
+              Op.SILU_BACK: (TK.silu_back_f32, 0), Op.GELU_BACK: (TK.gelu_back_f32, 0)}
 
 
-@KERNELS.register(Op.SOFT_MAX_BACK)
-def _soft_max_back(node: Tensor, plan: Plan) -> Prepared:
-    g, y = node.src
-    require_f32(node, g, y)
-    gv, yv, dv, scale = g.array(), y.array(), node.array(), float(node.op_params[0])
-    return lambda: TK.soft_max_back_f32(gv, yv, dv, scale)
-
-
-_ACTIVATION_BACK = {Op.SILU_BACK: TK.silu_back_f32, Op.GELU_BACK: TK.gelu_back_f32}
-
-
-@KERNELS.register(Op.SILU_BACK, Op.GELU_BACK)
-def _activation_back(node: Tensor, plan: Plan) -> Prepared:
-    g, x = node.src
-    require_f32(node, g, x)
-    kernel = _ACTIVATION_BACK[node.op]
-    gv, xv, dv = g.array(), x.array(), node.array()
-    return lambda: kernel(gv, xv, dv)
+@KERNELS.register(*_GRADIENTS)
+def _gradient(node: Tensor, plan: Plan) -> Prepared:
+    g, saved = node.src
+    require_f32(node, g, saved)
+    kernel, n_params = _GRADIENTS[node.op]
+    gv, sv, dv, params = g.array(), saved.array(), node.array(), tuple(float(p) for p in node.op_params[:n_params])
+    return lambda: kernel(gv, sv, dv, *params)
 
 
 @KERNELS.register(Op.GET_ROWS_BACK)

@@ -420,8 +420,8 @@ def _silu_tail(v):
     return v / (F32(1.0) + F32(math.exp(-v)))
 
 
-@njit(cache=True, error_model="numpy")  # numpy's: no zero-division branch in the vector loop
-def _silu_row(x, g, out, n_vec, gated):
+@njit(cache=True, inline="always")
+def _silu_into(x, g, out, n_vec, gated):
     """out = silu(x) [* g]: ggml_v_silu over the full 16-element chunks, ggml_silu_f32 after."""
     if gated:
         for i in range(n_vec):
@@ -435,21 +435,16 @@ def _silu_row(x, g, out, n_vec, gated):
             out[i] = _silu_tail(x[i])
 
 
-@njit(cache=True, error_model="numpy")
-def _silu_row_inplace(x, g, n_vec, gated):
-    """_silu_row with out = x: LLVM vectorises a loop only where it can rule out that the
-    output overlaps an input, which an output written over its input (the graph's in-place
-    ops) never passes; one array for both keeps it a vector loop."""
-    if gated:
-        for i in range(n_vec):
-            x[i] = _silu_vec(x[i]) * g[i]
-        for i in range(n_vec, x.shape[0]):
-            x[i] = _silu_tail(x[i]) * g[i]
+@njit(cache=True, error_model="numpy")  # numpy's: no zero-division branch in the vector loop
+def _silu_row(x, g, out, n_vec, gated, inplace):
+    """out = silu(x) [* g], written over x where `inplace` (out is x): LLVM vectorises a loop
+    only where it can rule out that the output overlaps an input, which an output written
+    over its input (the graph's in-place ops) never passes; one array for both keeps it a
+    vector loop."""
+    if inplace:
+        _silu_into(x, g, x, n_vec, gated)
     else:
-        for i in range(n_vec):
-            x[i] = _silu_vec(x[i])
-        for i in range(n_vec, x.shape[0]):
-            x[i] = _silu_tail(x[i])
+        _silu_into(x, g, out, n_vec, gated)
 
 
 @njit(parallel=True, cache=True)
@@ -459,10 +454,7 @@ def silu_f32(x, dst):
     inplace = x.ctypes.data == dst.ctypes.data and x.strides == dst.strides
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        if inplace:
-            _silu_row_inplace(dst[i3, i2, i1], dst[i3, i2, i1], n_vec, False)
-        else:
-            _silu_row(x[i3, i2, i1], x[i3, i2, i1], dst[i3, i2, i1], n_vec, False)
+        _silu_row(x[i3, i2, i1], x[i3, i2, i1], dst[i3, i2, i1], n_vec, False, inplace)
 
 
 @njit(parallel=True, cache=True)
@@ -472,10 +464,7 @@ def swiglu_f32(a, b, dst):
     inplace = a.ctypes.data == dst.ctypes.data and a.strides == dst.strides
     for r in prange(n3 * n2 * n1):
         i3, i2, i1 = _row_index(r, n2, n1)
-        if inplace:
-            _silu_row_inplace(dst[i3, i2, i1], b[i3, i2, i1], n_vec, True)
-        else:
-            _silu_row(a[i3, i2, i1], b[i3, i2, i1], dst[i3, i2, i1], n_vec, True)
+        _silu_row(a[i3, i2, i1], b[i3, i2, i1], dst[i3, i2, i1], n_vec, True, inplace)
 
 
 GELU_COEF_A = 0.044715
