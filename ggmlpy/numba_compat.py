@@ -8,7 +8,7 @@ new numba is checked here (pyproject.toml pins the versions this was written aga
 - the thread-count setter without numba's checks and lock (the executor switches often);
 - serialised cache saves and a dispatcher that compiles instead of running (compile-ahead's
   child, backend/cpu/compile_ahead.py);
-- LLVM's bfloat type, which llvmlite's IR builder does not name (backend/cpu/bf16dot.py);
+- LLVM's bfloat type, which llvmlite's IR builder does not name (ggmlpy/llvmir/emit.py);
 - the code libraries of parallel kernels linked without compiling their bodies four times.
 
 Each user degrades to the public path when what it needs is missing (slower, never wrong).
@@ -185,6 +185,7 @@ def lock_cache_saves() -> None:
             save(self, key, data)
 
     locked_save.locked = True
+    locked_save.__wrapped__ = save
     IndexDataCacheFile.save = locked_save
 
 

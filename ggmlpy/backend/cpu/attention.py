@@ -56,6 +56,13 @@ def _score_post(s, scale, softcap):
     return s
 
 
+@njit(cache=True, inline="always")
+def softcap_scales(scale, softcap):
+    """The scale applied before the softcap and the cap (0: none): ggml computes
+    cap * tanh(s * scale / cap), or s * scale without a cap."""
+    return (F32(scale / softcap) if softcap != 0.0 else F32(scale)), F32(softcap)
+
+
 @njit(parallel=True, cache=True)
 def flash_attn_tiled(q, k, v, mask, dst, scale, max_bias, softcap, has_mask):
     """ggml_compute_forward_flash_attn_ext_tiled: a task is a tile of 64 query rows of one head."""
@@ -63,8 +70,7 @@ def flash_attn_tiled(q, k, v, mask, dst, scale, max_bias, softcap, has_mask):
     n_kv, n_head_kv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = n_head // n_head_kv
     m3, m2 = mask.shape[0], mask.shape[1]
-    sc = F32(scale / softcap) if softcap != 0.0 else F32(scale)
-    cap = F32(softcap)
+    sc, cap = softcap_scales(scale, softcap)
     n_tiles = (n_q + Q_TILE - 1) // Q_TILE
     for task in prange(n3 * n_head * n_tiles):
         i3 = task // (n_head * n_tiles)
@@ -184,8 +190,7 @@ def flash_attn_one_chunk(q, k, v, mask, dst, scale, max_bias, softcap, has_mask,
     n_kv, n_head_kv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = n_head // n_head_kv
     m3, m2 = mask.shape[0], mask.shape[1]
-    sc = F32(scale / softcap) if softcap != 0.0 else F32(scale)
-    cap = F32(softcap)
+    sc, cap = softcap_scales(scale, softcap)
     for task in prange(n3 * n_head * n_q):
         i3 = task // (n_head * n_q)
         h = (task // n_q) % n_head

@@ -23,7 +23,7 @@ from numba import njit, prange
 
 from ...llvmir.attention import LANES, lanes_scores, lanes_values
 from ...llvmir.scalar import fma_f32
-from .attention import KV_TILE
+from .attention import KV_TILE, softcap_scales
 from .kernels import alibi_slope
 from .simd import expf, expf_avx512
 
@@ -153,8 +153,7 @@ def flash_attn_f32(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, dk_di
     n_kv, n_head_kv = k.shape[1], k.shape[2]
     group = n_head // n_head_kv
     m3, m2 = mask.shape[0], mask.shape[1]
-    sc = F32(scale / softcap) if softcap != 0.0 else F32(scale)  # ggml: cap * tanh(s * scale / cap)
-    cap = F32(softcap)
+    sc, cap = softcap_scales(scale, softcap)
     n_tiles = (n_q + Q_TILE - 1) // Q_TILE
     for task in prange(n3 * n_tiles):
         i3 = task // n_tiles
