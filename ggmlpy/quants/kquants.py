@@ -751,26 +751,23 @@ def quantize_q6_k(x, out):
 
 @njit(parallel=True, cache=True)
 def quantize_q8_k(x, out):
+    """quantize_row_q8_K: the activations' rounding (activation_superblock_scale,
+    activation_q8_k) in ggml's 292-byte block: d (float32), 256 int8, 16 int16 sums."""
     nb = x.shape[1] // QK_K
     for r in prange(x.shape[0]):
         xr, y = x[r], out[r]
         for i in range(nb):
             xo, o = i * QK_K, i * 292
-            amax, mx = signed_absmax(xr, xo, QK_K)
-            for k in range(292):
-                y[o + k] = 0
-            if amax == 0:
-                continue
-            iscale = F32(-127.0) / mx
-            for j in range(QK_K):
-                y[o + 4 + j] = np.uint8(min(127, nearest_int(iscale * xr[xo + j])) & 0xFF)
-            for j in range(16):
-                s = np.int32(0)
-                for ii in range(16):
-                    s += np.int32(np.int8(y[o + 4 + 16 * j + ii]))
-                y[o + 260 + 2 * j] = np.uint8(s & 0xFF)
-                y[o + 261 + 2 * j] = np.uint8((s >> 8) & 0xFF)
-            bits = np.int64(F32(F32(1.0) / iscale).view(np.uint32))
+            d, iscale = activation_superblock_scale(xr, xo)
+            for s in range(16):
+                tot = 0
+                for j in range(16):
+                    q = activation_q8_k(xr[xo + 16 * s + j], iscale)
+                    y[o + 4 + 16 * s + j] = np.uint8(q & 0xFF)
+                    tot += q
+                y[o + 260 + 2 * s] = np.uint8(tot & 0xFF)
+                y[o + 261 + 2 * s] = np.uint8((tot >> 8) & 0xFF)
+            bits = np.int64(F32(d).view(np.uint32))
             for k in range(4):
                 y[o + k] = np.uint8((bits >> (8 * k)) & 0xFF)
 
@@ -793,16 +790,23 @@ def round_rows_q8_k(x):
                     xr[xo + j] = F32(0.0)
                 continue
             for j in range(QK_K):
-                q = min(127, nearest_int(iscale * xr[xo + j]))
-                xr[xo + j] = F32(d * F32(q))
+                xr[xo + j] = F32(d * F32(activation_q8_k(xr[xo + j], iscale)))
 
 
 @njit(cache=True, inline="always")
 def activation_superblock_scale(xr, xo):
     """(d, iscale) of the activations' Q8_K super-block at xr[xo:xo + 256] (round_rows_q8_k):
-    q = min(127, nearest_int(iscale * x)) are its integers; (0, 0) for an all-zero block."""
+    activation_q8_k gives its integers; (0, 0) for an all-zero block."""
     amax, mx = signed_absmax(xr, xo, QK_K)
     if amax == 0:
         return F32(0.0), F32(0.0)
     iscale = F32(-127.0) / mx
     return F32(F32(1.0) / iscale), iscale
+
+
+@njit(cache=True, inline="always")
+def activation_q8_k(v, iscale):
+    """The integer of v in its Q8_K super-block (iscale from activation_superblock_scale):
+    min(127, nearest_int(iscale * v)), as quantize_row_q8_K_ref. Every Q8_K quantizer
+    rounds here (0 in an all-zero block, where iscale is 0)."""
+    return min(127, nearest_int(iscale * v))

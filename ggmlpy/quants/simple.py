@@ -257,17 +257,25 @@ def round_rows_q8_0(x):
             o = i * QK
             d, idd = activation_block_scale(xr, o)
             for j in range(QK):
-                q = np.int32(np.rint(F32(xr[o + j] * idd)))  # an integer: no -0
+                q = np.int32(activation_q8_0(xr[o + j], idd))  # an integer: no -0
                 xr[o + j] = F32(d * F32(q))
 
 
 @njit(cache=True, inline="always")
 def activation_block_scale(xr, o):
     """(d, 127 / amax) of the activations' Q8_0 block at xr[o:o + 32] (round_rows_q8_0);
-    q = rint(x * (127 / amax)) are its integers."""
+    activation_q8_0 gives its integers."""
     amax = F32(0.0)
     for j in range(QK):
         a = abs(xr[o + j])
         if a > amax:
             amax = a
     return f16_round(amax / F32(127.0)), (F32(127.0) / amax if amax != 0 else F32(0.0))
+
+
+@njit(cache=True, inline="always")
+def activation_q8_0(v, idd):
+    """The integer of v in its activations' Q8_0 block (idd from activation_block_scale):
+    rint(v * idd), ties to even, as a float32 (-0 for small negatives: stored as an integer,
+    it is 0). Every Q8_0 activation quantizer rounds here."""
+    return np.rint(F32(v * idd))

@@ -2,8 +2,8 @@
 packed blocks. (Q4_0, Q5_0, Q8_0, Q4_K and Q6_K products, whatever their column count, go
 through qexact.py, which sums as llama.cpp's x86 kernels do; Q5_K has no kernel in ggml's
 order yet, so it keeps this one, and its result is not llama.cpp's bit for bit.) As ggml's
-vec_dot does them: the activations quantized to Q8_K (exactly the values qmatmul rounds
-them to), integer dot products per sub-block, the sums scaled by the blocks' scales. Nothing of the matrix is expanded to float32, which for one token is
+vec_dot does them: the activations quantized to Q8_K (qexact.quantize_q8_k: exactly the
+values qmatmul rounds them to), integer dot products per sub-block, the sums scaled by the blocks' scales. Nothing of the matrix is expanded to float32, which for one token is
 the whole cost of the tile path (dequantize every weight, then a matrix-vector BLAS call).
 
 The integer sums are computed in float32 lanes: weights and activations are small
@@ -19,34 +19,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
-from ...quants.kquants import activation_superblock_scale, scale_min_k4
+from ...quants.common import F32, QK_K, f16_to_f32
+from ...quants.kquants import scale_min_k4
 from ...types import GGMLType
+from .qexact import quantize_q8_k
 
 QK = 32
 INT_LANES = {"reassoc", "contract", "nsz"}  # integer-valued float32 sums: exact in any order
 MAX_COLUMNS = 4  # bench/qdot_bench.py (before qexact): 1.1-2.3x the tile path at 4 columns, 3-5.7x at one
-
-
-# ---- the activations: integers (as float32), scales, and sums per 32 ----------------------------
-@njit(parallel=True, cache=True)
-def quantize_activations_q8_k(x, xq, xd, xs):
-    """x (N, K) float32 -> the integers xq (N, K) of the Q8_K super-blocks
-    quants.kquants.round_rows_q8_k rounds x to, their float32 scales xd (N, K/256) and the
-    integer sums per 32 xs (N, K/32)."""
-    nb = x.shape[1] // QK_K
-    for r in prange(x.shape[0]):
-        for i in range(nb):
-            d, iscale = activation_superblock_scale(x[r], i * QK_K)
-            xd[r, i] = d
-            for g in range(QK_K // QK):
-                s = F32(0.0)
-                for j in range(QK):
-                    e = i * QK_K + g * QK + j
-                    q = F32(min(127, nearest_int(iscale * x[r, e]))) if d != 0 else F32(0.0)
-                    xq[r, e] = q
-                    s += q
-                xs[r, i * (QK_K // QK) + g] = s
 
 
 # ---- integer sums of one (sub-)block, in float32 lanes -------------------------------------------
@@ -104,8 +84,8 @@ def supports(type: GGMLType, n_columns: int) -> bool:
 def mul_mat_dot(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:
     """out (N, M) = x~ (N, K) @ W^T for a few columns N (see the module docstring)."""
     n, k = x.shape
-    xq = scratch.get("act_q", n * k).reshape(n, k)
-    xd = scratch.get("act_d", n * (k // QK_K)).reshape(n, k // QK_K)
-    xs = scratch.get("act_sums", n * (k // QK)).reshape(n, k // QK)
-    quantize_activations_q8_k(np.ascontiguousarray(x), xq, xd, xs)
-    dot_rows(buf, offs, xq, xd, xs, out)
+    xq = scratch.get("act_q", n * k)
+    xd = scratch.get("act_d", n * (k // QK_K))
+    xs = scratch.get("act_sums", n * (k // QK))
+    quantize_q8_k(np.ascontiguousarray(x), 1, xq, xd, xs)  # the integers, scales and sums per 32
+    dot_rows(buf, offs, xq.reshape(n, k), xd.reshape(n, k // QK_K), xs.reshape(n, k // QK), out)

@@ -24,7 +24,7 @@ reproduced here (simd.py says why it matters), for the kernels llama.cpp's x86 b
 So, as in ggml, the number of columns (tokens in a ubatch) picks the formula for Q4_K and
 Q6_K products, never the thread count (the number of rows picks Q4_0's). The sums of integer products are float32 where every
 partial sum stays below 2^24 (exact in any order, so they vectorise), float64 otherwise.
-The float work runs in vecir.py's vector micro-kernels, 16 columns (or, for fewer columns,
+The float work runs in llvmir's vector micro-kernels, 16 columns (or, for fewer columns,
 16 matrix rows) at a time; the matrix rows are unpacked from their blocks per task into
 integers (float32) in the kernels' layout, so nothing of the matrix is kept expanded.
 """
@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ...quants.common import F32, QK_K, f16_to_f32, nearest_int
-from ...quants.kquants import scale_min_k4
-from ...quants.simple import activation_block_scale
+from ...quants.common import F32, QK_K, f16_to_f32
+from ...quants.kquants import activation_q8_k, activation_superblock_scale, scale_min_k4
+from ...quants.simple import activation_block_scale, activation_q8_0
 from ...types import GGMLType
 from ...llvmir.emit import W
 from ...llvmir.quant_tiles import (Q0_ROWS, Q4K_ROWS, Q6K_ROWS, q0_blocks_tile, q0_lanes_tile, q4_k_gemv_tile, q4_k_tile,
@@ -70,171 +70,114 @@ def _at(e, nb, lane_major):
     return ((e % QK) // 4) * 4 * nb + 4 * (e // QK) + e % 4
 
 
-@njit(parallel=True, cache=True)
-def quantize_q8_0_tiles(x, xq, xd, lane_major):
-    """x (N, K) -> Q8_0 as ggml-cpu's quantize_row_q8_0 rounds it (half to even of
-    x * 127 / amax), in column tiles: xq[n // 16, _at(e), n % 16] = integer of element e
-    (_at: natural or lane-major order), xd[n // 16, b, n % 16] = d; columns past N are zero."""
-    n_cols, nb = x.shape[0], x.shape[1] // QK
-    for tile in prange(xq.shape[0]):
-        for c in range(W):
-            n = tile * W + c
-            if n >= n_cols:
-                for e in range(nb * QK):
-                    xq[tile, e, c] = F32(0.0)
-                for b in range(nb):
-                    xd[tile, b, c] = F32(0.0)
-                continue
-            xr = x[n]
-            for b in range(nb):
-                d, idd = activation_block_scale(xr, b * QK)
-                xd[tile, b, c] = d
-                for e in range(b * QK, b * QK + QK):
-                    xq[tile, _at(e, nb, lane_major), c] = np.rint(F32(xr[e] * idd))
-
-
-@njit(parallel=True, cache=True)
-def quantize_q8_0_rows(x, xq, xd):
-    """As quantize_q8_0_tiles, row by row and in natural order: xq[n, k], xd[n, b]."""
-    nb = x.shape[1] // QK
-    for n in prange(x.shape[0]):
-        xr = x[n]
-        for b in range(nb):
-            d, idd = activation_block_scale(xr, b * QK)
-            xd[n, b] = d
-            for e in range(QK):
-                xq[n, b * QK + e] = np.rint(F32(xr[b * QK + e] * idd))
-
-
-@njit(parallel=True, cache=True)
-def quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias):
-    """quantize_q8_0_tiles for the VNNI kernel (vecir.q0_tile2_vnni): xq[tile, 8 b + j, c, t]
-    = integer of element 32 b + 4 j + t (int8), xc[tile, 8 b + j, c] = -bias * the sum of those
-    4 integers, xd[tile, b, c] = d; columns past N are zero."""
-    n_cols, nb = x.shape[0], x.shape[1] // QK
-    for tile in prange(xq.shape[0]):
-        for c in range(W):
-            n = tile * W + c
-            for b in range(nb):
-                d, idd = F32(0.0), F32(0.0)
-                if n < n_cols:
-                    d, idd = activation_block_scale(x[n], b * QK)
-                xd[tile, b, c] = d
-                for j in range(8):
-                    tot = 0
-                    for t in range(4):
-                        q = np.int32(np.rint(F32(x[n, b * QK + 4 * j + t] * idd))) if n < n_cols else 0
-                        xq[tile, 8 * b + j, c, t] = np.int8(q)
-                        tot += q
-                    xc[tile, 8 * b + j, c] = -bias * tot
-
-
-@njit(parallel=True, cache=True)
-def quantize_q8_0_biased(x, xu, xd):
-    """Q8_0 of each row for vecir.q8_0_row_vnni: xu[n, k] = integer + 128 (uint8), xd[n, b]."""
-    nb = x.shape[1] // QK
-    for n in prange(x.shape[0]):
-        xr = x[n]
-        for b in range(nb):
-            d, idd = activation_block_scale(xr, b * QK)
-            xd[n, b] = d
-            for e in range(QK):
-                xu[n, b * QK + e] = np.uint8(np.int32(np.rint(F32(xr[b * QK + e] * idd))) + 128)
-
-
-@njit(parallel=True, cache=True)
-def quantize_q8_0_signed(x, xs, xsum, xd):
-    """Q8_0 of each row for vecir.q5_0_row_vnni: xs[n, k] the integers (int8), xsum[n, 8 b + j]
-    the sum of the 4 integers of lane j of block b, xd[n, b]."""
-    nb = x.shape[1] // QK
-    for n in prange(x.shape[0]):
-        xr = x[n]
-        for b in range(nb):
-            d, idd = activation_block_scale(xr, b * QK)
-            xd[n, b] = d
-            for j in range(8):
-                tot = 0
-                for t in range(4):
-                    q = np.int32(np.rint(F32(xr[b * QK + 4 * j + t] * idd)))
-                    xs[n, b * QK + 4 * j + t] = np.int8(q)
-                    tot += q
-                xsum[n, 8 * b + j] = tot
-
-
-@njit(parallel=True, cache=True)
-def q8_k_bytes(xq, bs16, xs, bse, bso, bs32):
-    """Q8_K rows (quantize_q8_k_rows) for the VNNI row kernels: xs the integers as int8,
-    bse / bso the 16-element sums of even / odd sub-blocks, bs32 the 32-element sums (int32)."""
-    for n in prange(xq.shape[0]):
-        for k in range(xq.shape[1]):
-            xs[n, k] = np.int8(xq[n, k])
-        for s in range(bse.shape[1]):
-            bse[n, s] = np.int32(bs16[n, 2 * s])
-            bso[n, s] = np.int32(bs16[n, 2 * s + 1])
-            bs32[n, s] = np.int32(bs16[n, 2 * s] + bs16[n, 2 * s + 1])
+# where quantize_q8_0 puts element e = 32 b + 4 j + t (lane j of block b) of column n
+ROWS, TILES, LANES, QUADS = 0, 1, 2, 3
 
 
 @njit(cache=True, inline="always")
-def _signed_absmax(x, o, n):
-    amax = F32(0.0)
-    mx = F32(0.0)
-    for j in range(n):
-        v = x[o + j]
-        if amax < abs(v):
-            amax = abs(v)
-            mx = v
-    return amax, mx
+def _tile_column(x, tile, cols, c):
+    """Column c of a tile of `cols`: x's row, and whether it is one (the tiles' padding past
+    x's last row reads that row, for the quantizers to give it scale 0: integers 0)."""
+    n = tile * cols + c
+    return x[min(n, x.shape[0] - 1)], n < x.shape[0]
 
 
 @njit(cache=True, inline="always")
-def _q8_k_row(xr, q, d, bs16):
-    """quantize_row_q8_K (= its _ref on x86) of one row: q[k] the integers (float32),
-    d[i] the float32 scale of super-block i, bs16[s] the integer sum of sub-block s."""
-    for i in range(xr.shape[0] // QK_K):
-        xo = i * QK_K
-        amax, mx = _signed_absmax(xr, xo, QK_K)
-        if amax == 0:
-            d[i] = F32(0.0)
-            for j in range(QK_K):
-                q[xo + j] = F32(0.0)
-            for s in range(16):
-                bs16[i * 16 + s] = F32(0.0)
-            continue
-        iscale = F32(-127.0) / mx
-        for s in range(16):
-            tot = 0
-            for j in range(16):
-                v = min(127, nearest_int(iscale * xr[xo + 16 * s + j]))
-                q[xo + 16 * s + j] = F32(v)
-                tot += v
-            bs16[i * 16 + s] = F32(tot)
-        d[i] = F32(F32(1.0) / iscale)
+def _q8_0_lanes(xb, idd, dst, step, sums, sums_step, weight):
+    """Block xb's 8 lanes of 4 integers, lane j at dst[step j:][:4], and weight * its sum at
+    sums[sums_step j] (the steps constants where inlined: the stores then vectorise)."""
+    for j in range(8):
+        tot = 0
+        for t in range(4):
+            q = np.int32(activation_q8_0(xb[4 * j + t], idd))
+            dst[step * j + t] = q
+            tot += q
+        sums[sums_step * j] = weight * tot
 
 
 @njit(parallel=True, cache=True)
-def quantize_q8_k_rows(x, xq, xd, bs16, bs32):
-    """x (N, K) -> Q8_K row by row: xq (N, K), xd (N, nb), bs16 (N, 16 nb) the 16-element
-    sums, bs32 (N, 8 nb) the 32-element sums (as float32; exact integers)."""
-    for n in prange(x.shape[0]):
-        _q8_k_row(x[n], xq[n], xd[n], bs16[n])
-        for s in range(bs32.shape[1]):
-            bs32[n, s] = bs16[n, 2 * s] + bs16[n, 2 * s + 1]
+def quantize_q8_0(x, layout, xq, xd, xc, weight):
+    """x (N, K) -> its Q8_0 blocks as ggml-cpu's quantize_row_q8_0 rounds them (quants.simple:
+    activation_block_scale, activation_q8_0), written flat in the layout a kernel reads:
+      ROWS    xq[n, e], xd[n, b], xc[n, 8 b + j]
+      TILES   tiles of 16 columns: xq[n // 16, e, n % 16], xd[n // 16, b, n % 16]; columns
+              past N have scale 0 and integers 0
+      LANES   TILES with e lane-major (_at)
+      QUADS   TILES with a lane's 4 integers together: xq[n // 16, 8 b + j, n % 16, t],
+              xc[n // 16, 8 b + j, n % 16]
+    xq float32 for the float kernels (ROWS, TILES, LANES), int8 for the VNNI ones (ROWS,
+    QUADS); xc (int32; ROWS: empty for none): weight * the sum of lane j's 4 integers. One
+    body, compiled once per xq type; each layout's store loop has constant strides into a view
+    of the block's place, so LLVM vectorises it."""
+    k = x.shape[1]
+    nb = k // QK
+    cols = 1 if layout == ROWS else W
+    for tile in prange(xd.shape[0] // (nb * cols)):
+        for c in range(cols):
+            xr, real = _tile_column(x, tile, cols, c)
+            for b in range(nb):
+                d, idd = activation_block_scale(xr, b * QK) if real else (F32(0.0), F32(0.0))
+                xd[(tile * nb + b) * cols + c] = d
+                xb = xr[b * QK:b * QK + QK]
+                sums = xc[8 * (tile * nb + b) * cols + c:]  # lane 0's sum
+                if layout == QUADS:
+                    _q8_0_lanes(xb, idd, xq[(tile * k + b * QK) * W + 4 * c:], 4 * W, sums, W, weight)
+                elif layout == ROWS:
+                    dst = xq[tile * k + b * QK:]
+                    for e in range(QK):
+                        dst[e] = activation_q8_0(xb[e], idd)
+                    for j in range(8 if xc.shape[0] else 0):  # the lane sums, read back
+                        sums[j] = weight * np.int32(dst[4 * j] + dst[4 * j + 1] + dst[4 * j + 2] + dst[4 * j + 3])
+                else:  # TILES, LANES: lane j at _at(its element 0), the columns between
+                    for j in range(8):
+                        dst = xq[(tile * k + _at(b * QK + 4 * j, nb, layout == LANES)) * W + c:]
+                        for t in range(4):
+                            dst[t * W] = activation_q8_0(xb[4 * j + t], idd)
+
+
+@njit(cache=True, inline="always")
+def _q8_k_sub_block(xs, o, iscale, dst, step):
+    """The integers of xs[o:o + 16] to dst[step (o + j)] (step a constant where inlined, so
+    the stores vectorise); their sum."""
+    tot = 0
+    for j in range(16):
+        q = activation_q8_k(xs[o + j], iscale)
+        dst[step * (o + j)] = q
+        tot += q
+    return tot
 
 
 @njit(parallel=True, cache=True)
-def q8_k_tiles(xq, xd, bs32, tq, td, tbs, n_cols):
-    """Q8_K rows (quantize_q8_k_rows) -> column tiles: tq (tiles, K, 16), td (tiles, nb, 16),
-    tbs (tiles, 8 nb, 16); columns past n_cols zero."""
-    for tile in prange(tq.shape[0]):
-        for c in range(W):
-            n = tile * W + c
-            ok = n < n_cols
-            for k in range(tq.shape[1]):
-                tq[tile, k, c] = xq[n, k] if ok else F32(0.0)
-            for i in range(td.shape[1]):
-                td[tile, i, c] = xd[n, i] if ok else F32(0.0)
-            for s in range(tbs.shape[1]):
-                tbs[tile, s, c] = bs32[n, s] if ok else F32(0.0)
+def quantize_q8_k(x, cols, xq, xd, bs):
+    """x (N, K) -> its Q8_K super-blocks as quantize_row_q8_K rounds them (quants.kquants:
+    activation_superblock_scale, activation_q8_k), written flat (float32) in tiles of `cols`
+    columns (1: rows, or W): xq[n // cols, e, n % cols] the integers, xd[.., i, ..] the scale of
+    super-block i, bs[.., g, ..] the sum of the integers of group g (bs's size picks groups of
+    16 or 32 elements; empty for none); columns past N have scale 0 and integers 0. One body,
+    one specialisation for every Q8_K product (the VNNI kernels take their int8 from it)."""
+    k = x.shape[1]
+    nb = k // QK_K
+    groups = bs.shape[0] // xd.shape[0]  # sums per super-block: 16, 8 or 0
+    for tile in prange(xd.shape[0] // (nb * cols)):
+        for i in range(nb):  # a tile's super-block i, column by column: their stores adjacent
+            for c in range(cols):
+                xr, real = _tile_column(x, tile, cols, c)
+                xs = xr[i * QK_K:(i + 1) * QK_K]
+                d, iscale = activation_superblock_scale(xs, 0) if real else (F32(0.0), F32(0.0))
+                xd[(tile * nb + i) * cols + c] = d
+                dst = xq[(tile * k + i * QK_K) * cols + c:]
+                sums = bs[(tile * nb + i) * groups * cols + c:]  # group g at sums[cols g]
+                prev = 0
+                for s in range(16):
+                    if cols == 1:
+                        tot = _q8_k_sub_block(xs, 16 * s, iscale, dst, 1)
+                    else:
+                        tot = _q8_k_sub_block(xs, 16 * s, iscale, dst, W)
+                    if groups == 16:
+                        sums[cols * s] = tot
+                    elif groups == 8 and s % 2:
+                        sums[cols * (s // 2)] = prev + tot
+                    prev = tot
 
 
 # ---- matrix rows -----------------------------------------------------------------------------------
@@ -477,8 +420,12 @@ def _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out):
 
 
 @njit(parallel=True, cache=True)
-def _q4_k_gemv_vnni(buf, offs, xs, xd, bs32, out, n0):
+def _q4_k_gemv_vnni(buf, offs, xq, xd, bs32, out):
+    """xq, bs32 (quantize_q8_k's float32 rows) made the int8 / int32 q4_k_row_vnni takes, here:
+    a few columns, so the quantizer needs no int8 form (one specialisation less to compile)."""
     nb = xd.shape[1]
+    xs = xq.astype(np.int8)
+    b32 = bs32.astype(np.int32)
     for task in prange((offs.shape[0] + GEMV_ROWS - 1) // GEMV_ROWS):
         sc = np.empty(8 * nb, dtype=np.int32)
         mn = np.empty(8 * nb, dtype=np.int32)
@@ -486,21 +433,30 @@ def _q4_k_gemv_vnni(buf, offs, xs, xd, bs32, out, n0):
             for i in range(nb):
                 for s in range(8):
                     sc[8 * i + s], mn[8 * i + s] = scale_min_k4(s, buf, offs[m] + i * 144 + 4)
-            for n in range(n0, out.shape[0]):
-                out[n, m] = q4_k_row_vnni(buf, offs[m], sc, mn, xs[n], xd[n], bs32[n], nb)
+            for n in range(out.shape[0]):
+                out[n, m] = q4_k_row_vnni(buf, offs[m], sc, mn, xs[n], xd[n], b32[n], nb)
 
 
 @njit(parallel=True, cache=True)
-def _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out):
+def _q6_k_gemv_vnni(buf, offs, xq, xd, bs16, out):
+    """As _q4_k_gemv_vnni: the float32 rows made int8, the 16-element sums split into the even
+    and odd sub-blocks' (int32) that q6_k_row_vnni takes."""
     nb = xd.shape[1]
+    xs = xq.astype(np.int8)
+    bse = bs16[:, 0::2].astype(np.int32)
+    bso = bs16[:, 1::2].astype(np.int32)
     for m in prange(offs.shape[0]):
         for n in range(out.shape[0]):
             out[n, m] = q6_k_row_vnni(buf, offs[m], xs[n], xd[n], bse[n], bso[n], nb)
 
 
 @njit(parallel=True, cache=True)
-def _q8_0_gemv_vnni(buf, offs, xu, xd, out):
+def _q8_0_gemv_vnni(buf, offs, xs, xd, out):
+    """xs (N, K) int8: the columns' integers, made in place the unsigned integer + 128 that
+    q8_0_row_vnni takes (bits ^ 0x80)."""
     nb = xd.shape[1]
+    xu = xs.view(np.uint8)
+    xu ^= np.uint8(0x80)
     for m in prange(offs.shape[0]):
         for n in range(out.shape[0]):
             out[n, m] = q8_0_row_vnni(buf, offs[m], xu[n], xd[n], nb)
@@ -591,7 +547,7 @@ def _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm):
 
 
 @njit(parallel=True, cache=True)
-def _q4_k_gemv(buf, offs, xq, xd, bs32, out, n0):
+def _q4_k_gemv(buf, offs, xq, xd, bs32, out):
     m_rows = offs.shape[0]
     nb = xd.shape[1]
     for task in prange((m_rows + W - 1) // W):
@@ -602,7 +558,7 @@ def _q4_k_gemv(buf, offs, xq, xd, bs32, out, n0):
         wmin = np.empty((nb * 8, W), dtype=np.float32)
         res = np.empty(W, dtype=np.float32)
         _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin)
-        for n in range(n0, out.shape[0]):
+        for n in range(out.shape[0]):
             q4_k_gemv_tile(wq, wd, wdm, wmin, xq, xd, bs32, res, n, nb)
             for r in range(W):
                 if m0 + r < m_rows:
@@ -648,13 +604,46 @@ def _bytes(scratch, name: str, n: int) -> np.ndarray:
     return scratch.get(name, (n + 3) // 4).view(np.uint8)[:n]
 
 
-def _q8_k_vnni(scratch, xq, bs16, n: int, k: int, nb: int):
-    xs = _bytes(scratch, "q8_k_i8", n * k).view(np.int8).reshape(n, k)
-    bse = scratch.get("q8_k_bse", n * nb * 8).view(np.int32).reshape(n, nb * 8)
-    bso = scratch.get("q8_k_bso", n * nb * 8).view(np.int32).reshape(n, nb * 8)
-    b32 = scratch.get("q8_k_b32", n * nb * 8).view(np.int32).reshape(n, nb * 8)
-    q8_k_bytes(xq, bs16, xs, bse, bso, b32)
-    return xs, bse, bso, b32
+Activations = Callable[[np.ndarray, Any], tuple[np.ndarray, ...]]  # (x, scratch) -> the kernel's operands
+
+
+def _q8_0_input(n: int, k: int, layout: int, int8: bool = False, weight: int = 0) -> Activations:
+    """The plan's activation step of a Q8_0-block product: x (n, k) quantized by quantize_q8_0
+    in `layout` into the backend's scratch, returned as (xq, xd, xc) in the kernel's shapes
+    (xc: only with a lane-sum weight)."""
+    nb = k // QK
+    lead, tail = ((n,), ()) if layout == ROWS else (((n + W - 1) // W,), (W,))
+    cols = lead[0] * (tail[0] if tail else 1)
+    q_shape = lead + ((8 * nb,) + tail + (4,) if layout == QUADS else (k,) + tail)
+
+    def quantize(x, scratch):
+        xq = _bytes(scratch, "q8_0_i8", cols * k).view(np.int8) if int8 else scratch.get("q8_0", cols * k)
+        xd = scratch.get("q8_0_d", cols * nb)
+        xc = scratch.get("q8_0_c", cols * nb * 8 if weight else 0).view(np.int32)
+        quantize_q8_0(x, layout, xq, xd, xc, weight)
+        return (xq.reshape(q_shape), xd.reshape(lead + (nb,) + tail)) + ((xc.reshape(lead + (8 * nb,) + tail),)
+                                                                         if weight else ())
+    return quantize
+
+
+def _q8_k_input(n: int, k: int, cols: int, group: int = 0) -> Activations:
+    """The plan's activation step of a Q8_K product: x (n, k) quantized by quantize_q8_k in
+    tiles of `cols` columns (1: rows) into the backend's scratch, returned as (xq, xd[, bs]) in
+    the kernel's shapes, bs the sums of groups of `group` elements (0: none)."""
+    nb = k // QK_K
+    lead, tail = ((n,), ()) if cols == 1 else (((n + cols - 1) // cols,), (cols,))
+    size = lead[0] * cols
+    sums = QK_K // group * nb if group else 0
+    tag = "q8_k" if cols == 1 else "q8_k_tiles"  # a Q4_K product takes both at once
+
+    def quantize(x, scratch):
+        xq = scratch.get(tag, size * k)
+        xd = scratch.get(tag + "_d", size * nb)
+        bs = scratch.get(tag + "_bs", size * sums)
+        quantize_q8_k(x, cols, xq, xd, bs)
+        return (xq.reshape(lead + (k,) + tail), xd.reshape(lead + (nb,) + tail)) + ((bs.reshape(lead + (sums,) + tail),)
+                                                                                     if group else ())
+    return quantize
 
 
 # ---- dispatch --------------------------------------------------------------------------------------
@@ -687,120 +676,97 @@ def plan_mul_mat(type: GGMLType, n: int, m: int, k: int, block_sums: bool = Fals
 
     block_sums (Q5_0 and Q8_0 with more than Q0_GEMV_MAX_COLS columns, else ignored): one
     float multiply-add per block of 32 and column, in place of ggml's 8 lanes of 4 products
-    (vecir.q0_blocks_vnni, or q0_blocks_tile without AVX512-VNNI: the same bits), the same
+    (llvmir.vnni.q0_blocks_vnni, or q0_blocks_tile without AVX512-VNNI: the same bits), the same
     integer products, float32 rounding apart from ggml's, a column's results the same
     whatever columns come with it. For the output layer
     fused with the loss (linear_ce.py), which needs logits, not llama.cpp's bits. (Few columns
     keep the gemv kernels: 2-10x faster there, bench/quant_matmul.py.)"""
     if n == 0:
         return lambda buf, offs, x, out, scratch: None
-    tiles = (n + W - 1) // W
-    few = n <= Q0_GEMV_MAX_COLS
     if type in Q0_BLOCK_BYTES:
-        nb = k // QK
-        block_bytes, bias = Q0_BLOCK_BYTES[type], Q0_BIAS[type]  # bias: makes the matrix integers unsigned
-        # ggml repacks the Q4_0 matrices whose rows are a multiple of 8 and sums them by blocks
-        # (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0), whatever the column count
-        repacked = type == GGMLType.Q4_0 and m % 8 == 0
-        if repacked and few:
-            def run(buf, offs, x, out, scratch):
-                xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
-                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-                quantize_q8_0_rows(x, xq, xd)
-                _q4_0_gemv(buf, offs, xq, xd, out)
-        elif (block_sums or repacked) and not VNNI and not few:
-            def run(buf, offs, x, out, scratch):
-                xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
-                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-                quantize_q8_0_tiles(x, xq, xd, False)
-                _q0_gemm(buf, offs, block_bytes, True, xq, xd, out)
-        elif (block_sums or repacked) and not few:
-            def run(buf, offs, x, out, scratch):
-                xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
-                xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb, 8, W)
-                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-                quantize_q8_0_tiles_vnni(x, xq, xc.reshape(tiles, nb * 8, W), xd, bias)
-                xcb = scratch.get("q8_0_cb", tiles * nb * W).view(np.int32).reshape(tiles, nb, W)
-                np.sum(xc, axis=2, out=xcb)
-                _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out)
-        elif VNNI and few and type == GGMLType.Q8_0:
-            def run(buf, offs, x, out, scratch):
-                xu = _bytes(scratch, "q8_0_u8", n * nb * QK).reshape(n, nb * QK)
-                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-                quantize_q8_0_biased(x, xu, xd)
-                _q8_0_gemv_vnni(buf, offs, xu, xd, out)
-        elif VNNI and few and type == GGMLType.Q5_0:
-            def run(buf, offs, x, out, scratch):
-                xs = _bytes(scratch, "q8_0_i8", n * nb * QK).view(np.int8).reshape(n, nb * QK)
-                xsum = scratch.get("q8_0_c", n * nb * 8).view(np.int32).reshape(n, nb * 8)
-                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-                quantize_q8_0_signed(x, xs, xsum, xd)
-                _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out)
-        elif VNNI and not few:
-            def run(buf, offs, x, out, scratch):
-                xq = _bytes(scratch, "q8_0_i8", tiles * nb * QK * W).view(np.int8).reshape(tiles, nb * 8, W, 4)
-                xc = scratch.get("q8_0_c", tiles * nb * 8 * W).view(np.int32).reshape(tiles, nb * 8, W)
-                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-                quantize_q8_0_tiles_vnni(x, xq, xc, xd, bias)
-                _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out)
-        elif few:
-            def run(buf, offs, x, out, scratch):
-                xq = scratch.get("q8_0", n * nb * QK).reshape(n, nb * QK)
-                xd = scratch.get("q8_0_d", n * nb).reshape(n, nb)
-                quantize_q8_0_rows(x, xq, xd)
-                _q0_gemv(buf, offs, block_bytes, xq, xd, out)
-        else:
-            def run(buf, offs, x, out, scratch):
-                xq = scratch.get("q8_0", tiles * nb * QK * W).reshape(tiles, nb * QK, W)
-                xd = scratch.get("q8_0_d", tiles * nb * W).reshape(tiles, nb, W)
-                quantize_q8_0_tiles(x, xq, xd, True)
-                _q0_gemm(buf, offs, block_bytes, False, xq, xd, out)
-        return run
-    nb = k // QK_K
+        return _plan_q0(type, n, m, k, block_sums)
+    return _plan_q_k(type, n, k)
 
-    def q8_k(x, scratch):
-        xq = scratch.get("q8_k", n * k).reshape(n, k)
-        xd = scratch.get("q8_k_d", n * nb).reshape(n, nb)
-        bs16 = scratch.get("q8_k_bs16", n * nb * 16).reshape(n, nb * 16)
-        bs32 = scratch.get("q8_k_bs32", n * nb * 8).reshape(n, nb * 8)
-        quantize_q8_k_rows(x, xq, xd, bs16, bs32)
-        return xq, xd, bs16, bs32
 
-    def q8_k_tiled(xq, xd, bs32, scratch, cols):
-        t = (cols + W - 1) // W
-        tq = scratch.get("q8_k_tiles", t * k * W).reshape(t, k, W)
-        td = scratch.get("q8_k_tiles_d", t * nb * W).reshape(t, nb, W)
-        tbs = scratch.get("q8_k_tiles_bs", t * nb * 8 * W).reshape(t, nb * 8, W)
-        q8_k_tiles(xq, xd, bs32, tq, td, tbs, cols)
-        return tq, td, tbs
+def _plan_q0(type: GGMLType, n: int, m: int, k: int, block_sums: bool) -> Product:
+    """plan_mul_mat for the Q8_0-block products (Q4_0, Q5_0, Q8_0)."""
+    few = n <= Q0_GEMV_MAX_COLS
+    block_bytes, bias = Q0_BLOCK_BYTES[type], Q0_BIAS[type]  # bias: makes the matrix integers unsigned
+    # ggml repacks the Q4_0 matrices whose rows are a multiple of 8 and sums them by blocks
+    # (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0), whatever the column count
+    repacked = type == GGMLType.Q4_0 and m % 8 == 0
+    if repacked and few:
+        act = _q8_0_input(n, k, ROWS)
 
+        def run(buf, offs, x, out, scratch):
+            _q4_0_gemv(buf, offs, *act(x, scratch), out)
+    elif (block_sums or repacked) and not VNNI and not few:
+        act = _q8_0_input(n, k, TILES)
+
+        def run(buf, offs, x, out, scratch):
+            _q0_gemm(buf, offs, block_bytes, True, *act(x, scratch), out)
+    elif (block_sums or repacked) and not few:
+        act = _q8_0_input(n, k, QUADS, int8=True, weight=-bias)
+
+        def run(buf, offs, x, out, scratch):
+            xq, xd, xc = act(x, scratch)
+            xcb = scratch.get("q8_0_cb", xd.size).view(np.int32).reshape(xd.shape)
+            np.sum(xc.reshape(xd.shape[0], -1, 8, W), axis=2, out=xcb)
+            _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out)
+    elif VNNI and few and type == GGMLType.Q8_0:
+        act = _q8_0_input(n, k, ROWS, int8=True)
+
+        def run(buf, offs, x, out, scratch):
+            _q8_0_gemv_vnni(buf, offs, *act(x, scratch), out)
+    elif VNNI and few and type == GGMLType.Q5_0:
+        act = _q8_0_input(n, k, ROWS, int8=True, weight=1)
+
+        def run(buf, offs, x, out, scratch):
+            xq, xd, xsum = act(x, scratch)
+            _q5_0_gemv_vnni(buf, offs, xq, xsum, xd, out)
+    elif VNNI and not few:
+        act = _q8_0_input(n, k, QUADS, int8=True, weight=-bias)
+
+        def run(buf, offs, x, out, scratch):
+            xq, xd, xc = act(x, scratch)
+            _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out)
+    elif few:
+        act = _q8_0_input(n, k, ROWS)
+
+        def run(buf, offs, x, out, scratch):
+            _q0_gemv(buf, offs, block_bytes, *act(x, scratch), out)
+    else:
+        act = _q8_0_input(n, k, LANES)
+
+        def run(buf, offs, x, out, scratch):
+            _q0_gemm(buf, offs, block_bytes, False, *act(x, scratch), out)
+    return run
+
+
+def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
+    """plan_mul_mat for the Q8_K products (Q4_K, Q6_K)."""
     if type == GGMLType.Q4_K:
         n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns through the tiles, the rest one by one
+        tiles = _q8_k_input(n_gemm, k, W, group=32)
+        rest = _q8_k_input(n - n_gemm, k, 1, group=32)
+        gemv = _q4_k_gemv_vnni if VNNI else _q4_k_gemv
 
         def run(buf, offs, x, out, scratch):
-            xq, xd, bs16, bs32 = q8_k(x, scratch)
             if n_gemm:
-                tq, td, tbs = q8_k_tiled(xq, xd, bs32, scratch, n_gemm)
-                _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm)
-            if n_gemm < n and VNNI:
-                xs, bse, bso, b32 = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
-                _q4_k_gemv_vnni(buf, offs, xs, xd, b32, out, n_gemm)
-            elif n_gemm < n:
-                _q4_k_gemv(buf, offs, xq, xd, bs32, out, n_gemm)
+                _q4_k_gemm(buf, offs, *tiles(x[:n_gemm], scratch), out, n_gemm)
+            if n_gemm < n:
+                gemv(buf, offs, *rest(x[n_gemm:], scratch), out[n_gemm:])
     elif n >= Q6_K_TILED_MIN_COLS:
+        act = _q8_k_input(n, k, W)
+
         def run(buf, offs, x, out, scratch):
-            xq, xd, bs16, bs32 = q8_k(x, scratch)
-            tq, td, _ = q8_k_tiled(xq, xd, bs32, scratch, n)
-            _q6_k_tiled(buf, offs, tq, td, out)
-    elif VNNI:
-        def run(buf, offs, x, out, scratch):
-            xq, xd, bs16, bs32 = q8_k(x, scratch)
-            xs, bse, bso, _ = _q8_k_vnni(scratch, xq, bs16, n, k, nb)
-            _q6_k_gemv_vnni(buf, offs, xs, xd, bse, bso, out)
+            _q6_k_tiled(buf, offs, *act(x, scratch), out)
     else:
+        act = _q8_k_input(n, k, 1, group=16)
+        gemv = _q6_k_gemv_vnni if VNNI else _q6_k_vec_dot
+
         def run(buf, offs, x, out, scratch):
-            xq, xd, bs16, bs32 = q8_k(x, scratch)
-            _q6_k_vec_dot(buf, offs, xq, xd, bs16, out)
+            gemv(buf, offs, *act(x, scratch), out)
     return run
 
 
