@@ -38,35 +38,6 @@ def test_compile_ahead_child_compiles_the_last_steps_into_the_cache_without_runn
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-AHEAD_KINDS = """
-import os
-import numpy as np
-from ggmlpy.backend.cpu import kernels as K
-from ggmlpy.backend.cpu.compile_ahead import CompileAhead
-
-x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(1, 1, 4, 16)
-y, norm = np.empty_like(x), np.empty_like(x)
-steps = [lambda: K.silu_f32(x, y), lambda: K.rms_norm_f32(x, norm, 1e-5), lambda: K.silu_f32(x, y)]
-ahead = CompileAhead(steps, first=0, kinds=["SILU", "RMS_NORM", "SILU"])
-_, status = os.waitpid(ahead.pid, 0)
-assert os.WEXITSTATUS(status) == 0
-for step in steps:
-    step()
-assert sum(K.rms_norm_f32._cache_hits.values()) == 1, "the child should have compiled rms_norm"
-assert sum(K.silu_f32._cache_misses.values()) == 1, "the child compiled the kind this process was on"
-print("ok")
-"""
-
-
-def test_compile_ahead_child_leaves_the_kind_of_step_this_process_is_on(tmp_path):
-    """The parent at a SILU step is most likely compiling silu: the child passes over the
-    later SILU step and compiles the others."""
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", AHEAD_KINDS], capture_output=True, text=True, cwd=REPO_ROOT,
-                          env=env, timeout=300)
-    assert done.stdout.strip() == "ok", done.stderr[-2000:]
-
-
 LEAN = """
 import numpy as np
 from numba import guvectorize, njit, prange
@@ -188,7 +159,7 @@ def test_compile_ahead_starts_when_a_plans_step_compiles(monkeypatch):
         pass
 
     class Recorder:
-        def __init__(self, steps, first=0, kinds=None):
+        def __init__(self, steps, first=0):
             started.append(first)
 
         def at(self, i):

@@ -85,7 +85,7 @@ class CpuBackend:
         def at_step(i: int) -> None:
             nonlocal ahead
             if ahead is None and compiles() != seen and i < len(steps) - 1 and compile_ahead.safe_to_fork():
-                ahead = compile_ahead.CompileAhead(steps, first=i, kinds=[name for name, _, _ in plan.steps])
+                ahead = compile_ahead.CompileAhead(steps, first=i)
             if ahead is not None:
                 ahead.at(i)
         try:

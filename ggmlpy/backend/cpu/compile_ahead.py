@@ -11,9 +11,7 @@ The child never executes a kernel: numba's OpenMP pool does not survive a fork, 
 data is whatever the arena held. Every numba call in the child compiles (or loads) the
 kernel for the arguments' types, drops it from memory again and stops that step, so the
 next step's kernels are reached. It stops where this process's run has got to (a counter
-in shared memory), and is killed when the run ends. The two also avoid compiling one kernel
-twice at once: the child passes over steps of the kind (op) this process is on, and this
-process waits for a step of its kind that the child is compiling.
+in shared memory), and is killed when the run ends.
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -51,18 +48,13 @@ def safe_to_fork() -> bool:
 
 
 class CompileAhead:
-    """The child compiling `steps` backwards, and what the two processes share: the step
-    this process is at and the one the child is compiling (-1: none)."""
+    """The child compiling `steps` backwards, and the shared counter of this process's step."""
 
-    def __init__(self, steps: Sequence[Callable[[], None]], first: int = 0,
-                 kinds: Sequence[str] | None = None) -> None:
-        """Fork the child; this process is at step `first`. `kinds` names each step's kernel
-        (the op name): two steps of one kind mostly run one kernel, which only one of the
-        two processes should compile."""
-        self._shared = mmap.mmap(-1, 16)
-        self._state = np.frombuffer(self._shared, dtype=np.int64)
-        self._state[:] = first, -1
-        self._kinds = list(kinds) if kinds is not None else [str(i) for i in range(len(steps))]
+    def __init__(self, steps: Sequence[Callable[[], None]], first: int = 0) -> None:
+        """Fork the child; this process is at step `first`."""
+        self._shared = mmap.mmap(-1, 8)
+        self._progress = np.frombuffer(self._shared, dtype=np.int64)
+        self._progress[0] = first
         lock_cache_saves()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -70,26 +62,15 @@ class CompileAhead:
         if self.pid == 0:
             status = 0
             try:
-                _compile_backwards(steps, self._kinds, self._state)
+                _compile_backwards(steps, self._progress)
             except BaseException:  # noqa: BLE001 -- the child only helps: it never reports
                 status = 1
             finally:
                 os._exit(status)
 
     def at(self, step: int) -> None:
-        """This process is about to run `step`: the child stops when it gets there. If the
-        child is compiling a step of the same kind, wait for it (the kernel will then be in
-        the cache) rather than compile the same kernel here at the same time."""
-        self._state[0] = step
-        kind = self._kinds[step]
-        while (busy := self._state[1]) >= 0 and self._kinds[busy] == kind and self._child_alive():
-            time.sleep(0.002)
-
-    def _child_alive(self) -> bool:
-        try:
-            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
-        except ChildProcessError:
-            return False
+        """This process is about to run `step`: the child stops when it gets there."""
+        self._progress[0] = step
 
     def close(self) -> None:
         """End the child (its cache writes are atomic: numba replaces files whole)."""
@@ -103,7 +84,7 @@ class CompileAhead:
             pass
 
 
-def _compile_backwards(steps: Sequence[Callable[[], None]], kinds: Sequence[str], state: np.ndarray) -> None:
+def _compile_backwards(steps: Sequence[Callable[[], None]], progress: np.ndarray) -> None:
     # Ctrl-C reaches the whole process group: the parent's handlers (a trainer saving its
     # checkpoint) must not run here too; the parent ends this process itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -115,15 +96,9 @@ def _compile_backwards(steps: Sequence[Callable[[], None]], kinds: Sequence[str]
     compile_instead_of_running(_Compiled)
     with np.errstate(all="ignore"):
         for i in range(len(steps) - 1, 0, -1):
-            at = state[0]
-            if at >= i:
+            if progress[0] >= i:
                 return
-            if kinds[i] == kinds[at]:
-                continue  # the parent is on a step of this kind: most likely compiling its kernel
-            state[1] = i
             try:
                 steps[i]()
             except Exception:  # noqa: BLE001 -- _Compiled, or a step confused by stale data
                 pass
-            finally:
-                state[1] = -1
