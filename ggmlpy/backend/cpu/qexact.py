@@ -257,7 +257,8 @@ def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd):
 
 @njit(cache=True)
 def _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin):
-    """Rows m0.. -> wq[r, k] = q * scale, wd/wdm[r, i] = d/dmin, wmin[r, s] = min."""
+    """Rows m0.. -> wq[r, k] = q * scale, wd/wdm[r, i] = d/dmin, wmin[r, s] = min (transposed
+    views for a tile's column layout: wq[k, r], ...)."""
     nb = wd.shape[1]
     for r in range(wq.shape[0]):
         o0 = offs[min(m0 + r, offs.shape[0] - 1)]
@@ -276,28 +277,6 @@ def _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin):
                     q = np.int32(buf[qo + l])
                     wq[r, QK_K * i + 64 * c + l] = F32((q & 0xF) * sc1)
                     wq[r, QK_K * i + 64 * c + 32 + l] = F32((q >> 4) * sc2)
-
-
-@njit(cache=True)
-def _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin):
-    """Rows m0..m0 + 15 in column layout: wq[k, r], wd/wdm[i, r], wmin[s, r]."""
-    nb = wd.shape[0]
-    for r in range(W):
-        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
-        for i in range(nb):
-            o = o0 + i * 144
-            wd[i, r] = f16_to_f32(buf[o], buf[o + 1])
-            wdm[i, r] = f16_to_f32(buf[o + 2], buf[o + 3])
-            for c in range(4):
-                sc1, m1 = scale_min_k4(2 * c, buf, o + 4)
-                sc2, m2 = scale_min_k4(2 * c + 1, buf, o + 4)
-                wmin[8 * i + 2 * c, r] = F32(m1)
-                wmin[8 * i + 2 * c + 1, r] = F32(m2)
-                qo = o + 16 + 32 * c
-                for l in range(32):
-                    q = np.int32(buf[qo + l])
-                    wq[QK_K * i + 64 * c + l, r] = F32((q & 0xF) * sc1)
-                    wq[QK_K * i + 64 * c + 32 + l, r] = F32((q >> 4) * sc2)
 
 
 @njit(cache=True, inline="always")
@@ -557,7 +536,7 @@ def _q4_k_gemv(buf, offs, xq, xd, bs32, out):
         wdm = np.empty((nb, W), dtype=np.float32)
         wmin = np.empty((nb * 8, W), dtype=np.float32)
         res = np.empty(W, dtype=np.float32)
-        _unpack_q4_k_tile(buf, offs, m0, wq, wd, wdm, wmin)
+        _unpack_q4_k_rows(buf, offs, m0, wq.T, wd.T, wdm.T, wmin.T)  # the tile's rows, in column layout
         for n in range(out.shape[0]):
             q4_k_gemv_tile(wq, wd, wdm, wmin, xq, xd, bs32, res, n, nb)
             for r in range(W):
