@@ -320,6 +320,13 @@ def _unpack_q6_k_tile(buf, offs, m0, wu, wsc, wd):
 
 # ---- products --------------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
+def _store_column(out, res, n, m0, m_rows):
+    """out[n, m0 + r] = res[r] for a gemv tile's rows inside out."""
+    for r in range(min(W, m_rows - m0)):
+        out[n, m0 + r] = res[r]
+
+
+@njit(cache=True, inline="always")
 def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
     """out[n0 + c, m0 + r] = res[16 r + c] inside out (a run of rows per column: out's rows
     are the columns)."""
@@ -539,9 +546,7 @@ def _q4_k_gemv(buf, offs, xq, xd, bs32, out):
         _unpack_q4_k_rows(buf, offs, m0, wq.T, wd.T, wdm.T, wmin.T)  # the tile's rows, in column layout
         for n in range(out.shape[0]):
             q4_k_gemv_tile(wq, wd, wdm, wmin, xq, xd, bs32, res, n, nb)
-            for r in range(W):
-                if m0 + r < m_rows:
-                    out[n, m0 + r] = res[r]
+            _store_column(out, res, n, m0, m_rows)
 
 
 @njit(parallel=True, cache=True)
@@ -573,9 +578,7 @@ def _q6_k_vec_dot(buf, offs, xq, xd, bs16, out):
         _unpack_q6_k_tile(buf, offs, m0, wu, wsc, wd)
         for n in range(out.shape[0]):
             q6_k_gemv_tile(wu, wsc, wd, xq, xd, bs16, res, n, nb)
-            for r in range(W):
-                if m0 + r < m_rows:
-                    out[n, m0 + r] = res[r]
+            _store_column(out, res, n, m0, m_rows)
 
 
 def _bytes(scratch, name: str, n: int) -> np.ndarray:
