@@ -15,11 +15,8 @@ import sys
 import tempfile
 
 ONE = r"""
-import os, sys, time
+import time
 import numpy as np
-if sys.argv[1] == "numba":  # mark numba's builder as already wrapped: lean_parfor_libraries does nothing
-    from numba.np.ufunc import parallel
-    parallel.build_gufunc_wrapper.lean = True
 from ggmlpy.backend.cpu import kernels as K, qexact as Q, small_head_attention as SHA
 
 rng = np.random.default_rng(0)
@@ -55,8 +52,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode in ("numba", "lean"):
             with tempfile.TemporaryDirectory() as cache:
-                r = subprocess.run([sys.executable, "-c", ONE, mode], capture_output=True, text=True, check=True,
-                                   env={**os.environ, "NUMBA_CACHE_DIR": cache})
+                r = subprocess.run([sys.executable, "-c", ONE], capture_output=True, text=True, check=True,
+                                   env={**os.environ, "NUMBA_CACHE_DIR": cache,
+                                        "GGMLPY_LEAN_PARFOR": "0" if mode == "numba" else "1"})
             for line in r.stdout.split("\n"):
                 if line:
                     name, compile_s, run_ms = line.split()

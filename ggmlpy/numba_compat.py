@@ -92,6 +92,15 @@ def start_numba_registries() -> None:
                 del sys.modules[name]
 
 
+def _lean_parfor_names() -> list[tuple[Any, str]]:
+    """numba's names lean_parfor_libraries replaces or calls."""
+    from numba.core import codegen
+    from numba.np.ufunc import parallel, ufuncbuilder
+    return [(parallel, "build_gufunc_wrapper"), (ufuncbuilder, "build_gufunc_wrapper")] + [
+        (codegen.CPUCodeLibrary, name) for name in ("_optimize_final_module", "_finalize_final_module",
+                                                     "_finalize_dynamic_globals", "_verify_declare_only_symbols")]
+
+
 def lean_parfor_libraries() -> None:
     """Compile each `parallel=True` kernel's loop body through LLVM twice instead of four times.
 
@@ -103,10 +112,13 @@ def lean_parfor_libraries() -> None:
     wrappers are linked as IR only (no module passes, no machine code); the body's library
     keeps its module passes (without them the kernel's library vectorises its loops less
     well: a Q8_K quantizer ran 2.7x slower). Other gufuncs (numba's @guvectorize) are built
-    as before. Idempotent."""
+    as before. Idempotent; numba's own way where it lacks these names, or with
+    GGMLPY_LEAN_PARFOR=0 (to compare: bench/lean_parfor.py)."""
     from numba.core import codegen
     from numba.np.ufunc import parallel, ufuncbuilder
-    if getattr(parallel.build_gufunc_wrapper, "lean", False):
+    if (os.environ.get("GGMLPY_LEAN_PARFOR") == "0"
+            or not all(hasattr(owner, name) for owner, name in _lean_parfor_names())
+            or getattr(parallel.build_gufunc_wrapper, "lean", False)):
         return
     build, build_inner = parallel.build_gufunc_wrapper, ufuncbuilder.build_gufunc_wrapper
     optimize, finalize = codegen.CPUCodeLibrary._optimize_final_module, codegen.CPUCodeLibrary._finalize_final_module
@@ -232,14 +244,11 @@ def missing() -> list[str]:
     numba's thread pool: the thread setter exists from then on)."""
     import numba
     from llvmlite import ir
-    from numba.core import caching, codegen, dispatcher, event
-    from numba.np.ufunc import parallel, ufuncbuilder
+    from numba.core import caching, dispatcher, event
+    from numba.np.ufunc import parallel
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     wanted = [(parallel, "_set_num_threads"), (caching.IndexDataCacheFile, "save"),
               (dispatcher.Dispatcher, "_compile_for_args"), (dispatcher.Dispatcher, "_reset_overloads"),
               (dispatcher.Dispatcher, "typeof_pyval"), (caching, "IndexDataCacheFile"), (ir.Type, "_to_string"),
-              (event, "Listener"), (event, "register"), (codegen.CPUCodeLibrary, "_optimize_final_module"),
-              (codegen.CPUCodeLibrary, "_finalize_final_module"), (codegen.CPUCodeLibrary, "_finalize_dynamic_globals"),
-              (codegen.CPUCodeLibrary, "_verify_declare_only_symbols"),
-              (parallel, "build_gufunc_wrapper"), (ufuncbuilder, "build_gufunc_wrapper")]
+              (event, "Listener"), (event, "register"), *_lean_parfor_names()]
     return [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in wanted if not hasattr(owner, name)]
