@@ -56,18 +56,29 @@ from .types import GGMLType, traits
 # ---- dataset ------------------------------------------------------------------------------------
 class Dataset:
     """`ndata` datapoints of `ne_datapoint` values (and labels of `ne_label` values), grouped
-    in shards of `ndata_shard` consecutive datapoints; shuffling permutes whole shards."""
+    in shards of `ndata_shard` consecutive datapoints; shuffling permutes whole shards.
+
+    The datapoints live in `data` and `labels`, unless a subclass reads them from elsewhere
+    (files larger than memory): it is made with `in_memory=False` and overrides `rows`."""
 
     def __init__(self, ne_datapoint: int, ne_label: int, ndata: int, ndata_shard: int = 1,
-                 type_data: GGMLType = GGMLType.F32, type_label: GGMLType = GGMLType.F32) -> None:
+                 type_data: GGMLType = GGMLType.F32, type_label: GGMLType = GGMLType.F32,
+                 in_memory: bool = True) -> None:
         if ne_datapoint <= 0 or ne_label < 0 or ndata <= 0 or ndata_shard <= 0 or ndata % ndata_shard:
             raise ValueError(f"dataset: bad geometry (ne_datapoint={ne_datapoint}, ne_label={ne_label}, "
                              f"ndata={ndata}, ndata_shard={ndata_shard})")
         self.ndata, self.ndata_shard = ndata, ndata_shard
+        self.ne_datapoint, self.ne_label = ne_datapoint, ne_label
         self.type_data, self.type_label = GGMLType(type_data), GGMLType(type_label)
-        self.data = np.zeros((ndata, ne_datapoint), dtype=traits(type_data).np_dtype)
-        self.labels = np.zeros((ndata, ne_label), dtype=traits(type_label).np_dtype) if ne_label else None
-        self.permutation = np.arange(ndata // ndata_shard)
+        self.data = np.zeros((ndata, ne_datapoint), dtype=traits(type_data).np_dtype) if in_memory else None
+        self.labels = (np.zeros((ndata, ne_label), dtype=traits(type_label).np_dtype)
+                       if ne_label and in_memory else None)
+        n_shards = ndata // ndata_shard  # int32 while it fits: a corpus's windows number tens of millions
+        self.permutation = np.arange(n_shards, dtype=np.int32 if n_shards < 2**31 else np.int64)
+
+    def rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Data and labels of the stored datapoints `rows` (indices in storage order)."""
+        return self.data[rows], None if self.labels is None else self.labels[rows]
 
     def shuffle(self, rng: np.random.Generator, idata: int = -1) -> None:
         """Shuffle the shards of the first `idata` datapoints (all when negative)."""
@@ -80,12 +91,12 @@ class Dataset:
 
     def get_batch(self, data_batch: Tensor, labels_batch: Tensor | None, ibatch: int) -> None:
         """Copy batch `ibatch` (in shuffled shard order) into the batch tensors."""
-        data = np.reshape(data_batch.array(), (-1, self.data.shape[1]), copy=False)
-        shards = self._shards(data.shape[0], ibatch)
-        data[...] = self.data[shards]
+        data = np.reshape(data_batch.array(), (-1, self.ne_datapoint), copy=False)
+        rows_data, rows_labels = self.rows(self._shards(data.shape[0], ibatch))
+        data[...] = rows_data
         if labels_batch is not None:
-            labels = np.reshape(labels_batch.array(), (-1, self.labels.shape[1]), copy=False)
-            labels[...] = self.labels[shards]
+            labels = np.reshape(labels_batch.array(), (-1, self.ne_label), copy=False)
+            labels[...] = rows_labels
 
     def index(self, i: int) -> int:
         """The row of the i-th datapoint in the current (shuffled) order."""
@@ -93,8 +104,8 @@ class Dataset:
 
     def datapoint(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Data and labels of the i-th datapoint in the current (shuffled) order."""
-        j = self.index(i)
-        return self.data[j], None if self.labels is None else self.labels[j]
+        data, labels = self.rows(np.array([self.index(i)]))
+        return data[0], None if labels is None else labels[0]
 
     def _shards(self, n_batch: int, ibatch: int) -> np.ndarray:
         per_batch = n_batch // self.ndata_shard

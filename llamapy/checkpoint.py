@@ -348,8 +348,15 @@ def model_fingerprint(model, trained: set[str] = frozenset()) -> str:
 
 def data_fingerprint(dataset: Dataset, idata_split: int) -> str:
     """The windows a run trains on (tokens, labels with their ignored positions, split, and
-    for packed samples each token's position and sequence): the same data cut the same way."""
+    for packed samples each token's position and sequence): the same data cut the same way.
+    Windows read from token shards are known by their shards' index and cut (hashing a
+    corpus larger than memory at every checkpoint would cost minutes)."""
     digest = hashlib.blake2b(digest_size=16)
+    fingerprint = getattr(dataset, "fingerprint", None)
+    if fingerprint is not None:
+        digest.update(fingerprint().encode())
+        digest.update(f"{dataset.ndata}:{dataset.ndata_shard}:{idata_split}".encode())
+        return digest.hexdigest()
     arrays = [dataset.data] + ([dataset.labels] if dataset.labels is not None else [])
     if isinstance(dataset, PackedWindows):
         arrays += [dataset.pos, dataset.seq]

@@ -87,13 +87,28 @@ class PackedWindows(Dataset):
         self.seq = np.full((ndata, n_ctx), -1, dtype=np.int32)
 
 
+    def layout(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions and sequence ids of stored window j."""
+        return self.pos[j], self.seq[j]
+
+
 def window_layout(dataset: Dataset, i: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions and sequence ids of the i-th window in the current (shuffled) order: a
-    packed window's, else one sequence from position 0 (a text's windows)."""
-    if isinstance(dataset, PackedWindows):
-        j = dataset.index(i)
-        return dataset.pos[j], dataset.seq[j]
-    return one_sequence(dataset.data.shape[1])
+    packed window's (a dataset with a `layout`), else one sequence from position 0 (a
+    text's windows)."""
+    layout = getattr(dataset, "layout", None)
+    if layout is not None:
+        return layout(dataset.index(i))
+    return one_sequence(dataset.ne_datapoint)
+
+
+def counted_labels(dataset: Dataset, i: int) -> int:
+    """How many labels of the i-th window count (are not IGNORE): a dataset that reads its
+    windows from files says so without reading them (`counted`)."""
+    counted = getattr(dataset, "counted", None)
+    if counted is not None:
+        return counted(dataset.index(i))
+    return int(np.count_nonzero(dataset.datapoint(i)[1] != IGNORE))
 
 
 def one_sequence(n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,7 +121,10 @@ def as_packed(dataset: Dataset) -> PackedWindows:
     as it is, a text's windows as one sequence each."""
     if isinstance(dataset, PackedWindows):
         return dataset
-    n_ctx = dataset.data.shape[1]
+    if dataset.data is None:
+        raise InputError("windows read from token shards cannot be joined with other windows (validate with "
+                         "-val-split)")
+    n_ctx = dataset.ne_datapoint
     out = PackedWindows(n_ctx, dataset.ndata, dataset.ndata, 0)
     out.data[:], out.labels[:] = dataset.data, dataset.labels
     out.pos[:], out.seq[:] = one_sequence(n_ctx)

@@ -52,7 +52,7 @@ from ggmlpy.opt import (
 from .arch.base import FIXED_TENSORS
 from .batch import UBatch
 from .checkpoint import RunParams, data_fingerprint
-from .dataset import IGNORE, one_sequence, window_layout
+from .dataset import IGNORE, counted_labels, one_sequence, window_layout
 from .errors import InputError
 from .graph_builder import GraphBuilder, WindowCells
 from .train_params import TrainParams
@@ -202,12 +202,12 @@ class Trainer:
     def begin_step(self, dataset: Dataset, batches: range) -> None:
         """Weigh the counted positions of the optimizer step over `batches` (every rank's
         windows) so that its loss is their mean (ggmlpy's BatchFeeder)."""
-        n_counted = sum(int(np.count_nonzero(dataset.datapoint(i)[1] != IGNORE)) for i in batches)
+        n_counted = sum(counted_labels(dataset, i) for i in batches)
         self.label_weight = len(batches) * self.n_ctx / n_counted if n_counted else 1.0
 
     def check_dataset(self, dataset: Dataset) -> None:
-        if dataset.data.shape[1] != self.n_ctx:
-            raise InputError(f"training: dataset windows have {dataset.data.shape[1]} tokens, the trainer uses {self.n_ctx}")
+        if dataset.ne_datapoint != self.n_ctx:
+            raise InputError(f"training: dataset windows have {dataset.ne_datapoint} tokens, the trainer uses {self.n_ctx}")
 
     def memory_plan(self) -> dict[str, int]:
         """Bytes the run will hold, known before the first step, each counted once: the

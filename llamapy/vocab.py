@@ -641,18 +641,20 @@ class Vocab:
         """True for tokens that end generation (EOS, EOT, <|im_end|>, ...)."""
         return token in self._eog_ids
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False,
+                 space_prefix: bool = True) -> list[int]:
         """Token ids of `text`, as llama.cpp's llama_tokenize.
 
         add_special adds BOS/EOS when the vocab asks for them; parse_special lets control
         tokens written literally in the text become single tokens (user-defined tokens
-        always do).
+        always do). `space_prefix=False` leaves out SentencePiece's space before the text
+        (a piece that continues a text cut in pieces).
         """
         check_text(text, "the text to tokenize")
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)
-        prev_special = True  # SPM: a space prefix goes at the start and after special tokens
+        prev_special = space_prefix  # SPM: a space prefix goes at the start and after special tokens
         for fragment in self._partition(text, parse_special):
             if isinstance(fragment, int):
                 out.append(fragment)

@@ -26,10 +26,10 @@ LLAMA_CPP_FLAGS = json.loads((Path(__file__).parent / "data" / "llama_cpp_flags.
 # whose flags live on in llama-finetune)
 MATCHING = {"cli": ("completion", "cli"), "perplexity": ("perplexity",), "finetune": ("finetune",),
             "train": ("finetune",), "export-lora": ("export-lora",), "server": ("server",), "quantize": ("quantize",),
-            "convert": ("convert", "convert-lora")}
+            "convert": ("convert", "convert-lora"), "tokenize": ()}  # llama-tokenize prints tokens: another job
 REQUIRED = {"perplexity": ["-m", "m.gguf"], "export-lora": ["-m", "m.gguf"], "train": ["--vocab-model", "m.gguf"],
-            "quantize": ["in.gguf", "out.gguf", "q8_0"], "convert": ["hf_dir"]}
-OWN_COMMAND_LINE = ("quantize", "convert")  # tools whose flags are not common/arg.cpp's (all --long)
+            "quantize": ["in.gguf", "out.gguf", "q8_0"], "convert": ["hf_dir"], "tokenize": ["-m", "m.gguf", "x.txt"]}
+OWN_COMMAND_LINE = ("quantize", "convert", "tokenize")  # tools whose flags are not common/arg.cpp's
 
 
 def tool_of(name: str):

@@ -11,4 +11,5 @@ TOOLS = {
     "server": ("llamapy.cli.server", "serve a model over HTTP with OpenAI's API, as llama-server"),
     "quantize": ("llamapy.cli.quantize", "quantize a model, as llama-quantize (the same bytes)"),
     "convert": ("llamapy.cli.convert", "convert a Hugging Face checkpoint to GGUF, as convert_hf_to_gguf.py"),
+    "tokenize": ("llamapy.cli.tokenize", "tokenize a corpus once into token shards (--data DIR of the trainers)"),
 }

@@ -101,7 +101,9 @@ ValSplit = Annotated[float, flag("-val-split", "--val-split", metavar="FRACTION"
                                  help="fraction of the windows held out for validation (llama.cpp's rule: the last "
                                       "ndata - int(ndata * (1 - FRACTION)) windows)")]
 Data = Annotated[Optional[Path], flag("--data", metavar="DIR", group=DATA, show_default=False, path="read",
-                                      help="directory of train.jsonl (and valid.jsonl, test.jsonl)")]
+                                      help="token shards made by llamapy-tokenize (read as they train: a corpus "
+                                           "larger than memory), or a directory of train.jsonl (and "
+                                           "valid.jsonl, test.jsonl)")]
 DataFormat = Annotated[Optional[str], flag("--data-format", metavar="text|completions|chat", group=DATA,
                                            show_default=False, help="the samples' format (default: seen per file)")]
 MaskPrompt = Annotated[bool, flag("--mask-prompt/--no-mask-prompt", group=DATA,

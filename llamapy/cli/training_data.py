@@ -20,6 +20,8 @@ from llamapy.dataset import (
 )
 from llamapy.errors import InputError
 from llamapy.samples import is_jsonl, unescape
+from llamapy.shard_dataset import ShardSampleWindows, shard_windows
+from llamapy.token_shards import INDEX, is_shard_dir
 
 from .common import chat_template_for, log, read_text, warn
 
@@ -54,12 +56,17 @@ class DataOptions:
 
 def load_training_data(model, opts: DataOptions, file: Path | None = None, data_dir: Path | None = None,
                        val_file: Path | None = None, default_text: str | None = None) -> TrainingData:
-    """The training data of a command: `-f FILE`, or `--data DIR` (train.jsonl, and valid.jsonl
-    and test.jsonl when present), or `default_text`; `--val-file` validates on a file."""
+    """The training data of a command: `-f FILE`, or `--data DIR` (token shards made by
+    llamapy-tokenize, or train.jsonl, and valid.jsonl and test.jsonl when present), or
+    `default_text`; `--val-file` validates on a file."""
     if file is not None and data_dir is not None:
         raise InputError("give the data with -f FILE or with --data DIR, not both")
     loader = _Loader(model, opts)
     test = None
+    if data_dir is not None and is_shard_dir(data_dir):
+        if val_file is not None:
+            raise InputError("--val-file: token shards validate on their last windows (-val-split)")
+        return TrainingData(loader.from_shards(data_dir))
     if data_dir is not None:
         if not data_dir.is_dir():
             raise InputError(f"--data: {data_dir} is not a directory (it should hold train.jsonl, and optionally "
@@ -105,6 +112,23 @@ class _Loader:
                                 chat_template=self.template() if needs_template else None,
                                 mask_prompt=opts.mask_prompt, truncate=opts.truncate)
         _describe_samples(path, role, ds, needs_template and opts.mask_prompt)
+        return ds
+
+    def from_shards(self, path: Path) -> Dataset:
+        """Windows read from token shards as they train (llamapy.shard_dataset)."""
+        opts = self.opts
+        ds = shard_windows(path, self.model.vocab, opts.n_ctx, window_bos=opts.window_bos, truncate=opts.truncate)
+        if isinstance(ds, ShardSampleWindows):
+            index = ds.shards.index
+            if opts.chat_template is not None or not opts.mask_prompt:
+                template = index.chat_template or "no chat template"
+                masked = "answers only" if index.mask_prompt else "whole conversations"
+                warn(f"{path}: the samples were rendered and masked when tokenized ({template}, {masked}); "
+                     "--chat-template and --mask-prompt apply to llamapy-tokenize")
+            if ds.n_truncated:
+                log(f"warning: {path}: {ds.n_truncated} of {ds.n_samples} samples are longer than a window of "
+                    f"{ds.n_ctx} tokens and are cut (a longer -c keeps them whole; --no-truncate refuses them)")
+        log(f"data: {ds.describe()}, read from the shards as they train")
         return ds
 
     def windows_of_text(self, text: str, name: str) -> Dataset:
