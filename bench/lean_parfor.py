@@ -29,7 +29,7 @@ xq, xd, bs = np.empty(512 * 2048, np.float32), np.empty(512 * 8, np.float32), np
 a = x.reshape(1, 1, 512, 2048)
 g, out = a.copy(), np.empty_like(a)
 calls = {"attention": lambda: SHA.flash_attn_f32(q, k, v, mask, att, 0.3, 0.0, 0.0, True, (0,) * 8, (0,) * 8),
-         "quantize_q8_k": lambda: Q.quantize_q8_k(x, 1, xq, xd, bs),
+         "quantize_q8_k": lambda: Q.quantize_q8_k(x, Q.ROWS, xq, xd, bs),
          "swiglu": lambda: K.swiglu_f32(a, g, out)}
 for name, call in calls.items():
     t = time.process_time()

@@ -93,6 +93,104 @@ def q0_blocks_vnni(e, wu, wd, xq, xcb, xd, res, r0, tile, nb):
         e.store(res, e.const(W * r), b.load(accs[r]))
 
 
+Q4K_VNNI_ROWS = 4  # matrix rows per call of q4_k_tile_vnni: 2 chains each of vpdpbusd
+
+
+@kernel()
+def q4_k_tile_vnni(e, wu, wsc, wd, wdm, wmin, xq, xd, xbs, res, r0, tile, nb):
+    """quant_tiles.q4_k_tile's numbers (ggml_gemm_q4_K_8x8_q8_K) for Q4K_VNNI_ROWS rows x 16
+    columns, the integer sums by AVX512-VNNI: per 64-element chunk, the two sub-blocks' sums
+    of q * q8 (vpdpbusd, exact), then P = isum_2 * sc_2 + isum_1 * sc_1, exact in float32 as
+    the float tile's sum of (q * sc) * q8 is; the rest as there.
+
+    wu (rows, 256 nb) uint8: the rows' 4-bit integers, natural order; wsc, wmin (rows, 8 nb):
+    each sub-block's scale and min; wd, wdm (rows, nb); xq (tiles, 64 nb, 16, 4) int8: 4
+    consecutive integers of each of 16 columns; xd (tiles, nb, 16); xbs (tiles, 8 nb, 16);
+    res (16 rows,)."""
+    b, n = e.b, Q4K_VNNI_ROWS
+    k_all = b.mul(nb, e.const(256))
+    xq_t = b.bitcast(e.gep(xq, b.mul(tile, b.mul(k_all, e.const(W)))), I32.as_pointer())
+    xd_t = e.gep(xd, b.mul(tile, b.mul(nb, e.const(W))))
+    xbs_t = e.gep(xbs, b.mul(tile, b.mul(nb, e.const(8 * W))))
+    w_rows = [b.bitcast(p, I32.as_pointer()) for p in e.rows(wu, r0, k_all, n)]
+    d_rows, dm_rows = e.rows(wd, r0, nb, n), e.rows(wdm, r0, nb, n)
+    sc_rows = e.rows(wsc, r0, b.mul(nb, e.const(8)), n)
+    m_rows = e.rows(wmin, r0, b.mul(nb, e.const(8)), n)
+    acc = [e.acc() for _ in range(n)]
+    accm = [e.acc() for _ in range(n)]
+    zero = e.const(0, VI)
+    with e.loop(b.mul(nb, e.const(4))) as ch:  # chunk: super-block ch // 4, sub-blocks 2 ch and 2 ch + 1
+        blk = b.udiv(ch, e.const(4))
+        isum = [[zero, zero] for _ in range(n)]
+        for g in range(8):
+            for half in range(2):
+                quad = b.add(b.mul(ch, e.const(16)), e.const(8 * half + g))
+                xv = e.load(xq_t, b.mul(quad, e.const(W)), VI)
+                for r in range(n):
+                    isum[r][half] = _dp(e, isum[r][half], e.splat(e.at(w_rows[r], quad)), xv)
+        dx = e.load(xd_t, b.mul(blk, e.const(W)))
+        s1 = b.mul(ch, e.const(2))
+        s2 = b.add(s1, e.const(1))
+        bs1 = e.load(xbs_t, b.mul(s1, e.const(W)))
+        bs2 = e.load(xbs_t, b.mul(s2, e.const(W)))
+        for r in range(n):
+            p = e.fma(b.sitofp(isum[r][1], VF), e.splat(e.at(sc_rows[r], s2)),
+                      e.mul(b.sitofp(isum[r][0], VF), e.splat(e.at(sc_rows[r], s1))))  # exact integers
+            mins = e.fma(e.splat(e.at(m_rows[r], s2)), bs2, e.mul(e.splat(e.at(m_rows[r], s1)), bs1))
+            sd = e.mul(e.splat(e.at(d_rows[r], blk)), dx)
+            sm = e.mul(e.splat(e.at(dm_rows[r], blk)), dx)
+            b.store(e.fma(p, sd, b.load(acc[r])), acc[r])
+            b.store(e.fma(mins, sm, b.load(accm[r])), accm[r])
+    for r in range(n):
+        e.store(res, e.const(W * r), b.fsub(b.load(acc[r]), b.load(accm[r])))
+
+
+Q6K_VNNI_ROWS = 4  # matrix rows per call of q6_k_tile_vnni
+
+
+@kernel()
+def q6_k_tile_vnni(e, wu, wsc, wd, xq, xbs, xd, res, r0, tile, nb):
+    """quant_tiles.q6_k_tile's numbers (ggml-cpu/tiled's Q6_K product) for Q6K_VNNI_ROWS rows
+    x 16 columns, the integer sums by AVX512-VNNI: per 16-element group s, vpdpbusd sums the
+    unsigned 6-bit integers (q + 32) times q8 from -32 times the group's q8 sum, which is
+    sum (q * q8) exactly; times the group's scale, added over the super-block in int32
+    (exact: the float tile adds the same integers in double), rounded to float32 once, times
+    d, then acc = fma(that, d_x, acc).
+
+    wu (rows, 256 nb) uint8: q + 32, natural order; wsc (rows, 16 nb) int32: the groups'
+    scales; wd (rows, nb); xq (tiles, 64 nb, 16, 4) int8; xbs (tiles, 16 nb, 16) float32: each
+    group's q8 sum; xd (tiles, nb, 16); res (16 rows,)."""
+    b, n = e.b, Q6K_VNNI_ROWS
+    k_all = b.mul(nb, e.const(256))
+    xq_t = b.bitcast(e.gep(xq, b.mul(tile, b.mul(k_all, e.const(W)))), I32.as_pointer())
+    xd_t = e.gep(xd, b.mul(tile, b.mul(nb, e.const(W))))
+    xbs_t = e.gep(xbs, b.mul(tile, b.mul(nb, e.const(16 * W))))
+    w_rows = [b.bitcast(p, I32.as_pointer()) for p in e.rows(wu, r0, k_all, n)]
+    sc_rows = e.rows(wsc, r0, b.mul(nb, e.const(16)), n)
+    d_rows = e.rows(wd, r0, nb, n)
+    acc = [e.acc() for _ in range(n)]
+    minus32 = e.const(-32, VI)
+    with e.loop(nb) as blk:
+        tot = [e.const(0, VI)] * n
+        for s in range(16):
+            group = b.add(b.mul(blk, e.const(16)), e.const(s))
+            corr = b.mul(b.fptosi(e.load(xbs_t, b.mul(group, e.const(W))), VI), minus32)
+            isum = [corr] * n
+            for g in range(4):
+                quad = b.add(b.mul(blk, e.const(64)), e.const(4 * s + g))
+                xv = e.load(xq_t, b.mul(quad, e.const(W)), VI)
+                for r in range(n):
+                    isum[r] = _dp(e, isum[r], e.splat(e.at(w_rows[r], quad)), xv)
+            for r in range(n):
+                tot[r] = b.add(tot[r], b.mul(isum[r], e.splat(e.at(sc_rows[r], group))))
+        dx = e.load(xd_t, b.mul(blk, e.const(W)))
+        for r in range(n):
+            rs = e.mul(b.sitofp(tot[r], VF), e.splat(e.at(d_rows[r], blk)))
+            b.store(e.fma(rs, dx, b.load(acc[r])), acc[r])
+    for r in range(n):
+        e.store(res, e.const(W * r), b.load(acc[r]))
+
+
 def _lane_fma(e: Emit, acc, scale, isum) -> None:
     """acc = fma(scale in every lane, the 8 lanes' integer sums, acc)."""
     e.b.store(e.fma(e.splat(scale, 8), e.b.sitofp(isum, VF8), e.b.load(acc)), acc)

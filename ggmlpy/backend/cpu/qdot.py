@@ -22,7 +22,7 @@ from numba import njit, prange
 from ...quants.common import F32, QK_K, f16_to_f32
 from ...quants.kquants import scale_min_k4
 from ...types import GGMLType
-from .qexact import quantize_q8_k
+from .qexact import ROWS, quantize_q8_k
 
 QK = 32
 INT_LANES = {"reassoc", "contract", "nsz"}  # integer-valued float32 sums: exact in any order
@@ -87,5 +87,5 @@ def mul_mat_dot(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray
     xq = scratch.get("act_q", n * k)
     xd = scratch.get("act_d", n * (k // QK_K))
     xs = scratch.get("act_sums", n * (k // QK))
-    quantize_q8_k(np.ascontiguousarray(x), 1, xq, xd, xs)  # the integers, scales and sums per 32
+    quantize_q8_k(np.ascontiguousarray(x), ROWS, xq, xd, xs)  # the integers, scales and sums per 32
     dot_rows(buf, offs, xq.reshape(n, k), xd.reshape(n, k // QK_K), xs.reshape(n, k // QK), out)

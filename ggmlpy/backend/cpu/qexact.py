@@ -44,8 +44,8 @@ from ...llvmir.emit import W
 from ...llvmir.quant_tiles import (Q0_ROWS, Q4K_ROWS, Q6K_ROWS, q0_blocks_tile, q0_lanes_tile, q4_k_gemv_tile, q4_k_tile,
                                    q6_k_gemv_tile, q6_k_tile)
 from ...llvmir.scalar import fma_f32
-from ...llvmir.vnni import (BLOCK_ROWS, VNNI, q0_blocks_vnni, q0_tile2_vnni, q4_k_row_vnni, q5_0_row_vnni, q6_k_row_vnni,
-                            q8_0_row_vnni)
+from ...llvmir.vnni import (BLOCK_ROWS, Q4K_VNNI_ROWS, Q6K_VNNI_ROWS, VNNI, q0_blocks_vnni, q0_tile2_vnni, q4_k_row_vnni,
+                            q4_k_tile_vnni, q5_0_row_vnni, q6_k_row_vnni, q6_k_tile_vnni, q8_0_row_vnni)
 from .simd import hsum8
 
 QK = 32
@@ -136,27 +136,35 @@ def quantize_q8_0(x, layout, xq, xd, xc, weight):
 
 
 @njit(cache=True, inline="always")
-def _q8_k_sub_block(xs, o, iscale, dst, step):
-    """The integers of xs[o:o + 16] to dst[step (o + j)] (step a constant where inlined, so
-    the stores vectorise); their sum."""
+def _q8_k_sub_block(xs, o, iscale, dst, step, quads):
+    """The integers of xs[o:o + 16] to dst[step (o + j)], or with `quads` (o a multiple of 4)
+    in runs of 4 every 4 step: dst[4 step ((o + j) // 4) + (o + j) % 4] (step and quads
+    constants where inlined, so the stores vectorise); their sum."""
     tot = 0
     for j in range(16):
         q = activation_q8_k(xs[o + j], iscale)
-        dst[step * (o + j)] = q
+        if quads:
+            dst[4 * step * ((o + j) // 4) + (o + j) % 4] = q
+        else:
+            dst[step * (o + j)] = q
         tot += q
     return tot
 
 
 @njit(parallel=True, cache=True)
-def quantize_q8_k(x, cols, xq, xd, bs):
+def quantize_q8_k(x, layout, xq, xd, bs):
     """x (N, K) -> its Q8_K super-blocks as quantize_row_q8_K rounds them (quants.kquants:
-    activation_superblock_scale, activation_q8_k), written flat (float32) in tiles of `cols`
-    columns (1: rows, or W): xq[n // cols, e, n % cols] the integers, xd[.., i, ..] the scale of
-    super-block i, bs[.., g, ..] the sum of the integers of group g (bs's size picks groups of
-    16 or 32 elements; empty for none); columns past N have scale 0 and integers 0. One body,
-    one specialisation for every Q8_K product (the VNNI kernels take their int8 from it)."""
+    activation_superblock_scale, activation_q8_k), written flat in the layout a kernel reads
+    (quantize_q8_0's names):
+      ROWS    xq[n, e], xd[n, i], bs[n, g]
+      TILES   tiles of 16 columns: xq[n // 16, e, n % 16], xd[n // 16, i, n % 16], bs[n // 16, g, n % 16]
+      QUADS   TILES with 4 consecutive integers together: xq[n // 16, e // 4, n % 16, e % 4]
+    xq float32 (ROWS, TILES) or int8 (ROWS, QUADS: the VNNI kernels), xd the scale of
+    super-block i, bs the sum of the integers of group g (bs's size picks groups of 16 or 32
+    elements; empty for none); columns past N have scale 0 and integers 0."""
     k = x.shape[1]
     nb = k // QK_K
+    cols = 1 if layout == ROWS else W
     groups = bs.shape[0] // xd.shape[0]  # sums per super-block: 16, 8 or 0
     for tile in prange(xd.shape[0] // (nb * cols)):
         for i in range(nb):  # a tile's super-block i, column by column: their stores adjacent
@@ -165,14 +173,15 @@ def quantize_q8_k(x, cols, xq, xd, bs):
                 xs = xr[i * QK_K:(i + 1) * QK_K]
                 d, iscale = activation_superblock_scale(xs, 0) if real else (F32(0.0), F32(0.0))
                 xd[(tile * nb + i) * cols + c] = d
-                dst = xq[(tile * k + i * QK_K) * cols + c:]
                 sums = bs[(tile * nb + i) * groups * cols + c:]  # group g at sums[cols g]
                 prev = 0
                 for s in range(16):
-                    if cols == 1:
-                        tot = _q8_k_sub_block(xs, 16 * s, iscale, dst, 1)
+                    if layout == ROWS:
+                        tot = _q8_k_sub_block(xs, 16 * s, iscale, xq[tile * k + i * QK_K:], 1, False)
+                    elif layout == QUADS:
+                        tot = _q8_k_sub_block(xs, 16 * s, iscale, xq[(tile * k + i * QK_K) * W + 4 * c:], W, True)
                     else:
-                        tot = _q8_k_sub_block(xs, 16 * s, iscale, dst, W)
+                        tot = _q8_k_sub_block(xs, 16 * s, iscale, xq[(tile * k + i * QK_K) * W + c:], W, False)
                     if groups == 16:
                         sums[cols * s] = tot
                     elif groups == 8 and s % 2:
@@ -279,6 +288,30 @@ def _unpack_q4_k_rows(buf, offs, m0, wq, wd, wdm, wmin):
                     wq[r, QK_K * i + 64 * c + 32 + l] = F32((q >> 4) * sc2)
 
 
+@njit(cache=True)
+def _unpack_q4_k_rows_u8(buf, offs, m0, wu, wsc, wd, wdm, wmin):
+    """Rows m0.. -> wu[r, k] = the 4-bit integer (natural order), wsc/wmin[r, s] = sub-block
+    s's scale and min, wd/wdm[r, i] = d/dmin of super-block i."""
+    nb = wd.shape[1]
+    for r in range(wu.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 144
+            wd[r, i] = f16_to_f32(buf[o], buf[o + 1])
+            wdm[r, i] = f16_to_f32(buf[o + 2], buf[o + 3])
+            for s in range(8):
+                sc, m = scale_min_k4(s, buf, o + 4)
+                wsc[r, 8 * i + s] = F32(sc)
+                wmin[r, 8 * i + s] = F32(m)
+            for c in range(4):
+                qo = o + 16 + 32 * c
+                dst = wu[r, QK_K * i + 64 * c:]
+                for l in range(32):
+                    q = buf[qo + l]
+                    dst[l] = q & np.uint8(0xF)
+                    dst[32 + l] = q >> np.uint8(4)
+
+
 @njit(cache=True, inline="always")
 def _q6_k_value(buf, o, e):
     """Integer (-32..31) of element e of the Q6_K super-block at buf[o]."""
@@ -300,6 +333,22 @@ def _unpack_q6_k_rows(buf, offs, m0, wq, wd):
             wd[r, i] = f16_to_f32(buf[o + 208], buf[o + 209])
             for e in range(QK_K):
                 wq[r, QK_K * i + e] = F32(_q6_k_value(buf, o, e) * np.int32(np.int8(buf[o + 192 + e // 16])))
+
+
+@njit(cache=True)
+def _unpack_q6_k_rows_u8(buf, offs, m0, wu, wsc, wd):
+    """Rows m0.. -> wu[r, k] = the 6-bit integer + 32 (natural order), wsc[r, s] = group s's
+    scale, wd[r, i] = d."""
+    nb = wd.shape[1]
+    for r in range(wu.shape[0]):
+        o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        for i in range(nb):
+            o = o0 + i * 210
+            wd[r, i] = f16_to_f32(buf[o + 208], buf[o + 209])
+            for s in range(16):
+                wsc[r, 16 * i + s] = np.int32(np.int8(buf[o + 192 + s]))
+            for e in range(QK_K):
+                wu[r, QK_K * i + e] = np.uint8(_q6_k_value(buf, o, e) + 32)
 
 
 @njit(cache=True)
@@ -533,6 +582,26 @@ def _q4_k_gemm(buf, offs, tq, td, tbs, out, n_gemm):
 
 
 @njit(parallel=True, cache=True)
+def _q4_k_gemm_vnni(buf, offs, tq, td, tbs, out, n_gemm):
+    """_q4_k_gemm with the integer sums by AVX512-VNNI (q4_k_tile_vnni): the same numbers."""
+    m_rows = offs.shape[0]
+    nb = td.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wu = np.empty((ROW_GROUP, nb * QK_K), dtype=np.uint8)
+        wsc = np.empty((ROW_GROUP, nb * 8), dtype=np.float32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        wdm = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        wmin = np.empty((ROW_GROUP, nb * 8), dtype=np.float32)
+        res = np.empty(Q4K_VNNI_ROWS * W, dtype=np.float32)
+        _unpack_q4_k_rows_u8(buf, offs, m0, wu, wsc, wd, wdm, wmin)
+        for tile in range((n_gemm + W - 1) // W):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), Q4K_VNNI_ROWS):
+                q4_k_tile_vnni(wu, wsc, wd, wdm, wmin, tq, td, tbs, res, r, tile, nb)
+                _store_tile(out, res, Q4K_VNNI_ROWS, m0 + r, tile * W, m_rows, n_gemm)
+
+
+@njit(parallel=True, cache=True)
 def _q4_k_gemv(buf, offs, xq, xd, bs32, out):
     m_rows = offs.shape[0]
     nb = xd.shape[1]
@@ -563,6 +632,24 @@ def _q6_k_tiled(buf, offs, tq, td, out):
             for r in range(0, min(ROW_GROUP, m_rows - m0), Q6K_ROWS):
                 q6_k_tile(wq, wd, tq, td, res, r, tile, nb)
                 _store_tile(out, res, Q6K_ROWS, m0 + r, tile * W, m_rows, n_cols)
+
+
+@njit(parallel=True, cache=True)
+def _q6_k_tiled_vnni(buf, offs, tq, tbs, td, out):
+    """_q6_k_tiled with the integer sums by AVX512-VNNI (q6_k_tile_vnni): the same numbers."""
+    m_rows, n_cols = offs.shape[0], out.shape[0]
+    nb = td.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        wu = np.empty((ROW_GROUP, nb * QK_K), dtype=np.uint8)
+        wsc = np.empty((ROW_GROUP, nb * 16), dtype=np.int32)
+        wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
+        res = np.empty(Q6K_VNNI_ROWS * W, dtype=np.float32)
+        _unpack_q6_k_rows_u8(buf, offs, m0, wu, wsc, wd)
+        for tile in range(tq.shape[0]):
+            for r in range(0, min(ROW_GROUP, m_rows - m0), Q6K_VNNI_ROWS):
+                q6_k_tile_vnni(wu, wsc, wd, tq, tbs, td, res, r, tile, nb)
+                _store_tile(out, res, Q6K_VNNI_ROWS, m0 + r, tile * W, m_rows, n_cols)
 
 
 @njit(parallel=True, cache=True)
@@ -608,23 +695,24 @@ def _q8_0_input(n: int, k: int, layout: int, int8: bool = False, weight: int = 0
     return quantize
 
 
-def _q8_k_input(n: int, k: int, cols: int, group: int = 0) -> Activations:
+def _q8_k_input(n: int, k: int, layout: int, group: int = 0) -> Activations:
     """The plan's activation step of a Q8_K product: x (n, k) quantized by quantize_q8_k in
-    tiles of `cols` columns (1: rows) into the backend's scratch, returned as (xq, xd[, bs]) in
-    the kernel's shapes, bs the sums of groups of `group` elements (0: none)."""
+    `layout` into the backend's scratch, returned as (xq, xd[, bs]) in the kernel's shapes, bs
+    the sums of groups of `group` elements (0: none)."""
     nb = k // QK_K
-    lead, tail = ((n,), ()) if cols == 1 else (((n + cols - 1) // cols,), (cols,))
-    size = lead[0] * cols
+    lead, tail = ((n,), ()) if layout == ROWS else (((n + W - 1) // W,), (W,))
+    size = lead[0] * (tail[0] if tail else 1)
     sums = QK_K // group * nb if group else 0
-    tag = "q8_k" if cols == 1 else "q8_k_tiles"  # a Q4_K product takes both at once
+    tag = ("q8_k", "q8_k_tiles", "", "q8_k_quads")[layout]  # a Q4_K product takes two at once
+    q_shape = lead + ((k // 4,) + tail + (4,) if layout == QUADS else (k,) + tail)
 
     def quantize(x, scratch):
-        xq = scratch.get(tag, size * k)
+        xq = _bytes(scratch, tag, size * k).view(np.int8) if layout == QUADS else scratch.get(tag, size * k)
         xd = scratch.get(tag + "_d", size * nb)
         bs = scratch.get(tag + "_bs", size * sums)
-        quantize_q8_k(x, cols, xq, xd, bs)
-        return (xq.reshape(lead + (k,) + tail), xd.reshape(lead + (nb,) + tail)) + ((bs.reshape(lead + (sums,) + tail),)
-                                                                                     if group else ())
+        quantize_q8_k(x, layout, xq, xd, bs)
+        return (xq.reshape(q_shape), xd.reshape(lead + (nb,) + tail)) + ((bs.reshape(lead + (sums,) + tail),)
+                                                                         if group else ())
     return quantize
 
 
@@ -729,22 +817,29 @@ def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
     """plan_mul_mat for the Q8_K products (Q4_K, Q6_K)."""
     if type == GGMLType.Q4_K:
         n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns through the tiles, the rest one by one
-        tiles = _q8_k_input(n_gemm, k, W, group=32)
-        rest = _q8_k_input(n - n_gemm, k, 1, group=32)
-        gemv = _q4_k_gemv_vnni if VNNI else _q4_k_gemv
+        tiles = _q8_k_input(n_gemm, k, QUADS if VNNI else TILES, group=32)
+        rest = _q8_k_input(n - n_gemm, k, ROWS, group=32)
+        gemm, gemv = (_q4_k_gemm_vnni, _q4_k_gemv_vnni) if VNNI else (_q4_k_gemm, _q4_k_gemv)
 
         def run(buf, offs, x, out, scratch):
             if n_gemm:
-                _q4_k_gemm(buf, offs, *tiles(x[:n_gemm], scratch), out, n_gemm)
+                gemm(buf, offs, *tiles(x[:n_gemm], scratch), out, n_gemm)
             if n_gemm < n:
                 gemv(buf, offs, *rest(x[n_gemm:], scratch), out[n_gemm:])
     elif n >= Q6_K_TILED_MIN_COLS:
-        act = _q8_k_input(n, k, W)
+        if VNNI:
+            act = _q8_k_input(n, k, QUADS, group=16)
 
-        def run(buf, offs, x, out, scratch):
-            _q6_k_tiled(buf, offs, *act(x, scratch), out)
+            def run(buf, offs, x, out, scratch):
+                xq, xd, bs = act(x, scratch)
+                _q6_k_tiled_vnni(buf, offs, xq, bs, xd, out)
+        else:
+            act = _q8_k_input(n, k, TILES)
+
+            def run(buf, offs, x, out, scratch):
+                _q6_k_tiled(buf, offs, *act(x, scratch), out)
     else:
-        act = _q8_k_input(n, k, 1, group=16)
+        act = _q8_k_input(n, k, ROWS, group=16)
         gemv = _q6_k_gemv_vnni if VNNI else _q6_k_vec_dot
 
         def run(buf, offs, x, out, scratch):
