@@ -31,7 +31,7 @@ _PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:token
 
 def run(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> dict[str, float]:
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+    out = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, cwd=cwd)
     wall = time.perf_counter() - t0
     if out.returncode:
         sys.exit(f"{cmd[0]} failed: {out.stderr[-500:]}")

@@ -1,7 +1,7 @@
-"""Per-op time of perplexity on stories260K (the executor's profile option): seconds per op
-type, calls, and microseconds per call.
+"""Per-op time of perplexity (the executor's profile option): seconds per op type, calls,
+and microseconds per call; stories260K -c 128 unless a model and -c are given.
 
-Run by hand:  python bench/perplexity_profile.py [n_ubatch] [threads] [chunks]
+Run by hand:  python bench/perplexity_profile.py [n_ubatch] [threads] [chunks] [model.gguf] [n_ctx]
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ def main() -> None:
     n_ubatch = int(sys.argv[1]) if len(sys.argv) > 1 else 512
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     chunks = int(sys.argv[3]) if len(sys.argv) > 3 else 160
-    model = llamapy.load_model(SHARED / "models" / "stories260K.gguf")
+    model = llamapy.load_model(sys.argv[4] if len(sys.argv) > 4 else SHARED / "models" / "stories260K.gguf")
+    n_ctx = int(sys.argv[5]) if len(sys.argv) > 5 else 128
     tokens = model.vocab.tokenize((SHARED / "data" / "wiki.test.raw").read_text(encoding="utf-8"))
-    perplexity(model, tokens, 128, 2048, n_ubatch, 32, threads)  # compile / warm caches
+    perplexity(model, tokens, n_ctx, 2048, n_ubatch, min(chunks, 32), threads)  # compile / warm caches
     profiles = []
     calls: Counter[str] = Counter()
     original_init = context_module.Context.__init__
@@ -41,10 +42,10 @@ def main() -> None:
 
     context_module.Context.__init__ = init_with_profile
     t0 = time.perf_counter()
-    perplexity(model, tokens, 128, 2048, n_ubatch, chunks, threads)
+    perplexity(model, tokens, n_ctx, 2048, n_ubatch, chunks, threads)
     elapsed = time.perf_counter() - t0
-    prof = profiles[0]
-    print(f"-ub {n_ubatch} -t {threads}: {chunks * 128 / elapsed:,.0f} tokens/s; "
+    prof = profiles[-1]
+    print(f"-ub {n_ubatch} -t {threads}: {chunks * n_ctx / elapsed:,.0f} tokens/s; "
           f"compute {sum(prof.values()):.3f} s of {elapsed:.3f} s")
     for op, seconds in sorted(prof.items(), key=lambda kv: -kv[1]):
         print(f"  {op:16s} {seconds:.3f} s  {calls[op]:6d} calls  {seconds / calls[op] * 1e6:7.1f} us/call")

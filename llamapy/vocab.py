@@ -271,18 +271,12 @@ def _bpe_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str
     `tokenizers` refuses merges whose parts or result are not tokens; llama.cpp keeps the
     first of duplicate pairs. Such merges are dropped; ranks only matter relatively.
     """
-    pairs: list[tuple[str, str]] = []
-    seen: set[tuple[str, str]] = set()
-    for merge in merges:
-        pos = merge.find(" ", 1)
-        if pos < 0:
-            continue
-        pair = (merge[:pos], merge[pos + 1:])
-        if pair in seen or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
-            continue
-        seen.add(pair)
-        pairs.append(pair)
-    return pairs
+    if any(m.startswith(" ") for m in merges):
+        split = [(m[:pos], m[pos + 1:]) for m in merges if (pos := m.find(" ", 1)) > 0]
+    else:  # the usual case, in C: at the first space
+        split = [tuple(parts) for m in merges if len(parts := m.split(" ", 1)) == 2]
+    unique = dict.fromkeys(split)  # the first of duplicate pairs, in rank order
+    return [p for p in unique if p[0] in vocab and p[1] in vocab and p[0] + p[1] in vocab]
 
 
 def _bpe_encoder(texts: list[str], merges: list[str], pre: PreTokenizer) -> Callable[[str], list[int]]:

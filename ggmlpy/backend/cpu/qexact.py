@@ -337,8 +337,9 @@ def _unpack_q6_k_rows(buf, offs, m0, wq, wd):
 
 @njit(cache=True)
 def _unpack_q6_k_rows_u8(buf, offs, m0, wu, wsc, wd):
-    """Rows m0.. -> wu[r, k] = the 6-bit integer + 32 (natural order), wsc[r, s] = group s's
-    scale, wd[r, i] = d."""
+    """Rows m0.. -> wu[r, k] = the 6-bit integer + 32 (its stored bits; natural order),
+    wsc[r, s] = group s's scale, wd[r, i] = d. Per half of a super-block, each of 32 low-bit
+    and high-bit bytes gives 4 elements 32 apart (dequantize_row_q6_K's loop; it vectorises)."""
     nb = wd.shape[1]
     for r in range(wu.shape[0]):
         o0 = offs[min(m0 + r, offs.shape[0] - 1)]
@@ -347,8 +348,15 @@ def _unpack_q6_k_rows_u8(buf, offs, m0, wu, wsc, wd):
             wd[r, i] = f16_to_f32(buf[o + 208], buf[o + 209])
             for s in range(16):
                 wsc[r, 16 * i + s] = np.int32(np.int8(buf[o + 192 + s]))
-            for e in range(QK_K):
-                wu[r, QK_K * i + e] = np.uint8(_q6_k_value(buf, o, e) + 32)
+            for h in range(2):
+                ql, qh = buf[o + 64 * h:o + 64 * h + 64], buf[o + 128 + 32 * h:o + 160 + 32 * h]
+                dst = wu[r, QK_K * i + 128 * h:QK_K * i + 128 * h + 128]
+                for l in range(32):
+                    lo, hi, high = ql[l], ql[l + 32], qh[l]
+                    dst[l] = (lo & np.uint8(0xF)) | ((high & np.uint8(3)) << np.uint8(4))
+                    dst[l + 32] = (hi & np.uint8(0xF)) | (((high >> np.uint8(2)) & np.uint8(3)) << np.uint8(4))
+                    dst[l + 64] = (lo >> np.uint8(4)) | (((high >> np.uint8(4)) & np.uint8(3)) << np.uint8(4))
+                    dst[l + 96] = (hi >> np.uint8(4)) | ((high >> np.uint8(6)) << np.uint8(4))
 
 
 @njit(cache=True)
