@@ -9,7 +9,6 @@ float32 vector code instead (quant_tiles.py): the same numbers.
 from __future__ import annotations
 
 import os
-from functools import reduce
 
 from llvmlite import ir
 from numba import types
@@ -252,40 +251,75 @@ def q5_0_row_vnni(e, buf, o, xs, xsum, xd, nb):
     return _q0_row(e, buf, o, xd, nb, 22, lane_sums)
 
 
-@kernel(types.float32)
-def q4_k_row_vnni(e, buf, o, sc, mn, xs, xd, bs32, nb):
-    """ggml_gemv_q4_K_8x8_q8_K for the Q4_K row at buf[o] (used in place) and one column: per
-    super-block i, isum = sum over sub-blocks s of sc[8 i + s] * (nibbles . xs) (AVX512-VNNI,
-    exact integers), imin = sum of mn[8 i + s] * bs32[8 i + s];
-    acc = fma(isum, d * xd[i], acc), accm = fma(imin, dmin * xd[i], accm); acc - accm.
-    sc, mn (8 nb,) int32: the row's decoded 6-bit scales and mins; xs (256 nb,) int8;
-    bs32 (8 nb,) int32: the column's 32-element sums."""
+def _q4_k_scales(e: Emit, buf, bo):
+    """The 8 six-bit scales and 8 mins of the Q4_K super-block at buf[bo], as 4 i32 words of 4
+    bytes each (scales in words 0-1, mins in 2-3), by ggml's word arithmetic on its 12 bytes."""
     b = e.b
-    zero = e.const(0, VI8)
-    acc, accm = e.acc(F32), e.acc(F32)
+    u = [b.load(b.bitcast(e.gep(buf, b.add(bo, e.const(4 + 4 * w))), I32.as_pointer()), align=1) for w in range(3)]
+    c = lambda n: ir.Constant(I32, n)  # noqa: E731
+    m1, m2, m3 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+    w3 = b.or_(b.and_(b.lshr(u[2], c(4)), m2), b.shl(b.and_(b.lshr(u[1], c(6)), m3), c(4)))
+    w2 = b.and_(u[1], m1)
+    w1 = b.or_(b.and_(u[2], m2), b.shl(b.and_(b.lshr(u[0], c(6)), m3), c(4)))
+    w0 = b.and_(u[0], m1)
+    return [w0, w1, w2, w3]
+
+
+def _bytes8(e: Emit, lo, hi):
+    """<8 x i32> of the 8 bytes of two i32 words (little-endian), zero-extended."""
+    b = e.b
+    pair = b.insert_element(b.insert_element(ir.Constant(vec(I32, 2), ir.Undefined), lo, ir.Constant(I32, 0)),
+                            hi, ir.Constant(I32, 1))
+    return b.zext(b.bitcast(pair, vec(I8, 8)), VI8)
+
+
+Q4K_ROW_CALL = 2  # rows per call of q4_k_rows_vnni: they share the column's loads
+
+
+@kernel()
+def q4_k_rows_vnni(e, buf, offs, m0, xs, xd, bs32, res, nb):
+    """ggml_gemv_q4_K_8x8_q8_K for Q4K_ROW_CALL Q4_K rows (at buf[offs[m0 + r]], used in place)
+    and one column: per super-block i, isum = sum over sub-blocks s of sc_s * (nibbles . xs)
+    (AVX512-VNNI, exact integers), imin = sum of m_s * bs32[8 i + s], the scales and mins
+    decoded here from their 12 bytes; acc = fma(isum, d * xd[i], acc), accm = fma(imin,
+    dmin * xd[i], accm); res[r] = acc - accm. xs (256 nb,) int8; bs32 (8 nb,) int32: the
+    column's 32-element sums; res (Q4K_ROW_CALL,) float32."""
+    b, rows = e.b, Q4K_ROW_CALL
+    o = [e.at(offs, b.add(m0, e.const(r))) for r in range(rows)]
+    acc = [e.acc(F32) for _ in range(rows)]
+    accm = [e.acc(F32) for _ in range(rows)]
+    zero16 = e.const(0, VI)
     with e.loop(nb) as i:
-        bo = b.add(o, b.mul(i, e.const(144)))
-        lanes = zero
-        for c in range(4):
-            qs = b.bitcast(e.load(buf, b.add(bo, e.const(16 + 32 * c)), VI8, align=1), B32)
-            lo = b.bitcast(b.and_(qs, e.const(15, B32)), VI8)
-            hi = b.bitcast(b.lshr(qs, e.const(4, B32)), VI8)
-            x0 = e.load(xs, b.add(b.mul(i, e.const(256)), e.const(64 * c)), VI8, align=1)
-            x1 = e.load(xs, b.add(b.mul(i, e.const(256)), e.const(64 * c + 32)), VI8, align=1)
-            s1 = e.splat(e.at(sc, b.add(b.mul(i, e.const(8)), e.const(2 * c))), 8)
-            s2 = e.splat(e.at(sc, b.add(b.mul(i, e.const(8)), e.const(2 * c + 1))), 8)
-            lanes = b.add(lanes, b.add(b.mul(_dp(e, zero, lo, x0), s1), b.mul(_dp(e, zero, hi, x1), s2)))
-        isum = reduce(b.add, e.lanes(lanes))  # integers: any order
-        imin = ir.Constant(I32, 0)
-        for s in range(8):
-            idx = b.add(b.mul(i, e.const(8)), e.const(s))
-            imin = b.add(imin, b.mul(e.at(mn, idx), e.at(bs32, idx)))
+        xi = b.mul(i, e.const(256))
+        half = [e.load(xs, b.add(xi, e.const(32 * k)), VI8, align=1) for k in range(8)]  # 32 elements each
+        join = ir.Constant(vec(I32, 16), list(range(16)))
+        # per pair p of 64-element chunks, the x of their low nibbles and of their high ones
+        xlo = [b.shuffle_vector(half[4 * p], half[4 * p + 2], join) for p in range(2)]
+        xhi = [b.shuffle_vector(half[4 * p + 1], half[4 * p + 3], join) for p in range(2)]
+        bsum = e.load(bs32, b.mul(i, e.const(8)), VI8)
         dx = e.at(xd, i)
-        sd = b.fmul(e.half(buf, bo), dx)
-        sm = b.fmul(e.half(buf, b.add(bo, e.const(2))), dx)
-        b.store(e.fma(b.sitofp(isum, F32), sd, b.load(acc)), acc)
-        b.store(e.fma(b.sitofp(imin, F32), sm, b.load(accm)), accm)
-    return b.fsub(b.load(acc), b.load(accm))
+        for r in range(rows):
+            bo = b.add(o[r], b.mul(i, e.const(144)))
+            w = _q4_k_scales(e, buf, bo)
+            sc8 = _bytes8(e, w[0], w[1])
+            lanes = zero16
+            for p in range(2):
+                qs = b.bitcast(e.load(buf, b.add(bo, e.const(16 + 64 * p)), VI, align=1), vec(I8, 64))
+                lo = b.bitcast(b.and_(qs, e.const(15, vec(I8, 64))), VI)
+                hi = b.bitcast(b.lshr(qs, e.const(4, vec(I8, 64))), VI)
+                # lanes 0-7 of a chunk pair's products are the first chunk's sub-block, 8-15 the second's
+                s_lo = b.shuffle_vector(sc8, sc8, ir.Constant(vec(I32, 16), [4 * p] * 8 + [4 * p + 2] * 8))
+                s_hi = b.shuffle_vector(sc8, sc8, ir.Constant(vec(I32, 16), [4 * p + 1] * 8 + [4 * p + 3] * 8))
+                lanes = b.add(lanes, b.add(b.mul(_dp(e, zero16, lo, xlo[p]), s_lo),
+                                           b.mul(_dp(e, zero16, hi, xhi[p]), s_hi)))
+            isum = e.int_sum(lanes)  # integers: any order
+            imin = e.int_sum(b.mul(_bytes8(e, w[2], w[3]), bsum))
+            sd = b.fmul(e.half(buf, bo), dx)
+            sm = b.fmul(e.half(buf, b.add(bo, e.const(2))), dx)
+            b.store(e.fma(b.sitofp(isum, F32), sd, b.load(acc[r])), acc[r])
+            b.store(e.fma(b.sitofp(imin, F32), sm, b.load(accm[r])), accm[r])
+    for r in range(rows):
+        b.store(b.fsub(b.load(acc[r]), b.load(accm[r])), e.gep(res, e.const(r)))
 
 
 def _vector(e: Emit, values):

@@ -44,7 +44,7 @@ from ...llvmir.emit import W
 from ...llvmir.quant_tiles import (Q0_ROWS, Q4K_ROWS, Q6K_ROWS, q0_blocks_tile, q0_lanes_tile, q4_k_gemv_tile, q4_k_tile,
                                    q6_k_gemv_tile, q6_k_tile)
 from ...llvmir.scalar import fma_f32
-from ...llvmir.vnni import (BLOCK_ROWS, Q4K_VNNI_ROWS, Q6K_VNNI_ROWS, VNNI, q0_blocks_vnni, q0_tile2_vnni, q4_k_row_vnni,
+from ...llvmir.vnni import (BLOCK_ROWS, Q4K_VNNI_ROWS, Q6K_VNNI_ROWS, VNNI, q0_blocks_vnni, q0_tile2_vnni, Q4K_ROW_CALL, q4_k_rows_vnni,
                             q4_k_tile_vnni, q5_0_row_vnni, q6_k_row_vnni, q6_k_tile_vnni, q8_0_row_vnni)
 from .simd import hsum8
 
@@ -464,20 +464,23 @@ def _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out):
 
 @njit(parallel=True, cache=True)
 def _q4_k_gemv_vnni(buf, offs, xq, xd, bs32, out):
-    """xq, bs32 (quantize_q8_k's float32 rows) made the int8 / int32 q4_k_row_vnni takes, here:
-    a few columns, so the quantizer needs no int8 form (one specialisation less to compile)."""
+    """xq, bs32 (quantize_q8_k's float32 rows) made the int8 / int32 q4_k_rows_vnni takes, here:
+    a few columns, so the quantizer needs no int8 form (one specialisation less to compile).
+    Rows in pairs (the kernel's), a last odd row through a padded copy of its offset."""
     nb = xd.shape[1]
+    m_rows = offs.shape[0]
     xs = xq.astype(np.int8)
     b32 = bs32.astype(np.int32)
-    for task in prange((offs.shape[0] + GEMV_ROWS - 1) // GEMV_ROWS):
-        sc = np.empty(8 * nb, dtype=np.int32)
-        mn = np.empty(8 * nb, dtype=np.int32)
-        for m in range(task * GEMV_ROWS, min(offs.shape[0], task * GEMV_ROWS + GEMV_ROWS)):
-            for i in range(nb):
-                for s in range(8):
-                    sc[8 * i + s], mn[8 * i + s] = scale_min_k4(s, buf, offs[m] + i * 144 + 4)
+    for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
+        res = np.empty(Q4K_ROW_CALL, dtype=np.float32)
+        pair = np.empty(Q4K_ROW_CALL, dtype=np.int64)
+        for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS), Q4K_ROW_CALL):
+            for r in range(Q4K_ROW_CALL):
+                pair[r] = offs[min(m + r, m_rows - 1)]
             for n in range(out.shape[0]):
-                out[n, m] = q4_k_row_vnni(buf, offs[m], sc, mn, xs[n], xd[n], b32[n], nb)
+                q4_k_rows_vnni(buf, pair, 0, xs[n], xd[n], b32[n], res, nb)
+                for r in range(min(Q4K_ROW_CALL, m_rows - m)):
+                    out[n, m + r] = res[r]
 
 
 @njit(parallel=True, cache=True)
