@@ -92,6 +92,22 @@ def q0_blocks_vnni(e, wu, wd, xq, xcb, xd, res, r0, tile, nb):
         e.store(res, e.const(W * r), b.load(accs[r]))
 
 
+@kernel()
+def q4_k_nibbles(e, buf, o, nb, dst):
+    """The 4-bit integers of the Q4_K row at buf[o] (nb super-blocks) to dst[256 i + e] as
+    bytes, natural order: per 32 packed bytes of chunk c, the low nibbles are elements 64 c ..,
+    the high ones 64 c + 32 ... (Explicit vectors: numba's loop cannot rule out that dst
+    overlaps buf, and stays scalar.)"""
+    b = e.b
+    v32 = vec(I8, 32)
+    with e.loop(nb) as i:
+        src, out = b.add(o, b.mul(i, e.const(144))), b.mul(i, e.const(256))
+        for c in range(4):
+            qs = e.load(buf, b.add(src, e.const(16 + 32 * c)), v32, align=1)
+            e.store(dst, b.add(out, e.const(64 * c)), b.and_(qs, e.const(15, v32)), align=1)
+            e.store(dst, b.add(out, e.const(64 * c + 32)), b.lshr(qs, e.const(4, v32)), align=1)
+
+
 Q4K_VNNI_ROWS = 4  # matrix rows per call of q4_k_tile_vnni: 2 chains each of vpdpbusd
 
 

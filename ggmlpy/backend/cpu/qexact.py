@@ -45,7 +45,7 @@ from ...llvmir.quant_tiles import (Q0_ROWS, Q4K_ROWS, Q6K_ROWS, q0_blocks_tile, 
                                    q6_k_gemv_tile, q6_k_tile)
 from ...llvmir.scalar import fma_f32
 from ...llvmir.vnni import (BLOCK_ROWS, Q4K_VNNI_ROWS, Q6K_VNNI_ROWS, VNNI, q0_blocks_vnni, q0_tile2_vnni, Q4K_ROW_CALL, q4_k_rows_vnni,
-                            q4_k_tile_vnni, q5_0_row_vnni, q6_k_row_vnni, q6_k_tile_vnni, q8_0_row_vnni)
+                            q4_k_nibbles, q4_k_tile_vnni, q5_0_row_vnni, q6_k_row_vnni, q6_k_tile_vnni, q8_0_row_vnni)
 from .simd import hsum8
 
 QK = 32
@@ -295,6 +295,7 @@ def _unpack_q4_k_rows_u8(buf, offs, m0, wu, wsc, wd, wdm, wmin):
     nb = wd.shape[1]
     for r in range(wu.shape[0]):
         o0 = offs[min(m0 + r, offs.shape[0] - 1)]
+        q4_k_nibbles(buf, o0, nb, wu[r])
         for i in range(nb):
             o = o0 + i * 144
             wd[r, i] = f16_to_f32(buf[o], buf[o + 1])
@@ -303,13 +304,6 @@ def _unpack_q4_k_rows_u8(buf, offs, m0, wu, wsc, wd, wdm, wmin):
                 sc, m = scale_min_k4(s, buf, o + 4)
                 wsc[r, 8 * i + s] = F32(sc)
                 wmin[r, 8 * i + s] = F32(m)
-            for c in range(4):
-                qo = o + 16 + 32 * c
-                dst = wu[r, QK_K * i + 64 * c:]
-                for l in range(32):
-                    q = buf[qo + l]
-                    dst[l] = q & np.uint8(0xF)
-                    dst[32 + l] = q >> np.uint8(4)
 
 
 @njit(cache=True, inline="always")
