@@ -30,7 +30,8 @@ SHARED = Path(os.environ.get("LLAMAPY_SHARED", Path(__file__).resolve().parents[
 PROMPT = "Once upon a time"
 
 
-def generation(model, threads: int, n: int, rounds: int, ops: bool) -> tuple[dict[str, list[float]], dict]:
+def generation(model, threads: int, n: int, rounds: int, ops: bool, prompt_tokens: int = 0
+               ) -> tuple[dict[str, list[float]], dict]:
     ctx = Context(model, n_ctx=4096, n_threads=threads)
     ctx.set_warmup(True)
     graph_time = [0.0]
@@ -42,6 +43,9 @@ def generation(model, threads: int, n: int, rounds: int, ops: bool) -> tuple[dic
         graph_time[0] += time.perf_counter() - t0
     ctx.backend._run = timed_run
     prompt = model.vocab.tokenize(PROMPT, add_special=True)
+    if prompt_tokens:
+        text = (SHARED / "data" / "wiki.test.raw").read_text(encoding="utf-8")[:8 * prompt_tokens]
+        prompt = model.vocab.tokenize(text, add_special=True)[:prompt_tokens]
     parts: dict[str, list[float]] = {k: [] for k in ("decode", "graph", "around", "sample", "batch")}
     for _ in range(rounds):
         ctx.memory_clear()
@@ -83,12 +87,14 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=127)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ops", action="store_true")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="a prompt of this many tokens of wiki.test.raw instead of the short one (a longer context)")
     args = ap.parse_args()
     model = load_model(args.model)
     print(f"# {Path(args.model).name}, {platform.machine()} / Python {platform.python_version()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.2f}; us per generated token")
     for t in args.threads:
-        parts, profile = generation(model, t, args.n, args.rounds, args.ops)
+        parts, profile = generation(model, t, args.n, args.rounds, args.ops, args.prompt_tokens)
         d = parts["decode"]
         print(f"-t {t}: decode best {min(d):.1f} median {statistics.median(d):.1f} "
               f"({1e6 / min(d):,.0f} / {1e6 / statistics.median(d):,.0f} tokens/s)")
