@@ -13,6 +13,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT, shared_path
+from test_cli_errors import assert_one_clear_line
+from test_sft_cli import chats, completions, write_jsonl
 
 import llamapy
 from llamapy.chat import ChatTemplate
@@ -23,10 +26,6 @@ from llamapy.shard_dataset import ShardSampleWindows, ShardTextWindows, shard_wi
 from llamapy.text_input import read_text_file
 from llamapy.token_shards import TokenShards, write_token_shards
 from llamapy.vocab import Vocab
-
-from conftest import REPO_ROOT, shared_path
-from test_cli_errors import assert_one_clear_line
-from test_sft_cli import chats, completions, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -272,7 +272,7 @@ def _q4_k_scales(e: Emit, buf, bo):
     bytes each (scales in words 0-1, mins in 2-3), by ggml's word arithmetic on its 12 bytes."""
     b = e.b
     u = [b.load(b.bitcast(e.gep(buf, b.add(bo, e.const(4 + 4 * w))), I32.as_pointer()), align=1) for w in range(3)]
-    c = lambda n: ir.Constant(I32, n)  # noqa: E731
+    c = lambda n: ir.Constant(I32, n)
     m1, m2, m3 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
     w3 = b.or_(b.and_(b.lshr(u[2], c(4)), m2), b.shl(b.and_(b.lshr(u[1], c(6)), m3), c(4)))
     w2 = b.and_(u[1], m1)

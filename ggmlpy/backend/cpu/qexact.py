@@ -36,16 +36,39 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from ...llvmir.emit import W
+from ...llvmir.quant_tiles import (
+    Q0_ROWS,
+    Q4K_ROWS,
+    Q6K_ROWS,
+    q0_blocks_tile,
+    q0_lanes_tile,
+    q4_k_gemv_tile,
+    q4_k_tile,
+    q6_k_gemv_tile,
+    q6_k_tile,
+)
+from ...llvmir.scalar import fma_f32
+from ...llvmir.vnni import (
+    BLOCK_ROWS,
+    Q4K_ROW_CALL,
+    Q4K_VNNI_ROWS,
+    Q6K_VNNI_ROWS,
+    VNNI,
+    q0_blocks_vnni,
+    q0_tile2_vnni,
+    q4_k_nibbles,
+    q4_k_rows_vnni,
+    q4_k_tile_vnni,
+    q5_0_row_vnni,
+    q6_k_row_vnni,
+    q6_k_tile_vnni,
+    q8_0_row_vnni,
+)
 from ...quants.common import F32, QK_K, f16_to_f32
 from ...quants.kquants import activation_q8_k, activation_superblock_scale, scale_min_k4
 from ...quants.simple import activation_block_scale, activation_q8_0
 from ...types import GGMLType
-from ...llvmir.emit import W
-from ...llvmir.quant_tiles import (Q0_ROWS, Q4K_ROWS, Q6K_ROWS, q0_blocks_tile, q0_lanes_tile, q4_k_gemv_tile, q4_k_tile,
-                                   q6_k_gemv_tile, q6_k_tile)
-from ...llvmir.scalar import fma_f32
-from ...llvmir.vnni import (BLOCK_ROWS, Q4K_VNNI_ROWS, Q6K_VNNI_ROWS, VNNI, q0_blocks_vnni, q0_tile2_vnni, Q4K_ROW_CALL, q4_k_rows_vnni,
-                            q4_k_nibbles, q4_k_tile_vnni, q5_0_row_vnni, q6_k_row_vnni, q6_k_tile_vnni, q8_0_row_vnni)
 from .simd import hsum8
 
 QK = 32
