@@ -21,14 +21,16 @@ partial sums depend on the thread count (here: the one-chunk kernel), and K/V ty
 than F16/F32 (converted to float32 and treated as F32).
 
 Arrays: q [n3, n_head, n_q, dk] float32; k, v [n3k, n_kv, n_head_kv, d] float32 values
-(an F16 cache converted exactly; `half_k`, `half_v` say which are halves); mask
+(an F16 cache converted exactly; `half_k`, `half_v` say which are halves; the one-chunk
+kernel also takes an F16 cache's bits, uint16, and converts a cell as it reads it); mask
 [m3, m2, >= n_q, n_kv] float32; dst [n3, n_q, n_head, dv].
 """
 from __future__ import annotations
 
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ...half import f16_bits_to_f32, f32_to_f16_bits
 from ...llvmir.attention import attn_scores_4x64, attn_values_4x64
@@ -183,6 +185,23 @@ def flash_attn_tiled(q, k, v, mask, dst, scale, max_bias, softcap, has_mask):
                 dst[i3, q0 + r, h, d] = vkq[r, d] * inv
 
 
+def cell_values(row, buf):
+    """A K or V cell's values as float32: the row itself, or an F16 cache's bits converted
+    into `buf` (numba picks by the row's type: see the overload below)."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(cell_values, inline="always")
+def _cell_values(row, buf):
+    if row.dtype == types.uint16:
+        def convert(row, buf):
+            for d in range(row.shape[0]):
+                buf[d] = f16_bits_to_f32(row[d])
+            return buf
+        return convert
+    return lambda row, buf: row
+
+
 @njit(parallel=True, cache=True)
 def flash_attn_one_chunk(q, k, v, mask, dst, scale, max_bias, softcap, has_mask, half_k, half_v):
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk: one task per (query row, head)."""
@@ -202,18 +221,20 @@ def flash_attn_one_chunk(q, k, v, mask, dst, scale, max_bias, softcap, has_mask,
         for d in range(dk):  # Q as the vec_dot type of K: half for an F16 cache
             qv[d] = _half(q[i3, h, iq, d]) if half_k else q[i3, h, iq, d]
         vkq = np.zeros(dv, dtype=np.float32)  # float32 values; halves when V is F16
+        kbuf = np.empty(dk, dtype=np.float32)   # a cell of an F16 cache read in place, as float32
+        vbuf = np.empty(dv, dtype=np.float32)
         mx = F32(-np.inf)
         sm = F32(0.0)
         for ic in range(n_kv):
             mv = slope * mask[i3 % m3, h % m2, iq, ic] if has_mask else F32(0.0)
             if mv == -np.inf:
                 continue
-            kc = k[k3, ic, hk]
+            kc = cell_values(k[k3, ic, hk], kbuf)
             s = vec_dot_f16_row(kc, qv, dk) if half_k else vec_dot_f32_row(kc, qv, dk)  # kc, qv contiguous
             s = _score_post(s, sc, cap) + mv
             ms = F32(1.0)
             vs = F32(1.0)
-            vc = v[v3, ic, hk]
+            vc = cell_values(v[v3, ic, hk], vbuf)
             if s > mx:
                 ms = expf(mx - s)
                 mx = s

@@ -173,15 +173,26 @@ def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
         return run
     half_k, half_v = k.type == GGMLType.F16, v.type == GGMLType.F16
     n_kv = k.ne[1]
+    # an F16 cache is read in place, a cell at a time (its bits); others as float32 cells
+    k_cells, v_cells = _cells_f16_bits(k) or k_f32, _cells_f16_bits(v) or v_f32
 
     def run_one_chunk() -> None:
         mask = convert.to_f32(mv, mask_type)
         # the one-chunk kernel never reads a masked cell: a decode step converts the cache only
         # up to the last cell some query sees, not the whole padded length
         used = K.attn_cells_seen(mask) if has_mask else n_kv
-        ATT.flash_attn_one_chunk(qv, k_f32(used), v_f32(used), mask, dv, scale, max_bias,
+        ATT.flash_attn_one_chunk(qv, k_cells(used), v_cells(used), mask, dv, scale, max_bias,
                                  softcap, has_mask, half_k, half_v)
     return run_one_chunk
+
+
+def _cells_f16_bits(t: Tensor) -> Callable[[int], np.ndarray] | None:
+    """For an F16 K or V: a reader of its cells' bits ([n3, n_kv, n_head_kv, d] uint16, in
+    place: nothing converted or copied); None for other types."""
+    if t.type != GGMLType.F16:
+        return None
+    bits = t.array().transpose(0, 2, 1, 3).view(np.uint16)
+    return lambda used: bits
 
 
 def _flash_attn_small_heads(qv: np.ndarray, dv: np.ndarray, has_mask: bool, mv: np.ndarray, mask_type: GGMLType,
