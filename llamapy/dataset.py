@@ -231,30 +231,43 @@ def samples_to_windows(samples: Sequence[Sample], vocab, n_ctx: int, *, chat_tem
     file and line."""
     tokenized = []
     for sample in samples:
-        if sample.is_chat:
-            if chat_template is None:
-                raise InputError(f"{sample.where}: a conversation needs a chat template (the model has none: "
-                                 "give one by file or name)")
-            try:
-                tokens, mask = chat_template.tokenize(vocab, sample.messages)
-            except InputError as e:
-                raise InputError(f"{sample.where}: {e}") from None
-            tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
-            if not mask_prompt:
-                mask = np.ones_like(mask)
-        else:
-            tokens = np.asarray(vocab.tokenize(sample.text, add_special=True), np.int32)
-            mask = np.ones(len(tokens), bool)
-        if len(tokens) < 2:
-            raise InputError(f"{sample.where}: the sample gives {len(tokens)} token(s); at least 2 are needed")
+        tokens, mask = tokenize_sample(sample, vocab, chat_template, mask_prompt)
         if not truncate and len(tokens) - 1 > n_ctx:
             raise InputError(f"{sample.where}: the sample is {len(tokens)} tokens, more than a window of {n_ctx} "
                              "takes (a longer -c, or let it be cut by dropping --no-truncate)")
         tokenized.append((tokens, mask))
     if not tokenized:
         raise InputError("no samples to train on")
-    pad = vocab.pad_id if vocab.pad_id is not None else (vocab.eos_id if vocab.eos_id is not None else 0)
-    return pack_samples(tokenized, n_ctx, pad, truncate)
+    return pack_samples(tokenized, n_ctx, pad_token(vocab), truncate)
+
+
+def tokenize_sample(sample: Sample, vocab, chat_template=None, mask_prompt: bool = True
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """A sample's tokens (int32) and which of them are learned (bool): a conversation rendered
+    with `chat_template`, its assistant turns learned (all of it without `mask_prompt`); a
+    text whole, BOS as the vocabulary adds it. Errors name the sample's file and line."""
+    if sample.is_chat:
+        if chat_template is None:
+            raise InputError(f"{sample.where}: a conversation needs a chat template (the model has none: "
+                             "give one by file or name)")
+        try:
+            tokens, mask = chat_template.tokenize(vocab, sample.messages)
+        except InputError as e:
+            raise InputError(f"{sample.where}: {e}") from None
+        tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
+        if not mask_prompt:
+            mask = np.ones_like(mask)
+    else:
+        tokens = np.asarray(vocab.tokenize(sample.text, add_special=True), np.int32)
+        mask = np.ones(len(tokens), bool)
+    if len(tokens) < 2:
+        raise InputError(f"{sample.where}: the sample gives {len(tokens)} token(s); at least 2 are needed")
+    return tokens, mask
+
+
+def pad_token(vocab) -> int:
+    """What fills a window's positions after its last sample: PAD, else EOS, else token 0."""
+    return vocab.pad_id if vocab.pad_id is not None else (vocab.eos_id if vocab.eos_id is not None else 0)
 
 
 def load_samples(path, vocab, n_ctx: int, *, data_format: str | None = None, chat_template=None,

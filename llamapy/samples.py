@@ -90,6 +90,23 @@ def is_jsonl(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() == ".jsonl"
 
 
+def parse_jsonl_line(line: str, where: str, fmt: Format | None) -> tuple[Sample, Format]:
+    """The sample of one JSONL line and its format, which must be `fmt` when that is known
+    (one format per file); every problem one InputError naming `where`."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply") from None
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: a sample must be a JSON object, got {type(record).__name__}")
+    found = detect_format(record, where)
+    if fmt is not None and found != fmt:
+        raise InputError(f"{where}: a {found!r} sample in a file of {fmt!r} samples (one format per file)")
+    return parse_record(record, found, where), found
+
+
 def read_jsonl(path: str | os.PathLike, fmt: Format | None = None) -> tuple[list[Sample], Format]:
     """The samples of a JSONL file and their format (detected from the first line unless
     given; every line must then be in it). Lines end at "\n" only (JSON strings may hold
@@ -107,21 +124,8 @@ def read_jsonl(path: str | os.PathLike, fmt: Format | None = None) -> tuple[list
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-        except RecursionError:
-            raise InputError(f"{where}: JSON nested too deeply") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{where}: a sample must be a JSON object, got {type(record).__name__}")
-        found = detect_format(record, where)
-        if fmt is None:
-            fmt = found
-        elif found != fmt:
-            raise InputError(f"{where}: a {found!r} sample in a file of {fmt!r} samples (one format per file)")
-        samples.append(parse_record(record, fmt, where))
+        sample, fmt = parse_jsonl_line(line, f"{path}:{number}", fmt)
+        samples.append(sample)
     if not samples:
         raise InputError(f"{path}: no samples (the file is empty)")
     return samples, fmt

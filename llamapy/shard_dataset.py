@@ -13,7 +13,7 @@ import numpy as np
 from ggmlpy import GGMLType
 from ggmlpy.opt import Dataset
 
-from .dataset import IGNORE, window_count
+from .dataset import IGNORE, pad_token, window_count
 from .errors import InputError
 from .token_shards import TokenShards
 
@@ -130,8 +130,7 @@ def shard_windows(path, vocab, n_ctx: int, *, window_bos: bool = False, truncate
     shards = TokenShards.open(path, vocab)
     if shards.index.kind == "text":
         return ShardTextWindows(shards, n_ctx, bos=vocab.bos_id if window_bos else None)
-    pad = vocab.pad_id if vocab.pad_id is not None else (vocab.eos_id if vocab.eos_id is not None else 0)
-    return ShardSampleWindows(shards, n_ctx, pad, truncate)
+    return ShardSampleWindows(shards, n_ctx, pad_token(vocab), truncate)
 
 
 def _pack(positions: np.ndarray, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:

@@ -37,7 +37,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import InputError, SaveError
-from .samples import FORMATS, detect_format, is_jsonl, parse_record
+from .dataset import tokenize_sample
+from .samples import FORMATS, is_jsonl, parse_jsonl_line
 
 FORMAT = "llamapy-token-shards"
 VERSION = 1
@@ -353,35 +354,10 @@ def tokenize_sample_piece(piece: Piece) -> tuple[np.ndarray, np.ndarray, np.ndar
     for number, line in enumerate(lines, start=piece.line):
         if not line.strip():
             continue
-        where = f"{piece.path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-        except RecursionError:
-            raise InputError(f"{where}: JSON nested too deeply") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{where}: a sample must be a JSON object, got {type(record).__name__}")
-        found = detect_format(record, where)
-        if found != fmt:
-            raise InputError(f"{where}: a {found!r} sample in a file of {fmt!r} samples (one format per file)")
-        sample = parse_record(record, fmt, where)
-        if sample.is_chat:
-            if chat is None:
-                raise InputError(f"{where}: a conversation needs a chat template (the model has none: give one "
-                                 "by file or name)")
-            try:
-                ids, mask = chat.tokenize(vocab, sample.messages)
-            except InputError as e:
-                raise InputError(f"{where}: {e}") from None
-            mask = np.asarray(mask, bool) if _WORKER["mask_prompt"] else np.ones(len(ids), bool)
-        else:
-            ids = vocab.tokenize(sample.text, add_special=True)
-            mask = np.ones(len(ids), bool)
-        if len(ids) < 2:
-            raise InputError(f"{where}: the sample gives {len(ids)} token(s); at least 2 are needed")
-        tokens.append(np.asarray(ids, np.uint32))
-        masks.append(np.asarray(mask, np.uint8))
+        sample, _ = parse_jsonl_line(line, f"{piece.path}:{number}", fmt)
+        ids, mask = tokenize_sample(sample, vocab, chat, _WORKER["mask_prompt"])
+        tokens.append(ids.astype(np.uint32))
+        masks.append(mask.astype(np.uint8))
         lengths.append(len(ids))
     if not tokens:
         return np.zeros(0, np.uint32), np.zeros(0, np.uint8), np.zeros(0, np.uint32)
@@ -397,14 +373,11 @@ def first_format(path: Path, fmt: str | None) -> str:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if raw.strip():
-                where = f"{path}:{number}"
                 try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                    raise InputError(f"{where}: invalid JSON ({type(e).__name__})") from None
-                if not isinstance(record, dict):
-                    raise InputError(f"{where}: a sample must be a JSON object, got {type(record).__name__}")
-                return detect_format(record, where)
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise InputError(f"{path}:{number}: not UTF-8 text ({e.reason})") from None
+                return parse_jsonl_line(line, f"{path}:{number}", None)[1]
     raise InputError(f"{path}: no samples (the file is empty)")
 
 
