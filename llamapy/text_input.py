@@ -32,18 +32,26 @@ def read_text_file(path: str | os.PathLike, what: str = "text file",
         data = path.read_bytes()
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
-    if b"\x00" in data:
-        raise InputError(f"{path}: not text ({data.count(0)} NUL bytes; a binary file?)")
-    text = data.decode("utf-8", errors="replace")
-    invalid = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
-    if invalid > max(8, MAX_INVALID_FRACTION * len(data)):
-        raise InputError(f"{path}: not UTF-8 text ({invalid} invalid bytes in {len(data)}; convert it to UTF-8)")
-    controls = sum(text.count(c) for c in _CONTROLS)
-    if controls > MAX_CONTROL_FRACTION * max(1, len(text)):
-        raise InputError(f"{path}: not text ({controls} control characters in {len(text)})")
+    text, invalid = decode_text(data, str(path))
     if invalid and warn is not None:
         warn(f"{path}: {invalid} bytes are not UTF-8; each was replaced by U+FFFD")
     return text
+
+
+def decode_text(data: bytes, where: str) -> tuple[str, int]:
+    """The UTF-8 text of `data` and how many of its bytes were not UTF-8 (each replaced by
+    U+FFFD); InputError naming `where` if it is not text (NUL bytes, more invalid bytes or
+    control characters than a text has)."""
+    if b"\x00" in data:
+        raise InputError(f"{where}: not text ({data.count(0)} NUL bytes; a binary file?)")
+    text = data.decode("utf-8", errors="replace")
+    invalid = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+    if invalid > max(8, MAX_INVALID_FRACTION * len(data)):
+        raise InputError(f"{where}: not UTF-8 text ({invalid} invalid bytes in {len(data)}; convert it to UTF-8)")
+    controls = sum(text.count(c) for c in _CONTROLS)
+    if controls > MAX_CONTROL_FRACTION * max(1, len(text)):
+        raise InputError(f"{where}: not text ({controls} control characters in {len(text)})")
+    return text, invalid
 
 
 def check_text(text: str, where: str) -> str:

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from .errors import InputError, SaveError
 from .dataset import tokenize_sample
 from .samples import FORMATS, is_jsonl, parse_jsonl_line
+from .text_input import decode_text
 
 FORMAT = "llamapy-token-shards"
 VERSION = 1
@@ -320,19 +321,15 @@ def _start_worker(vocab, template: tuple | None, mask_prompt: bool, fmt: str | N
 def _read_piece(piece: Piece) -> bytes:
     with open(piece.path, "rb") as f:
         f.seek(piece.start)
-        data = f.read(piece.end - piece.start)
-    if b"\x00" in data:
-        raise InputError(f"{piece.path}: not text ({data.count(0)} NUL bytes; a binary file?)")
-    return data
+        return f.read(piece.end - piece.start)
 
 
 def tokenize_text_piece(piece: Piece) -> tuple[np.ndarray, int]:
     """A text piece's tokens (BOS/EOS at the file's ends as the vocabulary asks), and the
-    count of bytes that were not UTF-8 (each replaced by U+FFFD, as `-f` reads a file)."""
+    count of bytes that were not UTF-8 (each replaced by U+FFFD); a piece that is not text
+    is refused as `-f` refuses a file (text_input.decode_text)."""
     vocab = _WORKER["vocab"]
-    data = _read_piece(piece)
-    text = data.decode("utf-8", errors="replace")
-    invalid = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+    text, invalid = decode_text(_read_piece(piece), f"{piece.path} (bytes {piece.start}-{piece.end})")
     tokens = vocab.tokenize(text, add_special=False, space_prefix=piece.first)
     if piece.first and vocab.add_bos:
         tokens = [vocab.bos_id] + tokens

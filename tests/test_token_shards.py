@@ -163,6 +163,9 @@ def test_broken_shard_directories_get_one_clear_line(model, wiki_piece, tmp_path
     write_jsonl(jsonl, completions(0, 2))
     assert_one_clear_line(run("tokenize", "-m", stories, str(wiki_piece), str(jsonl), "-o", str(tmp_path / "n")),
                           "mix JSONL samples and plain text")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(128, 256)) * 100)
+    assert_one_clear_line(run("tokenize", "-m", stories, str(binary), "-o", str(tmp_path / "n")), "not UTF-8 text")
     write_jsonl(jsonl, completions(0, 2) + [{"prompt": 1}])
     assert_one_clear_line(run("tokenize", "-m", stories, str(jsonl), "-o", str(tmp_path / "n"), "--chat-template",
                               "chatml"), "a.jsonl:3")
