@@ -289,6 +289,59 @@ def _bytes8(e: Emit, lo, hi):
     return b.zext(b.bitcast(pair, vec(I8, 8)), VI8)
 
 
+@kernel()
+def q4_k_tile_packed_vnni(e, buf, offs, m0, xq, xd, xbs, res, tile, nb):
+    """q4_k_tile_vnni's numbers for Q4K_VNNI_ROWS rows read in place (buf[offs[m0 + r]], the
+    file's blocks: nothing unpacked), for products of few columns, where unpacking every row
+    would cost more than the product: 4 packed bytes hold 4 consecutive elements in their low
+    nibbles (or, 32 elements on, in their high ones); the scales and mins are decoded here.
+    Operands as q4_k_tile_vnni's."""
+    b, n = e.b, Q4K_VNNI_ROWS
+    k_all = b.mul(nb, e.const(256))
+    xq_t = b.bitcast(e.gep(xq, b.mul(tile, b.mul(k_all, e.const(W)))), I32.as_pointer())
+    xd_t = e.gep(xd, b.mul(tile, b.mul(nb, e.const(W))))
+    xbs_t = e.gep(xbs, b.mul(tile, b.mul(nb, e.const(8 * W))))
+    o = [e.at(offs, b.add(m0, e.const(r))) for r in range(n)]
+    acc = [e.acc() for _ in range(n)]
+    accm = [e.acc() for _ in range(n)]
+    zero = e.const(0, VI)
+    low, four = ir.Constant(I32, 0x0F0F0F0F), ir.Constant(I32, 4)
+    with e.loop(nb) as blk:
+        dx = e.load(xd_t, b.mul(blk, e.const(W)))
+        bo = [b.add(o[r], b.mul(blk, e.const(144))) for r in range(n)]
+        words = [_q4_k_scales(e, buf, bo[r]) for r in range(n)]
+        sd = [e.mul(e.splat(e.half(buf, bo[r])), dx) for r in range(n)]
+        sm = [e.mul(e.splat(e.half(buf, b.add(bo[r], e.const(2)))), dx) for r in range(n)]
+        for c in range(4):
+            isum = [[zero, zero] for _ in range(n)]
+            for g in range(8):
+                packed = [b.load(b.bitcast(e.gep(buf, b.add(bo[r], e.const(16 + 32 * c + 4 * g))), I32.as_pointer()),
+                                 align=1) for r in range(n)]
+                for half in range(2):
+                    quad = b.add(b.mul(blk, e.const(64)), e.const(16 * c + 8 * half + g))
+                    xv = e.load(xq_t, b.mul(quad, e.const(W)), VI)
+                    for r in range(n):
+                        q4 = b.and_(b.lshr(packed[r], four) if half else packed[r], low)
+                        isum[r][half] = _dp(e, isum[r][half], e.splat(q4), xv)
+            s1, s2 = 2 * c, 2 * c + 1
+            sub1 = b.add(b.mul(blk, e.const(8)), e.const(s1))
+            bs1 = e.load(xbs_t, b.mul(sub1, e.const(W)))
+            bs2 = e.load(xbs_t, b.mul(b.add(sub1, e.const(1)), e.const(W)))
+            for r in range(n):
+                w = words[r]
+                sc1, sc2 = (b.and_(b.lshr(w[s // 4], ir.Constant(I32, 8 * (s % 4))), ir.Constant(I32, 0xFF))
+                            for s in (s1, s2))
+                mn1, mn2 = (b.and_(b.lshr(w[2 + s // 4], ir.Constant(I32, 8 * (s % 4))), ir.Constant(I32, 0xFF))
+                            for s in (s1, s2))
+                f = lambda v: e.splat(b.sitofp(v, F32))  # noqa: E731 -- exact small integers
+                p = e.fma(b.sitofp(isum[r][1], VF), f(sc2), e.mul(b.sitofp(isum[r][0], VF), f(sc1)))
+                mins = e.fma(f(mn2), bs2, e.mul(f(mn1), bs1))
+                b.store(e.fma(p, sd[r], b.load(acc[r])), acc[r])
+                b.store(e.fma(mins, sm[r], b.load(accm[r])), accm[r])
+    for r in range(n):
+        e.store(res, e.const(W * r), b.fsub(b.load(acc[r]), b.load(accm[r])))
+
+
 Q4K_ROW_CALL = 2  # rows per call of q4_k_rows_vnni: they share the column's loads
 
 

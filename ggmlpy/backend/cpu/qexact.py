@@ -59,6 +59,7 @@ from ...llvmir.vnni import (
     q0_tile2_vnni,
     q4_k_nibbles,
     q4_k_rows_vnni,
+    q4_k_tile_packed_vnni,
     q4_k_tile_vnni,
     q5_0_row_vnni,
     q6_k_row_vnni,
@@ -78,6 +79,7 @@ ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with ever
 Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
 Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
 Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
+Q4_K_UNPACK_MIN_COLS = 64  # from this many columns the VNNI gemm unpacks its rows first (else reads them in place)
 GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their scratch shared)
 INT_SUMS = {"reassoc", "contract", "nsz"}  # float32 sums of integer products: exact in any order
 
@@ -630,6 +632,24 @@ def _q4_k_gemm_vnni(buf, offs, tq, td, tbs, out, n_gemm):
 
 
 @njit(parallel=True, cache=True)
+def _q4_k_gemm_packed_vnni(buf, offs, tq, td, tbs, out, n_gemm):
+    """_q4_k_gemm_vnni's numbers with the rows read in place (q4_k_tile_packed_vnni): for few
+    columns, where unpacking every row would cost more than the product."""
+    m_rows = offs.shape[0]
+    nb = td.shape[1]
+    for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
+        m0 = task * ROW_GROUP
+        res = np.empty(Q4K_VNNI_ROWS * W, dtype=np.float32)
+        rows = np.empty(Q4K_VNNI_ROWS, dtype=np.int64)
+        for r in range(0, min(ROW_GROUP, m_rows - m0), Q4K_VNNI_ROWS):
+            for j in range(Q4K_VNNI_ROWS):
+                rows[j] = offs[min(m0 + r + j, m_rows - 1)]
+            for tile in range((n_gemm + W - 1) // W):
+                q4_k_tile_packed_vnni(buf, rows, 0, tq, td, tbs, res, tile, nb)
+                _store_tile(out, res, Q4K_VNNI_ROWS, m0 + r, tile * W, m_rows, n_gemm)
+
+
+@njit(parallel=True, cache=True)
 def _q4_k_gemv(buf, offs, xq, xd, bs32, out):
     m_rows = offs.shape[0]
     nb = xd.shape[1]
@@ -848,6 +868,8 @@ def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
         tiles = _q8_k_input(n_gemm, k, QUADS if VNNI else TILES, group=32)
         rest = _q8_k_input(n - n_gemm, k, ROWS, group=32)
         gemm, gemv = (_q4_k_gemm_vnni, _q4_k_gemv_vnni) if VNNI else (_q4_k_gemm, _q4_k_gemv)
+        if VNNI and n_gemm < Q4_K_UNPACK_MIN_COLS:
+            gemm = _q4_k_gemm_packed_vnni
 
         def run(buf, offs, x, out, scratch):
             if n_gemm:
