@@ -27,6 +27,9 @@ partial sum stays below 2^24 (exact in any order, so they vectorise), float64 ot
 The float work runs in llvmir's vector micro-kernels, 16 columns (or, for fewer columns,
 16 matrix rows) at a time; the matrix rows are unpacked from their blocks per task into
 integers (float32) in the kernels' layout, so nothing of the matrix is kept expanded.
+With AVX512-VNNI the integer sums are vpdpbusd's (llvmir/vnni.py): the Q4_K/Q6_K tiles take
+rows unpacked to bytes, or, for a Q4_K product of fewer than 64 columns, read them in place;
+the few-column row kernels always read the blocks in place.
 """
 from __future__ import annotations
 
