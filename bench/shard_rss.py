@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from peak_rss import peak_rss_mb  # bench/, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MODEL = SHARED / "models" / "stories260K.gguf"
@@ -50,15 +52,11 @@ def run_measured(cmd: list[str], stop_after: float | None = None) -> tuple[str, 
 
 
 def children_peak(cmd: list[str]) -> tuple[str, float, float]:
-    """Like run_measured, for a command whose work is in child processes (the tokenizers)."""
-    wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter();"
-               "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True);"
-               "sys.stderr.write(r.stderr);"
-               "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.perf_counter() - t,"
-               " file=sys.stderr)")
-    r = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, cwd=REPO)
-    kb, seconds = re.search(r"PEAK (\d+) ([\d.]+)", r.stderr).groups()
-    return r.stderr, int(kb) / 1024, float(seconds)
+    """Like run_measured, for a command whose work is in child processes (the tokenizers):
+    peak_rss.peak_rss_mb's wrapper, timed."""
+    t = time.perf_counter()
+    r, rss = peak_rss_mb(cmd, REPO)
+    return r.stderr, rss, time.perf_counter() - t
 
 
 def main() -> None:
