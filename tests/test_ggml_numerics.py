@@ -104,9 +104,10 @@ def test_rows_addressed_by_offset_in_a_shared_buffer(kernels, type):
 def test_q4_k_rows_not_a_multiple_of_8_take_the_repacked_order_too(kernels, n):
     """ggml repacks only Q4_K matrices whose rows are a multiple of 8 (the others it sums with
     ggml_vec_dot_q4_K_q8_K); here every Q4_K matrix takes the repacked kernels' order, so that
-    a type has one kernel. Q5_K is not claimed by qexact (qdot.py, the tile path)."""
+    a type has one kernel. Q5_K is not claimed by qexact (qdot.py, the tile path). 140 rows:
+    two tasks of 64 rows and a last one of 12 (8 rows a call, then 4)."""
     rng = np.random.default_rng(60 + n)
-    m, k = 60, 512
+    m, k = 140, 512
     rows = quantized_rows(rng, T.Q4_K, m, k)
     x = activations(rng, n, k)
     out = np.empty((n, m), F32)

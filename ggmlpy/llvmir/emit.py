@@ -146,6 +146,11 @@ class Emit:
     def store(self, ptr, idx, value, align: int = 4) -> None:
         self.b.store(value, self.b.bitcast(self.gep(ptr, idx), value.type.as_pointer()), align=align)
 
+    def prefetch(self, ptr) -> None:
+        """A hint to read the cache line at ptr into every cache level (prefetcht0)."""
+        p = self.b.bitcast(ptr, ir.IntType(8).as_pointer())
+        self.call("llvm.prefetch.p0", ir.VoidType(), p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1))
+
     def half(self, ptr, idx):
         """The float32 value of the IEEE half at byte ptr[idx] (any alignment)."""
         return self.b.fpext(self.load(ptr, idx, HALF, align=1), F32)

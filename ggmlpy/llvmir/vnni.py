@@ -13,7 +13,7 @@ import os
 from llvmlite import ir
 from numba import types
 
-from .emit import F32, I8, I32, VF, VI, Emit, W, kernel, target_has, vec
+from .emit import F32, HALF, I8, I16, I32, VF, VI, Emit, W, kernel, target_has, vec
 
 VNNI = target_has("avx512f", "avx512bw", "avx512vl", "avx512vnni") and not os.environ.get("GGMLPY_NO_VNNI")
 BLOCK_ROWS = 8  # matrix rows per call of q0_blocks_vnni (8 chains of vpdpbusd hide its latency)
@@ -342,53 +342,101 @@ def q4_k_tile_packed_vnni(e, buf, offs, m0, xq, xd, xbs, res, tile, nb):
         e.store(res, e.const(W * r), b.fsub(b.load(acc[r]), b.load(accm[r])))
 
 
-Q4K_ROW_CALL = 2  # rows per call of q4_k_rows_vnni: they share the column's loads
+Q4K_ROW_CALL = 8  # rows per call of q4_k_rows_vnni: one float lane each, the column's loads shared
+V16 = vec(I16, 32)  # 32 int16 lanes (vpmaddubsw's products, vpdpwssd's operands)
+
+
+def _row_sums(e: Emit, vectors: list, rows_each: int):
+    """<8 x i32> of the sums of 8 rows' lanes: `vectors` (<16 x i32>) hold the rows in order,
+    `rows_each` to a vector in equal runs of lanes. Adjacent vectors are folded pairwise (each
+    run's two halves added) until one vector holds 2 lanes a row; integers: any order."""
+    b = e.b
+    mask = lambda idx: ir.Constant(vec(I32, len(idx)), idx)  # noqa: E731
+    while len(vectors) > 1:
+        run = 16 // rows_each
+        lo = [t * run + u for t in range(rows_each) for u in range(run // 2)]
+        lo += [16 + j for j in lo]
+        hi = [j + run // 2 for j in lo]
+        vectors = [b.add(b.shuffle_vector(a, c, mask(lo)), b.shuffle_vector(a, c, mask(hi)))
+                   for a, c in zip(vectors[0::2], vectors[1::2])]
+        rows_each *= 2
+    v = vectors[0]
+    return b.add(b.shuffle_vector(v, v, mask(list(range(0, 16, 2)))), b.shuffle_vector(v, v, mask(list(range(1, 16, 2)))))
 
 
 @kernel()
 def q4_k_rows_vnni(e, buf, offs, m0, xs, xd, bs32, res, nb):
     """ggml_gemv_q4_K_8x8_q8_K for Q4K_ROW_CALL Q4_K rows (at buf[offs[m0 + r]], used in place)
-    and one column: per super-block i, isum = sum over sub-blocks s of sc_s * (nibbles . xs)
-    (AVX512-VNNI, exact integers), imin = sum of m_s * bs32[8 i + s], the scales and mins
-    decoded here from their 12 bytes; acc = fma(isum, d * xd[i], acc), accm = fma(imin,
-    dmin * xd[i], accm); res[r] = acc - accm. xs (256 nb,) int8; bs32 (8 nb,) int32: the
-    column's 32-element sums; res (Q4K_ROW_CALL,) float32."""
+    and one column, a row per float lane: per super-block i, isum = sum over sub-blocks s of
+    sc_s * (nibbles . xs) and imin = sum of m_s * bs32[8 i + s] (exact integers: vpmaddubsw's
+    pair products, vpdpwssd's scaled sums, then a fold of the 8 rows' lanes together);
+    acc = fma(isum, d * xd[i], acc), accm = fma(imin, dmin * xd[i], accm); res[r] = acc - accm.
+    The scales and mins are decoded for 4 rows at once, a row's 16 header bytes per 128-bit
+    lane. offs[m0 + 8 ..  m0 + 15]: the next call's rows, prefetched super-block by super-block
+    (without it the 8 streams read at about half the memory's speed). xs (256 nb,) int8; bs32
+    (8 nb,) int32: the column's 32-element sums; res (8,) float32."""
     b, rows = e.b, Q4K_ROW_CALL
+    v16i32, v64i8 = vec(I32, 16), vec(I8, 64)
+    mask = lambda idx: ir.Constant(vec(I32, len(idx)), idx)  # noqa: E731
+    lanes4 = lambda pattern: [4 * q + j for q in range(4) for j in pattern]  # noqa: E731 -- per 128-bit lane
     o = [e.at(offs, b.add(m0, e.const(r))) for r in range(rows)]
-    acc = [e.acc(F32) for _ in range(rows)]
-    accm = [e.acc(F32) for _ in range(rows)]
-    zero16 = e.const(0, VI)
+    nxt = [e.at(offs, b.add(m0, e.const(rows + r))) for r in range(rows)]
+    acc, accm = e.acc(VF8), e.acc(VF8)
+    m1, m2, m3 = (e.const(c, v16i32) for c in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    shift_u2 = ir.Constant(v16i32, [0, 0, 0, 4] * 4)  # word 3 takes u2's high nibbles
+    odd_words = ir.Constant(vec(ir.IntType(1), 16), [False, True, False, True] * 4)
+    zero = e.const(0, v16i32)
     with e.loop(nb) as i:
         xi = b.mul(i, e.const(256))
         half = [e.load(xs, b.add(xi, e.const(32 * k)), VI8, align=1) for k in range(8)]  # 32 elements each
-        join = ir.Constant(vec(I32, 16), list(range(16)))
-        # per pair p of 64-element chunks, the x of their low nibbles and of their high ones
-        xlo = [b.shuffle_vector(half[4 * p], half[4 * p + 2], join) for p in range(2)]
-        xhi = [b.shuffle_vector(half[4 * p + 1], half[4 * p + 3], join) for p in range(2)]
-        bsum = e.load(bs32, b.mul(i, e.const(8)), VI8)
-        dx = e.at(xd, i)
+        join = mask(list(range(16)))
+        # per pair p of 64-byte chunks: the x of their low nibbles and of their high ones
+        xlo = [b.bitcast(b.shuffle_vector(half[4 * p], half[4 * p + 2], join), v64i8) for p in range(2)]
+        xhi = [b.bitcast(b.shuffle_vector(half[4 * p + 1], half[4 * p + 3], join), v64i8) for p in range(2)]
+        bs = b.trunc(e.load(bs32, b.mul(i, e.const(8)), VI8), vec(I16, 8))
+        # a row's 16 words [8 scales, 8 mins] times [0 x 8, the 8 sums]: 4 pair sums of m_s bs_s
+        bs_pair = b.shuffle_vector(bs, e.const(0, vec(I16, 8)), mask(([8] * 8 + list(range(8))) * 2))
+        bo = [b.add(o[r], b.mul(i, e.const(144))) for r in range(rows)]
+        for r in range(rows):  # the next call's rows: 8 streams at once outrun the hardware's prefetcher
+            ahead = b.add(nxt[r], b.mul(i, e.const(144)))
+            for line in range(0, 144, 64):
+                e.prefetch(e.gep(buf, b.add(ahead, e.const(line))))
+        head = [e.load(buf, bo[r], vec(I32, 4), align=1) for r in range(rows)]
+        quad = [b.shuffle_vector(b.shuffle_vector(head[4 * g], head[4 * g + 1], mask(list(range(8)))),
+                                 b.shuffle_vector(head[4 * g + 2], head[4 * g + 3], mask(list(range(8)))),
+                                 mask(list(range(16)))) for g in range(2)]  # lane q: [d | dmin, u0, u1, u2]
+        words = []
+        for h in quad:  # ggml's 12-byte decode, [w0, w1, w2, w3] per row
+            s1 = b.shuffle_vector(h, h, mask(lanes4([1, 3, 2, 3])))  # u0, u2, u1, u2
+            s2 = b.shuffle_vector(h, h, mask(lanes4([1, 1, 2, 2])))  # u0, u0, u1, u1
+            even = b.and_(s1, m1)
+            odd = b.or_(b.and_(b.lshr(s1, shift_u2), m2), b.shl(b.and_(b.lshr(s2, e.const(6, v16i32)), m3),
+                                                               e.const(4, v16i32)))
+            words.append(b.zext(b.bitcast(b.select(odd_words, odd, even), v64i8), vec(I16, 64)))
+        dots, mins = [], []
         for r in range(rows):
-            bo = b.add(o[r], b.mul(i, e.const(144)))
-            w = _q4_k_scales(e, buf, bo)
-            sc8 = _bytes8(e, w[0], w[1])
-            lanes = zero16
+            src, q = words[r // 4], 16 * (r % 4)  # the row's words: 8 scales, then 8 mins
+            if r % 2 == 0:
+                pair = b.shuffle_vector(src, src, mask(list(range(q, q + 32))))
+                mins.append(e.call("llvm.x86.avx512.pmaddw.d.512", v16i32, pair, bs_pair))
+            lane = zero
             for p in range(2):
-                qs = b.bitcast(e.load(buf, b.add(bo, e.const(16 + 64 * p)), VI, align=1), vec(I8, 64))
-                lo = b.bitcast(b.and_(qs, e.const(15, vec(I8, 64))), VI)
-                hi = b.bitcast(b.lshr(qs, e.const(4, vec(I8, 64))), VI)
-                # lanes 0-7 of a chunk pair's products are the first chunk's sub-block, 8-15 the second's
-                s_lo = b.shuffle_vector(sc8, sc8, ir.Constant(vec(I32, 16), [4 * p] * 8 + [4 * p + 2] * 8))
-                s_hi = b.shuffle_vector(sc8, sc8, ir.Constant(vec(I32, 16), [4 * p + 1] * 8 + [4 * p + 3] * 8))
-                lanes = b.add(lanes, b.add(b.mul(_dp(e, zero16, lo, xlo[p]), s_lo),
-                                           b.mul(_dp(e, zero16, hi, xhi[p]), s_hi)))
-            isum = e.int_sum(lanes)  # integers: any order
-            imin = e.int_sum(b.mul(_bytes8(e, w[2], w[3]), bsum))
-            sd = b.fmul(e.half(buf, bo), dx)
-            sm = b.fmul(e.half(buf, b.add(bo, e.const(2))), dx)
-            b.store(e.fma(b.sitofp(isum, F32), sd, b.load(acc[r])), acc[r])
-            b.store(e.fma(b.sitofp(imin, F32), sm, b.load(accm[r])), accm[r])
-    for r in range(rows):
-        b.store(b.fsub(b.load(acc[r]), b.load(accm[r])), e.gep(res, e.const(r)))
+                qs = e.load(buf, b.add(bo[r], e.const(16 + 64 * p)), v64i8, align=1)
+                for nib, x, s in ((b.and_(qs, e.const(15, v64i8)), xlo[p], 4 * p),
+                                  (b.lshr(qs, e.const(4, v64i8)), xhi[p], 4 * p + 1)):
+                    prod = e.call("llvm.x86.avx512.pmaddubs.w.512", V16, nib, x)  # |sum| <= 2 * 15 * 128
+                    scale = b.shuffle_vector(src, src, mask([q + s] * 16 + [q + s + 2] * 16))
+                    lane = e.call("llvm.x86.avx512.vpdpwssd.512", v16i32, lane, prod, scale)
+            dots.append(lane)
+        isum, imin = _row_sums(e, dots, 1), _row_sums(e, mins, 2)
+        dword = b.shuffle_vector(quad[0], quad[1], mask(list(range(0, 32, 4))))
+        halves = b.bitcast(dword, vec(HALF, 16))
+        dx = e.splat(e.at(xd, i), 8)
+        sd = b.fmul(b.fpext(b.shuffle_vector(halves, halves, mask(list(range(0, 16, 2)))), VF8), dx)
+        sm = b.fmul(b.fpext(b.shuffle_vector(halves, halves, mask(list(range(1, 16, 2)))), VF8), dx)
+        b.store(e.fma(b.sitofp(isum, VF8), sd, b.load(acc)), acc)
+        b.store(e.fma(b.sitofp(imin, VF8), sm, b.load(accm)), accm)
+    e.store(res, e.const(0), b.fsub(b.load(acc), b.load(accm)))
 
 
 def _vector(e: Emit, values):

@@ -84,6 +84,7 @@ Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
 Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
 Q4_K_UNPACK_MIN_COLS = 64  # from this many columns the VNNI gemm unpacks its rows first (else reads them in place)
 GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their scratch shared)
+Q4K_GEMV_ROWS = 64       # the Q4_K row kernel's: 8 calls of 8 rows
 INT_SUMS = {"reassoc", "contract", "nsz"}  # float32 sums of integer products: exact in any order
 
 
@@ -488,19 +489,20 @@ def _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out):
 def _q4_k_gemv_vnni(buf, offs, xq, xd, bs32, out):
     """xq, bs32 (quantize_q8_k's float32 rows) made the int8 / int32 q4_k_rows_vnni takes, here:
     a few columns, so the quantizer needs no int8 form (one specialisation less to compile).
-    Rows in pairs (the kernel's), a last odd row through a padded copy of its offset."""
+    Rows 8 at a time (the kernel's), with the next 8 rows' offsets to prefetch; past the last
+    row the offsets repeat it (its results are dropped)."""
     nb = xd.shape[1]
     m_rows = offs.shape[0]
     xs = xq.astype(np.int8)
     b32 = bs32.astype(np.int32)
-    for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
+    for task in prange((m_rows + Q4K_GEMV_ROWS - 1) // Q4K_GEMV_ROWS):
         res = np.empty(Q4K_ROW_CALL, dtype=np.float32)
-        pair = np.empty(Q4K_ROW_CALL, dtype=np.int64)
-        for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS), Q4K_ROW_CALL):
-            for r in range(Q4K_ROW_CALL):
-                pair[r] = offs[min(m + r, m_rows - 1)]
+        call = np.empty(2 * Q4K_ROW_CALL, dtype=np.int64)
+        for m in range(task * Q4K_GEMV_ROWS, min(m_rows, task * Q4K_GEMV_ROWS + Q4K_GEMV_ROWS), Q4K_ROW_CALL):
+            for r in range(2 * Q4K_ROW_CALL):
+                call[r] = offs[min(m + r, m_rows - 1)]
             for n in range(out.shape[0]):
-                q4_k_rows_vnni(buf, pair, 0, xs[n], xd[n], b32[n], res, nb)
+                q4_k_rows_vnni(buf, call, 0, xs[n], xd[n], b32[n], res, nb)
                 for r in range(min(Q4K_ROW_CALL, m_rows - m)):
                     out[n, m + r] = res[r]
 
