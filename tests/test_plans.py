@@ -143,3 +143,17 @@ def test_a_decode_step_on_a_long_cache_never_wakes_a_second_thread(model):
     cache = c.new_tensor_2d(gg.GGMLType.F16, 64, 1 << 16)
     rows = gg.set_rows(c, cache, c.new_tensor_2d(gg.GGMLType.F32, 64, 1), c.new_tensor_1d(gg.GGMLType.I64, 1))
     assert not dispatch.parallel(rows)
+
+
+@pytest.mark.parametrize("n_head, head_dim, n_kv, parallel", [(32, 64, 768, True), (8, 8, 256, False)])
+def test_a_decode_steps_attention_is_judged_by_the_cache_it_reads(n_head, head_dim, n_kv, parallel):
+    """One query row a head is a small result, but the step reads every cell of the cache:
+    a 1.5B model's decode after a long prompt is worth both threads (it ran on one), a
+    stories260K step is not."""
+    from ggmlpy.backend.cpu import dispatch
+    c = gg.Context()
+    q = c.new_tensor_4d(gg.GGMLType.F32, head_dim, 1, n_head, 1)
+    k = c.new_tensor_4d(gg.GGMLType.F16, head_dim, n_kv, n_head // 4, 1)
+    v = c.new_tensor_4d(gg.GGMLType.F16, head_dim, n_kv, n_head // 4, 1)
+    mask = c.new_tensor_4d(gg.GGMLType.F32, n_kv, 1, 1, 1)
+    assert dispatch.parallel(gg.flash_attn_ext(c, q, k, v, mask, 0.125, 0.0, 0.0)) == parallel

@@ -18,6 +18,7 @@ from . import attention as ATT
 from . import kernels as K
 from . import small_head_attention as SHA
 from .kernel_table import KernelTable, Prepared, read_only, require_f32
+from .matmul import PARALLEL_MIN_MACS
 from .plan import Plan
 
 KERNELS = KernelTable()
@@ -150,7 +151,14 @@ def _soft_max(node: Tensor, plan: Plan) -> Prepared:
     return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False, np.nan)
 
 
-@KERNELS.register(Op.FLASH_ATTN_EXT)
+def _attention_parallel(node: Tensor) -> bool:
+    """By multiply-adds, as a product: a decode step's result is one row a head, yet the
+    step reads every cell of the cache."""
+    q, k, v = node.src[:3]
+    return q.ne[1] * q.ne[2] * q.ne[3] * k.ne[1] * (q.ne[0] + v.ne[0]) >= PARALLEL_MIN_MACS
+
+
+@KERNELS.register(Op.FLASH_ATTN_EXT, parallel=_attention_parallel)
 def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
     """Wide heads: ggml-cpu's flash attention, rounding for rounding (attention.py): the tiled
     kernel from 64 query rows up with F16/F32 K and V of one type, the one-chunk kernel
