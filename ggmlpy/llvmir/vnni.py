@@ -346,22 +346,110 @@ Q4K_ROW_CALL = 8  # rows per call of q4_k_rows_vnni: one float lane each, the co
 V16 = vec(I16, 32)  # 32 int16 lanes (vpmaddubsw's products, vpdpwssd's operands)
 
 
-def _row_sums(e: Emit, vectors: list, rows_each: int):
-    """<8 x i32> of the sums of 8 rows' lanes: `vectors` (<16 x i32>) hold the rows in order,
-    `rows_each` to a vector in equal runs of lanes. Adjacent vectors are folded pairwise (each
-    run's two halves added) until one vector holds 2 lanes a row; integers: any order."""
+def _mask(idx: list):
+    return ir.Constant(vec(I32, len(idx)), idx)
+
+
+def _fold_runs(e: Emit, vectors: list, runs: int) -> list:
+    """Sums of equal runs of lanes: `vectors` (<16 x i32>) hold the runs in order, `runs` to a
+    vector. Adjacent vectors are folded pairwise (each run's two halves added) until a run is
+    one lane, or one vector is left; then its runs of 2 are summed (<8 x i32>). Integers: any
+    order."""
     b = e.b
-    mask = lambda idx: ir.Constant(vec(I32, len(idx)), idx)  # noqa: E731
-    while len(vectors) > 1:
-        run = 16 // rows_each
-        lo = [t * run + u for t in range(rows_each) for u in range(run // 2)]
+    while len(vectors) > 1 and runs < 16:
+        width = 16 // runs
+        lo = [t * width + u for t in range(runs) for u in range(width // 2)]
         lo += [16 + j for j in lo]
-        hi = [j + run // 2 for j in lo]
-        vectors = [b.add(b.shuffle_vector(a, c, mask(lo)), b.shuffle_vector(a, c, mask(hi)))
+        hi = [j + width // 2 for j in lo]
+        vectors = [b.add(b.shuffle_vector(a, c, _mask(lo)), b.shuffle_vector(a, c, _mask(hi)))
                    for a, c in zip(vectors[0::2], vectors[1::2])]
-        rows_each *= 2
-    v = vectors[0]
-    return b.add(b.shuffle_vector(v, v, mask(list(range(0, 16, 2)))), b.shuffle_vector(v, v, mask(list(range(1, 16, 2)))))
+        runs *= 2
+    if runs < 16:
+        v = vectors[0]
+        vectors = [b.add(b.shuffle_vector(v, v, _mask(list(range(0, 16, 2)))),
+                         b.shuffle_vector(v, v, _mask(list(range(1, 16, 2)))))]
+    return vectors
+
+
+def _per_chunk(e: Emit, pair: list) -> list:
+    """The 4 <8 x i32> of chunk c's sums over 8 rows, from 2 vectors of [row: chunks 0-3] x 4."""
+    return [e.b.shuffle_vector(pair[0], pair[1], _mask([4 * r + c for r in range(8)])) for c in range(4)]
+
+
+def _q4_k_rows(e: Emit, buf, offs, m0, xs, xd, bs32, res, nb, chunked: bool) -> None:
+    """q4_k_rows_vnni's body; `chunked`: the float sums per 64-element chunk (the gemm's order)."""
+    b, rows = e.b, Q4K_ROW_CALL
+    v16i32, v64i8 = vec(I32, 16), vec(I8, 64)
+    lanes4 = lambda pattern: [4 * q + j for q in range(4) for j in pattern]  # noqa: E731 -- per 128-bit lane
+    o = [e.at(offs, b.add(m0, e.const(r))) for r in range(rows)]
+    nxt = [e.at(offs, b.add(m0, e.const(rows + r))) for r in range(rows)]
+    acc, accm = e.acc(VF8), e.acc(VF8)
+    m1, m2, m3 = (e.const(c, v16i32) for c in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    shift_u2 = ir.Constant(v16i32, [0, 0, 0, 4] * 4)  # word 3 takes u2's high nibbles
+    odd_words = ir.Constant(vec(ir.IntType(1), 16), [False, True, False, True] * 4)
+    zero = e.const(0, v16i32)
+    with e.loop(nb) as i:
+        xi = b.mul(i, e.const(256))
+        half = [e.load(xs, b.add(xi, e.const(32 * k)), VI8, align=1) for k in range(8)]  # 32 elements each
+        join = _mask(list(range(16)))
+        # per pair p of 64-byte chunks: the x of their low nibbles and of their high ones
+        xlo = [b.bitcast(b.shuffle_vector(half[4 * p], half[4 * p + 2], join), v64i8) for p in range(2)]
+        xhi = [b.bitcast(b.shuffle_vector(half[4 * p + 1], half[4 * p + 3], join), v64i8) for p in range(2)]
+        bs = b.trunc(e.load(bs32, b.mul(i, e.const(8)), VI8), vec(I16, 8))
+        # a row's 16 words [8 scales, 8 mins] times [0 x 8, the 8 sums]: 4 pair sums of m_s bs_s
+        bs_pair = b.shuffle_vector(bs, e.const(0, vec(I16, 8)), _mask(([8] * 8 + list(range(8))) * 2))
+        bo = [b.add(o[r], b.mul(i, e.const(144))) for r in range(rows)]
+        for r in range(rows):  # the next call's rows: 8 streams at once outrun the hardware's prefetcher
+            ahead = b.add(nxt[r], b.mul(i, e.const(144)))
+            for line in range(0, 144, 64):
+                e.prefetch(e.gep(buf, b.add(ahead, e.const(line))))
+        head = [e.load(buf, bo[r], vec(I32, 4), align=1) for r in range(rows)]
+        quad = [b.shuffle_vector(b.shuffle_vector(head[4 * g], head[4 * g + 1], _mask(list(range(8)))),
+                                 b.shuffle_vector(head[4 * g + 2], head[4 * g + 3], _mask(list(range(8)))),
+                                 _mask(list(range(16)))) for g in range(2)]  # lane q: [d | dmin, u0, u1, u2]
+        words = []
+        for h in quad:  # ggml's 12-byte decode, [w0, w1, w2, w3] per row
+            s1 = b.shuffle_vector(h, h, _mask(lanes4([1, 3, 2, 3])))  # u0, u2, u1, u2
+            s2 = b.shuffle_vector(h, h, _mask(lanes4([1, 1, 2, 2])))  # u0, u0, u1, u1
+            even = b.and_(s1, m1)
+            odd = b.or_(b.and_(b.lshr(s1, shift_u2), m2), b.shl(b.and_(b.lshr(s2, e.const(6, v16i32)), m3),
+                                                               e.const(4, v16i32)))
+            words.append(b.zext(b.bitcast(b.select(odd_words, odd, even), v64i8), vec(I16, 64)))
+        dots, mins = [], []
+        for r in range(rows):
+            src, q = words[r // 4], 16 * (r % 4)  # the row's words: 8 scales, then 8 mins
+            if r % 2 == 0:
+                pair = b.shuffle_vector(src, src, _mask(list(range(q, q + 32))))
+                mins.append(e.call("llvm.x86.avx512.pmaddw.d.512", v16i32, pair, bs_pair))
+            lane = zero
+            for p in range(2):  # lanes 0-7: chunk 2 p, 8-15: chunk 2 p + 1
+                qs = e.load(buf, b.add(bo[r], e.const(16 + 64 * p)), v64i8, align=1)
+                for nib, x, s in ((b.and_(qs, e.const(15, v64i8)), xlo[p], 4 * p),
+                                  (b.lshr(qs, e.const(4, v64i8)), xhi[p], 4 * p + 1)):
+                    prod = e.call("llvm.x86.avx512.pmaddubs.w.512", V16, nib, x)  # |sum| <= 2 * 15 * 128
+                    scale = b.shuffle_vector(src, src, _mask([q + s] * 16 + [q + s + 2] * 16))
+                    lane = e.call("llvm.x86.avx512.vpdpwssd.512", v16i32, lane, prod, scale)
+                if chunked:
+                    dots.append(lane)
+                    lane = zero
+            if not chunked:
+                dots.append(lane)
+        dword = b.shuffle_vector(quad[0], quad[1], _mask(list(range(0, 32, 4))))
+        halves = b.bitcast(dword, vec(HALF, 16))
+        dx = e.splat(e.at(xd, i), 8)
+        sd = b.fmul(b.fpext(b.shuffle_vector(halves, halves, _mask(list(range(0, 16, 2)))), VF8), dx)
+        sm = b.fmul(b.fpext(b.shuffle_vector(halves, halves, _mask(list(range(1, 16, 2)))), VF8), dx)
+        if chunked:  # per chunk: its two sub-blocks' sums; mins: a row's lanes 4-7 of its pmaddwd run
+            isums = _per_chunk(e, _fold_runs(e, dots, 2))
+            pick = [4, 5, 6, 7, 12, 13, 14, 15]
+            imins = _per_chunk(e, [b.shuffle_vector(mins[2 * g], mins[2 * g + 1], _mask(pick + [16 + j for j in pick]))
+                                   for g in range(2)])
+        else:
+            isums, imins = _fold_runs(e, dots, 1), _fold_runs(e, mins, 2)
+        for isum, imin in zip(isums, imins):
+            b.store(e.fma(b.sitofp(isum, VF8), sd, b.load(acc)), acc)
+            b.store(e.fma(b.sitofp(imin, VF8), sm, b.load(accm)), accm)
+    e.store(res, e.const(0), b.fsub(b.load(acc), b.load(accm)))
 
 
 @kernel()
@@ -375,68 +463,14 @@ def q4_k_rows_vnni(e, buf, offs, m0, xs, xd, bs32, res, nb):
     lane. offs[m0 + 8 ..  m0 + 15]: the next call's rows, prefetched super-block by super-block
     (without it the 8 streams read at about half the memory's speed). xs (256 nb,) int8; bs32
     (8 nb,) int32: the column's 32-element sums; res (8,) float32."""
-    b, rows = e.b, Q4K_ROW_CALL
-    v16i32, v64i8 = vec(I32, 16), vec(I8, 64)
-    mask = lambda idx: ir.Constant(vec(I32, len(idx)), idx)  # noqa: E731
-    lanes4 = lambda pattern: [4 * q + j for q in range(4) for j in pattern]  # noqa: E731 -- per 128-bit lane
-    o = [e.at(offs, b.add(m0, e.const(r))) for r in range(rows)]
-    nxt = [e.at(offs, b.add(m0, e.const(rows + r))) for r in range(rows)]
-    acc, accm = e.acc(VF8), e.acc(VF8)
-    m1, m2, m3 = (e.const(c, v16i32) for c in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-    shift_u2 = ir.Constant(v16i32, [0, 0, 0, 4] * 4)  # word 3 takes u2's high nibbles
-    odd_words = ir.Constant(vec(ir.IntType(1), 16), [False, True, False, True] * 4)
-    zero = e.const(0, v16i32)
-    with e.loop(nb) as i:
-        xi = b.mul(i, e.const(256))
-        half = [e.load(xs, b.add(xi, e.const(32 * k)), VI8, align=1) for k in range(8)]  # 32 elements each
-        join = mask(list(range(16)))
-        # per pair p of 64-byte chunks: the x of their low nibbles and of their high ones
-        xlo = [b.bitcast(b.shuffle_vector(half[4 * p], half[4 * p + 2], join), v64i8) for p in range(2)]
-        xhi = [b.bitcast(b.shuffle_vector(half[4 * p + 1], half[4 * p + 3], join), v64i8) for p in range(2)]
-        bs = b.trunc(e.load(bs32, b.mul(i, e.const(8)), VI8), vec(I16, 8))
-        # a row's 16 words [8 scales, 8 mins] times [0 x 8, the 8 sums]: 4 pair sums of m_s bs_s
-        bs_pair = b.shuffle_vector(bs, e.const(0, vec(I16, 8)), mask(([8] * 8 + list(range(8))) * 2))
-        bo = [b.add(o[r], b.mul(i, e.const(144))) for r in range(rows)]
-        for r in range(rows):  # the next call's rows: 8 streams at once outrun the hardware's prefetcher
-            ahead = b.add(nxt[r], b.mul(i, e.const(144)))
-            for line in range(0, 144, 64):
-                e.prefetch(e.gep(buf, b.add(ahead, e.const(line))))
-        head = [e.load(buf, bo[r], vec(I32, 4), align=1) for r in range(rows)]
-        quad = [b.shuffle_vector(b.shuffle_vector(head[4 * g], head[4 * g + 1], mask(list(range(8)))),
-                                 b.shuffle_vector(head[4 * g + 2], head[4 * g + 3], mask(list(range(8)))),
-                                 mask(list(range(16)))) for g in range(2)]  # lane q: [d | dmin, u0, u1, u2]
-        words = []
-        for h in quad:  # ggml's 12-byte decode, [w0, w1, w2, w3] per row
-            s1 = b.shuffle_vector(h, h, mask(lanes4([1, 3, 2, 3])))  # u0, u2, u1, u2
-            s2 = b.shuffle_vector(h, h, mask(lanes4([1, 1, 2, 2])))  # u0, u0, u1, u1
-            even = b.and_(s1, m1)
-            odd = b.or_(b.and_(b.lshr(s1, shift_u2), m2), b.shl(b.and_(b.lshr(s2, e.const(6, v16i32)), m3),
-                                                               e.const(4, v16i32)))
-            words.append(b.zext(b.bitcast(b.select(odd_words, odd, even), v64i8), vec(I16, 64)))
-        dots, mins = [], []
-        for r in range(rows):
-            src, q = words[r // 4], 16 * (r % 4)  # the row's words: 8 scales, then 8 mins
-            if r % 2 == 0:
-                pair = b.shuffle_vector(src, src, mask(list(range(q, q + 32))))
-                mins.append(e.call("llvm.x86.avx512.pmaddw.d.512", v16i32, pair, bs_pair))
-            lane = zero
-            for p in range(2):
-                qs = e.load(buf, b.add(bo[r], e.const(16 + 64 * p)), v64i8, align=1)
-                for nib, x, s in ((b.and_(qs, e.const(15, v64i8)), xlo[p], 4 * p),
-                                  (b.lshr(qs, e.const(4, v64i8)), xhi[p], 4 * p + 1)):
-                    prod = e.call("llvm.x86.avx512.pmaddubs.w.512", V16, nib, x)  # |sum| <= 2 * 15 * 128
-                    scale = b.shuffle_vector(src, src, mask([q + s] * 16 + [q + s + 2] * 16))
-                    lane = e.call("llvm.x86.avx512.vpdpwssd.512", v16i32, lane, prod, scale)
-            dots.append(lane)
-        isum, imin = _row_sums(e, dots, 1), _row_sums(e, mins, 2)
-        dword = b.shuffle_vector(quad[0], quad[1], mask(list(range(0, 32, 4))))
-        halves = b.bitcast(dword, vec(HALF, 16))
-        dx = e.splat(e.at(xd, i), 8)
-        sd = b.fmul(b.fpext(b.shuffle_vector(halves, halves, mask(list(range(0, 16, 2)))), VF8), dx)
-        sm = b.fmul(b.fpext(b.shuffle_vector(halves, halves, mask(list(range(1, 16, 2)))), VF8), dx)
-        b.store(e.fma(b.sitofp(isum, VF8), sd, b.load(acc)), acc)
-        b.store(e.fma(b.sitofp(imin, VF8), sm, b.load(accm)), accm)
-    e.store(res, e.const(0), b.fsub(b.load(acc), b.load(accm)))
+    _q4_k_rows(e, buf, offs, m0, xs, xd, bs32, res, nb, chunked=False)
+
+
+@kernel()
+def q4_k_rows_chunks_vnni(e, buf, offs, m0, xs, xd, bs32, res, nb):
+    """q4_k_rows_vnni in ggml_gemm_q4_K_8x8_q8_K's order (a column of a group of 4): the fmas
+    per 64-element chunk of a super-block (its 2 sub-blocks' isum and imin), 4 a super-block."""
+    _q4_k_rows(e, buf, offs, m0, xs, xd, bs32, res, nb, chunked=True)
 
 
 def _vector(e: Emit, values):

@@ -61,6 +61,7 @@ from ...llvmir.vnni import (
     q0_blocks_vnni,
     q0_tile2_vnni,
     q4_k_nibbles,
+    q4_k_rows_chunks_vnni,
     q4_k_rows_vnni,
     q4_k_tile_packed_vnni,
     q4_k_tile_vnni,
@@ -82,6 +83,7 @@ ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with ever
 Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
 Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
 Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
+Q4_K_TILE_MIN_COLS = 8     # fewer columns: the VNNI row kernels, a column at a time (rows read once a column)
 Q4_K_UNPACK_MIN_COLS = 64  # from this many columns the VNNI gemm unpacks its rows first (else reads them in place)
 GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their scratch shared)
 Q4K_GEMV_ROWS = 64       # the Q4_K row kernel's: 8 calls of 8 rows
@@ -486,11 +488,12 @@ def _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out):
 
 
 @njit(parallel=True, cache=True)
-def _q4_k_gemv_vnni(buf, offs, xq, xd, bs32, out):
-    """xq, bs32 (quantize_q8_k's float32 rows) made the int8 / int32 q4_k_rows_vnni takes, here:
+def _q4_k_gemv_vnni(buf, offs, xq, xd, bs32, out, n_chunked):
+    """xq, bs32 (quantize_q8_k's float32 rows) made the int8 / int32 the row kernels take, here:
     a few columns, so the quantizer needs no int8 form (one specialisation less to compile).
-    Rows 8 at a time (the kernel's), with the next 8 rows' offsets to prefetch; past the last
-    row the offsets repeat it (its results are dropped)."""
+    The first n_chunked columns (a group of 4) in the gemm's order (q4_k_rows_chunks_vnni), the
+    rest in the gemv's. Rows 8 at a time (the kernels'), with the next 8 rows' offsets to
+    prefetch; past the last row the offsets repeat it (its results are dropped)."""
     nb = xd.shape[1]
     m_rows = offs.shape[0]
     xs = xq.astype(np.int8)
@@ -502,7 +505,10 @@ def _q4_k_gemv_vnni(buf, offs, xq, xd, bs32, out):
             for r in range(2 * Q4K_ROW_CALL):
                 call[r] = offs[min(m + r, m_rows - 1)]
             for n in range(out.shape[0]):
-                q4_k_rows_vnni(buf, call, 0, xs[n], xd[n], b32[n], res, nb)
+                if n < n_chunked:
+                    q4_k_rows_chunks_vnni(buf, call, 0, xs[n], xd[n], b32[n], res, nb)
+                else:
+                    q4_k_rows_vnni(buf, call, 0, xs[n], xd[n], b32[n], res, nb)
                 for r in range(min(Q4K_ROW_CALL, m_rows - m)):
                     out[n, m + r] = res[r]
 
@@ -869,18 +875,27 @@ def _plan_q0(type: GGMLType, n: int, m: int, k: int, block_sums: bool) -> Produc
 def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
     """plan_mul_mat for the Q8_K products (Q4_K, Q6_K)."""
     if type == GGMLType.Q4_K:
-        n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns through the tiles, the rest one by one
+        n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns in the gemm's order, the rest in the gemv's
+        if VNNI and n_gemm < Q4_K_TILE_MIN_COLS:  # one group at most: its columns stream the rows faster
+            act = _q8_k_input(n, k, ROWS, group=32)
+
+            def run(buf, offs, x, out, scratch):
+                _q4_k_gemv_vnni(buf, offs, *act(x, scratch), out, n_gemm)
+            return run
         tiles = _q8_k_input(n_gemm, k, QUADS if VNNI else TILES, group=32)
         rest = _q8_k_input(n - n_gemm, k, ROWS, group=32)
-        gemm, gemv = (_q4_k_gemm_vnni, _q4_k_gemv_vnni) if VNNI else (_q4_k_gemm, _q4_k_gemv)
-        if VNNI and n_gemm < Q4_K_UNPACK_MIN_COLS:
-            gemm = _q4_k_gemm_packed_vnni
+        gemm = _q4_k_gemm
+        if VNNI:
+            gemm = _q4_k_gemm_vnni if n_gemm >= Q4_K_UNPACK_MIN_COLS else _q4_k_gemm_packed_vnni
 
         def run(buf, offs, x, out, scratch):
             if n_gemm:
                 gemm(buf, offs, *tiles(x[:n_gemm], scratch), out, n_gemm)
             if n_gemm < n:
-                gemv(buf, offs, *rest(x[n_gemm:], scratch), out[n_gemm:])
+                if VNNI:
+                    _q4_k_gemv_vnni(buf, offs, *rest(x[n_gemm:], scratch), out[n_gemm:], 0)
+                else:
+                    _q4_k_gemv(buf, offs, *rest(x[n_gemm:], scratch), out[n_gemm:])
     elif n >= Q6_K_TILED_MIN_COLS:
         if VNNI:
             act = _q8_k_input(n, k, QUADS, group=16)
