@@ -83,7 +83,7 @@ ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with ever
 Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
 Q6_K_TILED_MIN_COLS = 8  # ggml_tiled_min_batch: the tiled kernel from 8 columns
 Q4_K_GEMM_GROUP = 4      # ggml's repacked Q4_K gemm takes columns in groups of 4
-Q4_K_TILE_MIN_COLS = 8     # fewer columns: the VNNI row kernels, a column at a time (rows read once a column)
+Q4_K_TILE_MIN_COLS = 12    # fewer columns: the VNNI row kernels, a column at a time (rows read once a column)
 Q4_K_UNPACK_MIN_COLS = 64  # from this many columns the VNNI gemm unpacks its rows first (else reads them in place)
 GEMV_ROWS = 16           # matrix rows per task of the few-column kernels (their scratch shared)
 Q4K_GEMV_ROWS = 64       # the Q4_K row kernel's: 8 calls of 8 rows
@@ -491,7 +491,7 @@ def _q5_0_gemv_vnni(buf, offs, xs, xsum, xd, out):
 def _q4_k_gemv_vnni(buf, offs, xq, xd, bs32, out, n_chunked):
     """xq, bs32 (quantize_q8_k's float32 rows) made the int8 / int32 the row kernels take, here:
     a few columns, so the quantizer needs no int8 form (one specialisation less to compile).
-    The first n_chunked columns (a group of 4) in the gemm's order (q4_k_rows_chunks_vnni), the
+    The first n_chunked columns (groups of 4) in the gemm's order (q4_k_rows_chunks_vnni), the
     rest in the gemv's. Rows 8 at a time (the kernels'), with the next 8 rows' offsets to
     prefetch; past the last row the offsets repeat it (its results are dropped)."""
     nb = xd.shape[1]
@@ -876,7 +876,7 @@ def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
     """plan_mul_mat for the Q8_K products (Q4_K, Q6_K)."""
     if type == GGMLType.Q4_K:
         n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns in the gemm's order, the rest in the gemv's
-        if VNNI and n_gemm < Q4_K_TILE_MIN_COLS:  # one group at most: its columns stream the rows faster
+        if VNNI and n_gemm < Q4_K_TILE_MIN_COLS:  # a group or two: column by column beats 16-column tiles
             act = _q8_k_input(n, k, ROWS, group=32)
 
             def run(buf, offs, x, out, scratch):
