@@ -28,6 +28,7 @@ from . import flags as F
 from .args import CHAT, GENERATION, Tool, flag
 from .common import (
     chat_template_for,
+    freeze_startup_objects,
     kv_cache_types,
     load_adapters,
     log,
@@ -150,6 +151,7 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
     log(f"sampler chain: {chain!r}{' (in the graph: ' + str(chain.backend_prefix()) + ' samplers)' if backend_sampling else ''}")
     gen = Generator(ctx, chain, backend_sampling=backend_sampling, lora=adapters)
     ctx.set_warmup(True)
+    freeze_startup_objects()
     out = Output(display_prompt, verbose_prompt, special, tuple(reverse_prompt or ()))
     if template is not None:
         talk(gen, template, prompt, system_prompt, n_predict, conversation, out)

@@ -21,7 +21,7 @@ from llamapy.model import load_model
 from . import flags as F
 from . import training as T
 from .args import DATA, LORA, OUTPUT, Tool, flag
-from .common import log, paths
+from .common import freeze_startup_objects, log, paths
 
 tool = Tool("llamapy-finetune", llama_cpp=["finetune"], distributed=True)
 
@@ -58,6 +58,7 @@ def run(model: F.OptionalModel = None, file: T.File = None, output: Output = Non
     model = model or default_model_path(log)
     paths().read("-m", model)
     m = load_model(model)
+    freeze_startup_objects()
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
     params = args.train_params(m, lora_rank=lora_rank, lora_alpha=lora_alpha, window_bos=window_bos,
                                lora_modules=[x.strip() for x in lora_modules.split(",") if x.strip()])

@@ -17,7 +17,7 @@ from llamapy.samples import unescape
 
 from . import flags as F
 from .args import PERPLEXITY, Tool, flag
-from .common import kv_cache_types, load_adapters, log, paths, read_text, thread_count, warn
+from .common import freeze_startup_objects, kv_cache_types, load_adapters, log, paths, read_text, thread_count, warn
 from .kld_report import TABLE_HEADER, chunk_line, statistics
 
 tool = Tool("llamapy-perplexity", llama_cpp=["perplexity"])
@@ -61,6 +61,7 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
     t_load = time.perf_counter()
     m = load_model(model)
+    freeze_startup_objects()
     log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
     n_ctx = base.n_ctx if base is not None else ctx_size or m.hparams.n_ctx_train
     if n_ctx > m.hparams.n_ctx_train:

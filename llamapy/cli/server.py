@@ -15,7 +15,8 @@ from llamapy.errors import InputError
 from . import flags as F
 from .args import Tool, flag
 from .completion import parse_logit_bias
-from .common import adapter_list, chat_template_for, kv_cache_types, load_adapters, log, read_text, thread_count
+from .common import (adapter_list, chat_template_for, freeze_startup_objects, kv_cache_types, load_adapters, log,
+                     read_text, thread_count)
 
 SERVER = "Server"
 
@@ -117,6 +118,7 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
     server = Server(engine, template, alias or Path(path).name, paths, lora_dir, defaults,
                     parse_logit_bias(logit_bias, m.vocab))
     app = create_app(server, api_key=api_key, metrics=metrics, slots=slots)
+    freeze_startup_objects()
     log(f"model loaded in {time.perf_counter() - t0:.2f} s: {parallel} slot{'s' if parallel > 1 else ''} of "
         f"{engine.n_ctx_slot} tokens, {ctx.backend.n_threads} threads")
     engine.start()

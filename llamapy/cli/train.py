@@ -17,7 +17,7 @@ from llamapy.generate import Generator
 
 from . import training as T
 from .args import MODEL_SHAPE, OUTPUT, Tool, flag
-from .common import job, log
+from .common import freeze_startup_objects, job, log
 
 tool = Tool("llamapy-train", llama_cpp=["finetune"], distributed=True)
 
@@ -60,6 +60,7 @@ def run(vocab_model: VocabModel, file: T.File = None, arch: Arch = "llama", embd
     m = new_model(arch, vocab_model, n_embd=embd, n_head=head, n_head_kv=head_kv, n_layer=layer,
                   n_ff=ff or _llama_ff(embd), n_ctx_train=args.ctx_size, rope_freq_base=rope_freq_base, rms_eps=rms_eps,
                   seed=args.seed)
+    freeze_startup_objects()
     log(f"model: new {m.describe()} ({m.n_params:,} parameters), vocabulary of {vocab_model.name}")
     params = args.train_params(m, DEFAULT_LR)
     data = args.load_data(m, params.window_bos, file)
