@@ -46,6 +46,7 @@ VERSION = 1
 INDEX = "index.json"
 PIECE_BYTES = 256 << 10          # a worker's unit of text: SentencePiece slows and swells on long inputs
 SHARD_TOKENS = 256 << 20         # tokens per shard file (512 MiB of uint16)
+VERIFY_PIECE = 4 << 20          # bytes read at a time to check a shard's digest
 _CUT_SEARCH = 1 << 20            # how far back from a piece's end a cut is looked for
 _CUT_TRIES = 256                 # line breaks tried there
 _CUT_CONTEXT = 256               # bytes each side of a cut tokenized to check it
@@ -69,7 +70,7 @@ class ShardIndex(BaseModel):
     kind: Kind
     dtype: Literal["uint16", "uint32"]
     n_vocab: int
-    vocab: str                   # vocab_fingerprint of the tokenizer
+    vocab: str                   # the tokenizer's Vocab.fingerprint()
     sources: list[str]
     shards: list[ShardEntry]
     chat_template: str | None = None   # samples: the template's name, and whether prompts were masked
@@ -84,15 +85,17 @@ class ShardIndex(BaseModel):
         return sum(s.n_samples for s in self.shards)
 
 
-def vocab_fingerprint(vocab) -> str:
-    """What tells two tokenizers apart: their kind, flags, special tokens, token texts and types."""
+def _verify_digest(file: Path, expected: str) -> None:
+    """The token file's bytes against the digest llamapy-tokenize wrote for it: a damaged or
+    changed shard is refused before training, not trained on (read in pieces, through the
+    page cache; about a second a GB)."""
     digest = hashlib.blake2b(digest_size=16)
-    parts = [vocab.kind, vocab.n_tokens, vocab.bos_id, vocab.eos_id, vocab.add_bos, vocab.add_eos, vocab.add_sep,
-             vocab.add_space_prefix, vocab.escape_whitespaces, vocab.clean_spaces]
-    digest.update(json.dumps([str(p) for p in parts]).encode())
-    for texts in (vocab._texts, vocab._types):
-        digest.update("\x00".join(map(str, texts)).encode("utf-8", "surrogatepass"))
-    return digest.hexdigest()
+    with open(file, "rb") as f:
+        while piece := f.read(VERIFY_PIECE):
+            digest.update(piece)
+    if digest.hexdigest() != expected:
+        raise InputError(f"{file}: its bytes are not the ones llamapy-tokenize wrote (the index's digest "
+                         "differs: a damaged or changed shard; tokenize the data again)")
 
 
 def is_shard_dir(path: Path) -> bool:
@@ -110,6 +113,8 @@ class TokenShards:
         self.path, self.index = path, index
         self.dtype = np.dtype(index.dtype).newbyteorder("<")
         self.tokens = [self._checked(s.tokens, s.n_tokens, self.dtype) for s in index.shards]
+        for s, file in zip(index.shards, self.tokens):
+            _verify_digest(file, s.digest)
         self.starts = np.concatenate([[0], np.cumsum([s.n_tokens for s in index.shards])]).astype(np.int64)
         self._open: dict[Path, object] = {}
         if index.kind == "samples":
@@ -148,7 +153,7 @@ class TokenShards:
             raise InputError(f"{path / INDEX}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
         if not index.shards or index.n_tokens == 0:
             raise InputError(f"{path}: the shards hold no tokens")
-        if vocab is not None and index.vocab != vocab_fingerprint(vocab):
+        if vocab is not None and index.vocab != vocab.fingerprint():
             raise InputError(f"{path}: tokenized with another tokenizer than this model's (tokenize the data "
                              "again with this model)")
         return cls(path, index)
@@ -499,7 +504,7 @@ def write_token_shards(inputs: Sequence[Path], out_dir: Path, vocab, *, workers:
                     progress(done, total)
         entries = writer.finish()
         index = ShardIndex(kind="samples" if samples else "text", dtype=dtype.name, n_vocab=vocab.n_tokens,
-                           vocab=vocab_fingerprint(vocab), sources=[str(f.resolve()) for f in files], shards=entries,
+                           vocab=vocab.fingerprint(), sources=[str(f.resolve()) for f in files], shards=entries,
                            chat_template=None if chat_template is None else chat_template.name,
                            mask_prompt=mask_prompt)
         if index.n_tokens == 0:

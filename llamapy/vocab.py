@@ -16,6 +16,8 @@ end-of-generation set, ``token_to_piece`` and ``detokenize`` (with ``clean_space
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import struct
 from typing import Callable
@@ -625,6 +627,17 @@ class Vocab:
     def token_type(self, token: int) -> int:
         """The GGUF token type (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte)."""
         return self._types[self._check(token)]
+
+    def fingerprint(self) -> str:
+        """What tells two tokenizers apart (token shards record it): the kind, flags, special
+        tokens, token texts and types, as 32 hex digits."""
+        digest = hashlib.blake2b(digest_size=16)
+        parts = [self.kind, self.n_tokens, self.bos_id, self.eos_id, self.add_bos, self.add_eos, self.add_sep,
+                 self.add_space_prefix, self.escape_whitespaces, self.clean_spaces]
+        digest.update(json.dumps([str(p) for p in parts]).encode())
+        for values in (self._texts, self._types):
+            digest.update("\x00".join(map(str, values)).encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()
 
     @property
     def eog_ids(self) -> frozenset[int]:
