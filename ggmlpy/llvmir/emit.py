@@ -36,6 +36,9 @@ def vec(elem: ir.Type, n: int = W) -> ir.VectorType:
     return ir.VectorType(elem, n)
 
 
+# llvm.prefetch is overloaded on its pointer: mangled for i8* before LLVM 17's opaque pointers
+PREFETCH = "llvm.prefetch.p0" if llvm.llvm_version_info >= (17,) else "llvm.prefetch.p0i8"
+
 VF = vec(F32)  # the kernels' registers: 16 float32, 16 float64 (exact sums), 16 int32
 VD = vec(F64)
 VI = vec(I32)
@@ -149,7 +152,7 @@ class Emit:
     def prefetch(self, ptr) -> None:
         """A hint to read the cache line at ptr into every cache level (prefetcht0)."""
         p = self.b.bitcast(ptr, ir.IntType(8).as_pointer())
-        self.call("llvm.prefetch.p0", ir.VoidType(), p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1))
+        self.call(PREFETCH, ir.VoidType(), p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1))
 
     def half(self, ptr, idx):
         """The float32 value of the IEEE half at byte ptr[idx] (any alignment)."""

@@ -28,6 +28,13 @@ def _dp(e: Emit, acc, u, s):
     return e.call(f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type, acc, u, s)
 
 
+def _dpw(e: Emit, acc, a, b):
+    """vpdpwssd: acc (<16 x i32>) + per lane the sum of the 2 products of int16 lanes of a and b,
+    declared with the <16 x i32> operands LLVM 14-19 define (later ones upgrade the call)."""
+    v = acc.type
+    return e.call("llvm.x86.avx512.vpdpwssd.512", v, acc, e.b.bitcast(a, v), e.b.bitcast(b, v))
+
+
 def _q0_operands(e: Emit, wu, wd, xq, xd, r0, tile, nb, rows: int):
     """What a Q0 tile reads: xq's tile and each row's unsigned bytes as int32 lanes (4 bytes
     each), xd's tile and each row's scales."""
@@ -428,7 +435,7 @@ def _q4_k_rows(e: Emit, buf, offs, m0, xs, xd, bs32, res, nb, chunked: bool) -> 
                                   (b.lshr(qs, e.const(4, v64i8)), xhi[p], 4 * p + 1)):
                     prod = e.call("llvm.x86.avx512.pmaddubs.w.512", V16, nib, x)  # |sum| <= 2 * 15 * 128
                     scale = b.shuffle_vector(src, src, _mask([q + s] * 16 + [q + s + 2] * 16))
-                    lane = e.call("llvm.x86.avx512.vpdpwssd.512", v16i32, lane, prod, scale)
+                    lane = _dpw(e, lane, prod, scale)
                 if chunked:
                     dots.append(lane)
                     lane = zero
