@@ -204,10 +204,6 @@ class Emit:
     def lanes(self, v) -> list:
         return [self.b.extract_element(v, ir.Constant(I32, i)) for i in range(v.type.count)]
 
-    def int_sum(self, v):
-        """The sum of an integer vector's lanes (exact in any order: LLVM's shuffle tree)."""
-        return self.call(f"llvm.vector.reduce.add.v{v.type.count}{v.type.element.intrinsic_name}", v.type.element, v)
-
     def hsum(self, values: list):
         """The sum of 16, 8 or 4 values as ggml adds SIMD lanes: the upper half onto the lower
         until 4 remain, then (0 + 2) + (1 + 3) (8: AVX's hsum_float_8; 16: GCC's

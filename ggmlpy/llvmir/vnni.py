@@ -288,14 +288,6 @@ def _q4_k_scales(e: Emit, buf, bo):
     return [w0, w1, w2, w3]
 
 
-def _bytes8(e: Emit, lo, hi):
-    """<8 x i32> of the 8 bytes of two i32 words (little-endian), zero-extended."""
-    b = e.b
-    pair = b.insert_element(b.insert_element(ir.Constant(vec(I32, 2), ir.Undefined), lo, ir.Constant(I32, 0)),
-                            hi, ir.Constant(I32, 1))
-    return b.zext(b.bitcast(pair, vec(I8, 8)), VI8)
-
-
 @kernel()
 def q4_k_tile_packed_vnni(e, buf, offs, m0, xq, xd, xbs, res, tile, nb):
     """q4_k_tile_vnni's numbers for Q4K_VNNI_ROWS rows read in place (buf[offs[m0 + r]], the

@@ -29,7 +29,8 @@ The float work runs in llvmir's vector micro-kernels, 16 columns (or, for fewer 
 integers (float32) in the kernels' layout, so nothing of the matrix is kept expanded.
 With AVX512-VNNI the integer sums are vpdpbusd's (llvmir/vnni.py): the Q4_K/Q6_K tiles take
 rows unpacked to bytes, or, for a Q4_K product of fewer than 64 columns, read them in place;
-the few-column row kernels always read the blocks in place.
+the few-column row kernels always read the blocks in place (Q4_K's up to 11 columns, 8 rows
+a call, groups of 4 columns in the gemm's order).
 """
 from __future__ import annotations
 
@@ -876,26 +877,22 @@ def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
     """plan_mul_mat for the Q8_K products (Q4_K, Q6_K)."""
     if type == GGMLType.Q4_K:
         n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns in the gemm's order, the rest in the gemv's
-        if VNNI and n_gemm < Q4_K_TILE_MIN_COLS:  # a group or two: column by column beats 16-column tiles
-            act = _q8_k_input(n, k, ROWS, group=32)
-
-            def run(buf, offs, x, out, scratch):
-                _q4_k_gemv_vnni(buf, offs, *act(x, scratch), out, n_gemm)
-            return run
-        tiles = _q8_k_input(n_gemm, k, QUADS if VNNI else TILES, group=32)
-        rest = _q8_k_input(n - n_gemm, k, ROWS, group=32)
+        n_tiled = 0 if VNNI and n_gemm < Q4_K_TILE_MIN_COLS else n_gemm  # a group or two: column by column
+        n_chunked = n_gemm - n_tiled  # columns of the row kernels in the gemm's order
+        tiles = _q8_k_input(n_tiled, k, QUADS if VNNI else TILES, group=32)
+        rest = _q8_k_input(n - n_tiled, k, ROWS, group=32)
         gemm = _q4_k_gemm
         if VNNI:
-            gemm = _q4_k_gemm_vnni if n_gemm >= Q4_K_UNPACK_MIN_COLS else _q4_k_gemm_packed_vnni
+            gemm = _q4_k_gemm_vnni if n_tiled >= Q4_K_UNPACK_MIN_COLS else _q4_k_gemm_packed_vnni
 
         def run(buf, offs, x, out, scratch):
-            if n_gemm:
-                gemm(buf, offs, *tiles(x[:n_gemm], scratch), out, n_gemm)
-            if n_gemm < n:
+            if n_tiled:
+                gemm(buf, offs, *tiles(x[:n_tiled], scratch), out, n_tiled)
+            if n_tiled < n:
                 if VNNI:
-                    _q4_k_gemv_vnni(buf, offs, *rest(x[n_gemm:], scratch), out[n_gemm:], 0)
+                    _q4_k_gemv_vnni(buf, offs, *rest(x[n_tiled:], scratch), out[n_tiled:], n_chunked)
                 else:
-                    _q4_k_gemv(buf, offs, *rest(x[n_gemm:], scratch), out[n_gemm:])
+                    _q4_k_gemv(buf, offs, *rest(x[n_tiled:], scratch), out[n_tiled:])
     elif n >= Q6_K_TILED_MIN_COLS:
         if VNNI:
             act = _q8_k_input(n, k, QUADS, group=16)
