@@ -15,19 +15,21 @@ from .model import Model, load_model
 if TYPE_CHECKING:
     from .context import Context
     from .from_scratch import new_model
-    from .generate import chat_completion, generate
+    from .generate import Completion, chat_completion, generate
+    from .llama_api import Llama
     from .quantize import QuantizeParams, quantize_model
     from .save import save_model_to_file
 
-__all__ = ["__version__", "Batch", "Context", "LlamapyError", "Model", "QuantizeParams", "chat_completion", "generate",
-           "load_model", "new_model", "quantize_model", "save_model_to_file"]
+__all__ = ["__version__", "Batch", "Completion", "Context", "Llama", "LlamapyError", "Model", "QuantizeParams",
+           "chat_completion", "generate", "load_model", "new_model", "quantize_model", "save_model_to_file"]
 
 # What runs a model (Context, generation, training) loads numba's compiled kernels: imported
 # when first used, so `import llamapy` and the tools that only read and write GGUF files
 # (llamapy-quantize, llamapy-convert) start fast. `llamapy.generate` is the function, which
 # shadows the module of that name (`from llamapy.generate import Generator` finds the module).
 _LAZY = {"Context": ".context", "new_model": ".from_scratch", "chat_completion": ".generate", "generate": ".generate",
-         "QuantizeParams": ".quantize", "quantize_model": ".quantize", "save_model_to_file": ".save"}
+         "Completion": ".generate", "Llama": ".llama_api", "QuantizeParams": ".quantize", "quantize_model": ".quantize",
+         "save_model_to_file": ".save"}
 
 
 class _Package(types.ModuleType):
@@ -42,6 +44,14 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    """The public API, the lazily imported names included (help() and tab completion find them),
+    and the package's modules imported so far; not the names the package itself imports."""
+    own = {name for name, value in globals().items()
+           if name.startswith("__") or (isinstance(value, types.ModuleType) and value.__name__.startswith(__name__ + "."))}
+    return sorted(own | set(__all__))
 
 
 def __getattr__(name: str):

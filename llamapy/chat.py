@@ -81,8 +81,8 @@ NAMED_TEMPLATES: dict[str, str] = {
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"),
 }
-# the built-in template for a model file of this architecture without its own (else chatml)
-FAMILY_TEMPLATES: dict[str, str] = {"gemma3": "gemma"}
+# what llama.cpp renders a conversation with when the model has no template (common_chat_templates_init)
+FALLBACK_TEMPLATE = "chatml"
 
 for _name, _space in (("mistral-v7", " "), ("mistral-v7-tekken", "")):  # no generation prompt in llama.cpp
     NAMED_TEMPLATES[_name] = (
@@ -164,8 +164,9 @@ class ChatTemplate:
     def for_model(cls, model: Model, choice: str | os.PathLike | None = None) -> tuple[ChatTemplate, str | None]:
         """The template for `model`'s conversations and, when it is not the one asked for or
         carried by the model, a note saying which it is: `choice` is a built-in name or a
-        Jinja file; without it, the model's own template, else the built-in one of its
-        family (gemma for Gemma 3; chatml otherwise, llama.cpp's default)."""
+        Jinja file; without it, the model's own template, else chatml, as llama.cpp falls
+        back. A model file without a template is most often a base model, which continues
+        text rather than answering: the note says so, since its chat answers will look broken."""
         if choice is not None:
             if str(choice) in NAMED_TEMPLATES:
                 return cls.named(str(choice), model.vocab), None
@@ -176,9 +177,11 @@ class ChatTemplate:
         own = model.file.get("tokenizer.chat_template")
         if isinstance(own, str) and own:
             return cls.from_model(model), None
-        name = FAMILY_TEMPLATES.get(model.hparams.arch, "chatml")
-        return cls.named(name, model.vocab), (f"{model.path.name if model.path else 'the model'} has no chat template: "
-                                              f"using the built-in {name!r} (--chat-template to choose another)")
+        name = model.path.name if model.path else "the model"
+        return cls.named(FALLBACK_TEMPLATE, model.vocab), (
+            f"{name} has no chat template: using the built-in {FALLBACK_TEMPLATE!r}, as llama.cpp does "
+            "(--chat-template to choose another); a model without one is likely a base model, not trained to chat, "
+            "so its answers may be nonsense until it is finetuned on chats")
 
     @staticmethod
     def _specials(vocab: Vocab | None) -> tuple[str, str]:

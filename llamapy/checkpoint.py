@@ -15,10 +15,14 @@ tensor's bytes), computed with the digest's own 64 characters written as zeros. 
 checks it before anything else is believed: any changed, added, lost or truncated byte is
 one line ("truncated or corrupt"). What the digest cannot catch, a file crafted with a
 valid one (or written by a faulty program), is refused by the checks that follow: every
-key present with its type, values in range (counts not negative, a position inside its
-epoch, an RNG state numpy accepts, a permutation of the right length that is one), the
-tensors those of the trained tensors and the optimizer the parameters name. Each refusal
-is an InputError naming the file and the problem.
+key present with its type, values in range (counts not negative and within int64, a
+position inside its epoch, an RNG state numpy accepts, a permutation of the right length
+that is one), counters that agree (the step count and the steps the epoch's result records
+with the position), the tensors those of the trained tensors and the optimizer the
+parameters name, every value of them finite and no second moment negative. What depends on
+the data resumed on (the position inside its epoch, the step count an epoch takes) is
+checked when a run resumes (resume.py). Each refusal is an InputError naming the file and
+the problem.
 
 Checkpoints of earlier versions (1 and 2) had a checksum over the tensors only, so their
 metadata (step count, position, RNG state) cannot be verified: they are refused with one
@@ -63,6 +67,7 @@ _DIGEST_CHARS = 64  # BLAKE2b-256 in hex
 # counts, then the first key (its length and name), its type (string) and the value's length
 _HEAD = struct.Struct(f"<4sIQQQ{len(CHECKSUM_KEY)}sIQ")
 _CHUNK = 1 << 24
+_CHECK_CHUNK = 1 << 22  # values checked at once for NaN and infinities
 
 
 class RunParams(Record):
@@ -104,7 +109,8 @@ class Checkpoint:
 
 
 # ---- the metadata as read back: every value checked ----------------------------------------------
-Count = Annotated[Int, Field(ge=0)]
+INT64_MAX = 2**63 - 1  # counts are int64 in the optimizer state and numpy
+Count = Annotated[Int, Field(ge=0, le=INT64_MAX)]
 Fingerprint = Annotated[Str, Field(pattern=r"^([0-9a-f]{32})?$")]  # empty: saved before any data
 
 
@@ -115,7 +121,7 @@ class SavedResult(Record):
     losses: list[Annotated[float, Field(strict=True)]]  # NaN and inf allowed: a diverged run is a run
     counts: list[Count]
     steps: list[Annotated[float, Field(strict=True)]]
-    ncorrect: Annotated[Int, Field(ge=-1)]  # -1: not counted
+    ncorrect: Annotated[Int, Field(ge=-1, le=INT64_MAX)]  # -1: not counted
     loss_per_datapoint: Bool
 
     @model_validator(mode="after")
@@ -152,6 +158,22 @@ class SavedState(Record):
         if not shuffled and ibatch:
             raise ValueError(f"{PREFIX}position {list(self.position)} is inside an epoch whose windows were not "
                              "shuffled")
+        return self
+
+    @model_validator(mode="after")
+    def _steps_agree(self) -> SavedState:
+        """Each optimizer step of the epoch so far adds one entry to epoch_result.steps (which
+        starts empty with each epoch), and counts in n_steps with those of earlier epochs."""
+        recorded = len(self.epoch_result.steps)
+        if self.n_steps < recorded:
+            raise ValueError(f"{PREFIX}n_steps {self.n_steps} is fewer than the {recorded} steps its epoch_result "
+                             "records")
+        if self.position[1] == 0 and recorded:
+            raise ValueError(f"{PREFIX}position {list(self.position)} is the start of an epoch, but its epoch_result "
+                             f"records {recorded} steps")
+        if self.position[1] and not recorded:
+            raise ValueError(f"{PREFIX}position {list(self.position)} is inside an epoch, but its epoch_result "
+                             "records no step")
         return self
 
 
@@ -313,12 +335,36 @@ def _tensors(f: GGUFFile, path: Path, params: RunParams) -> dict[str, np.ndarray
             raise InputError(f"{path}: the checkpoint is invalid: tensor {name} is {t.type.name} with "
                              f"{t.nelements()} values, not {want_type.name}" + (f" with {size}" if size else ""))
         arrays[name] = t.numpy().reshape(t.ne[:f.tensor_n_dims[name]][::-1])  # a copy off the map
+    for name, values in arrays.items():
+        if name != "data.permutation":
+            _check_finite(values, name, path, nonnegative=name.startswith("opt.v."))
     perm = arrays["data.permutation"].reshape(-1)
     if not np.array_equal(np.sort(perm), np.arange(perm.size)):
         raise InputError(f"{path}: the checkpoint is invalid: its window order (data.permutation) is not a "
                          f"permutation of 0..{perm.size - 1}")
     arrays["data.permutation"] = perm
     return arrays
+
+
+def _check_finite(values: np.ndarray, name: str, path: Path, nonnegative: bool) -> None:
+    """Refuse a trained tensor or optimizer moment holding a NaN or an infinity (a run that
+    had diverged, or damage: resuming would only spread it), or a negative second moment
+    (AdamW divides by its square root). One float64 sum per chunk finds any of them (float32
+    values cannot overflow it; NaN and infinities survive it); the index is looked for only
+    then. Chunks bound the temporary memory."""
+    flat = values.reshape(-1)
+    for start in range(0, flat.size, _CHECK_CHUNK):
+        chunk = flat[start:start + _CHECK_CHUNK]
+        if np.isfinite(chunk.sum(dtype=np.float64)) and not (nonnegative and chunk.min() < 0):
+            continue
+        bad = np.flatnonzero(~np.isfinite(chunk))
+        what = "non-finite"
+        if not bad.size:
+            bad, what = np.flatnonzero(chunk < 0), "negative"
+        i = start + int(bad[0])
+        raise InputError(f"{path}: the checkpoint is invalid: tensor {name} has a {what} value "
+                         f"({float(flat[i]):.7g}) at index {i}"
+                         + (" (a second moment is never negative)" if what == "negative" else ""))
 
 
 # ---- fingerprints ------------------------------------------------------------------------------

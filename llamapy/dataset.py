@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from ggmlpy import GGMLType
 from ggmlpy.opt import Dataset
@@ -54,9 +55,7 @@ def token_windows(tokens, n_ctx: int, stride: int | None = None, bos: int | None
         raise InputError(f"the text has {len(tokens)} tokens; one training window of n_ctx={n_ctx} "
                          f"needs at least {text_per_window + 1}")
     ds = TokenWindows(len(tokens), n_ctx, stride, n)
-    starts = np.arange(n) * stride
-    idx = starts[:, None] + np.arange(text_per_window + 1)[None, :]
-    chunk = tokens[idx]
+    chunk = sliding_window_view(tokens, text_per_window + 1)[::stride][:n]  # a view: no copy of the windows
     if bos is None:
         ds.data[:], ds.labels[:] = chunk[:, :-1], chunk[:, 1:]
     else:
@@ -69,7 +68,7 @@ def token_windows(tokens, n_ctx: int, stride: int | None = None, bos: int | None
 def text_windows(vocab, text: str, n_ctx: int, window_bos: bool = False, stride: int | None = None) -> TokenWindows:
     """The training windows of a text: tokenized with BOS first, or, with `window_bos`,
     with BOS at the start of every window instead (TrainParams.window_bos)."""
-    tokens = vocab.tokenize(text, add_special=not window_bos)
+    tokens = vocab.tokenize_array(text, add_special=not window_bos)
     return token_windows(tokens, n_ctx, stride, vocab.bos_id if window_bos else None)
 
 

@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from .chat import ChatTemplate
     from .lora import LoraAdapter
 
-__all__ = ["Generator", "Piece", "SamplingOptions", "Stream", "TextRun", "cached_generator", "chat_completion",
+__all__ = ["Completion", "Generator", "Piece", "SamplingOptions", "Stream", "TextRun", "cached_generator", "chat_completion",
            "default_n_ctx", "forget", "generate", "generate_batch", "prompt_tokens", "sampler_chain", "stop_list",
-           "token_text"]
+           "token_logprobs", "token_text"]
 
 ModelLike = Model | str | os.PathLike
 Prompt = str | Sequence[int]
@@ -106,9 +106,49 @@ def sampler_chain(n_vocab: int, sampler: SamplerChain | None = None, **options: 
 @dataclass(frozen=True)
 class Piece:
     """One step of a stream: the sampled token and the text released with it ("" while
-    it is held back). A last piece with token None carries text released at the end."""
+    it is held back). A last piece with token None carries text released at the end.
+    With logprobs asked for: the token's log-probability under the model (the softmax of
+    its logits, before any sampler) and the `top` most likely tokens with theirs, best first."""
     token: int | None
     text: str
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, token: int, n_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """`token`'s log-probability in a logit row and the `n_top` most likely (id, log-probability)
+    pairs, best first: what llama-server's n_probs and OpenAI's logprobs report."""
+    logp = np.asarray(logits, np.float64)
+    logp = logp - logp.max()
+    logp -= np.log(np.exp(logp).sum())
+    top: tuple[tuple[int, float], ...] = ()
+    if n_top > 0:
+        n = min(n_top, len(logp))
+        best = np.argpartition(-logp, n - 1)[:n]              # the n best of the whole vocabulary,
+        best = best[np.argsort(-logp[best], kind="stable")]  # then only they are sorted
+        top = tuple((int(t), float(logp[t])) for t in best)
+    return float(logp[token]), top
+
+
+@dataclass
+class Completion:
+    """A whole generation with its accounting (`generate(..., details=True)`): the text, the
+    generated tokens (an end-of-generation token not included), why it ended, OpenAI's usage
+    counts, and with logprobs one Piece per generated token carrying its log-probabilities."""
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    logprobs: list[Piece] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
 def stop_list(stop: Stop) -> tuple[str, ...]:
@@ -289,9 +329,12 @@ class Generator:
         """A text's tokens (BOS first when the model adds one), or the given token ids."""
         return prompt_tokens(self.vocab, prompt)
 
-    def feed(self, tokens: Sequence[int]) -> None:
+    def feed(self, tokens: Sequence[int], prompt_logprobs: int | None = None) -> list[Piece] | None:
         """Make the cache hold `tokens`: keep the longest prefix it already holds (at least
-        one token is decoded, for the logits), decode the rest in batches of n_batch."""
+        one token is decoded, for the logits), decode the rest in batches of n_batch.
+        `prompt_logprobs` (the number of top alternatives, 0 for none): every prompt token
+        after the first is scored, so all are decoded with their logits, and a Piece per
+        scored token is returned (llama-cpp-python's echo with logprobs)."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise InputError("the prompt is empty and the model adds no BOS: nothing to continue")
@@ -303,40 +346,57 @@ class Generator:
         if deps != self._deps:  # other weights or adapters: the cached K/V are not these tokens' any more
             self.cached, self._deps = [], deps
         keep = 0
-        while keep < min(len(tokens) - 1, len(self.cached)) and tokens[keep] == self.cached[keep]:
+        while (prompt_logprobs is None and keep < min(len(tokens) - 1, len(self.cached))
+               and tokens[keep] == self.cached[keep]):
             keep += 1
         self.cached = self.cached[:keep]
         self._fed = False
         self.ctx.memory_seq_rm(0, keep, -1)  # also what an interrupted decode may have left
+        scored: list[Piece] | None = None if prompt_logprobs is None else []
         t0 = time.perf_counter()
         for start in range(keep, len(tokens), self.ctx.n_batch):
-            self.ctx.decode(Batch.from_tokens(tokens[start:start + self.ctx.n_batch], pos0=start))
+            chunk = tokens[start:start + self.ctx.n_batch]
+            if scored is None:
+                self.ctx.decode(Batch.from_tokens(chunk, pos0=start))
+            else:
+                self.ctx.decode(Batch(np.array(chunk, np.int32), np.arange(start, start + len(chunk)),
+                                      np.zeros(len(chunk), np.int32), np.ones(len(chunk), bool)))
+                for row, nxt in enumerate(tokens[start + 1:start + 1 + len(chunk)]):
+                    lp, top = token_logprobs(self.ctx.get_logits_ith(row), nxt, prompt_logprobs)
+                    scored.append(Piece(nxt, self.vocab.token_to_piece(nxt).decode("utf-8", "replace"), lp, top))
             self.cached = tokens[:start + self.ctx.n_batch]
         self.t_prompt += time.perf_counter() - t0
         self.n_prompt += len(tokens) - keep
         self._fed = True
+        return scored
 
     # -- generation ----------------------------------------------------------------------------
-    def stream(self, max_tokens: int = -1, stop: Stop = None, special: bool = False) -> Iterator[Piece]:
+    def stream(self, max_tokens: int = -1, stop: Stop = None, special: bool = False,
+               logprobs: int | None = None) -> Iterator[Piece]:
         """Continue what `feed` put in the cache: a Piece per sampled token (its text may be
         held back and come with a later piece), up to `max_tokens` (-1: until an
         end-of-generation token or a full context). With `stop`, generation ends where the
         text first contains one of them (not returned). `special`: control tokens (such as
-        <end_of_turn>) have their text, as llama.cpp's --special. Then `finish_reason`,
-        `tokens` and `context_full` describe the run."""
+        <end_of_turn>) have their text, as llama.cpp's --special. `logprobs`: each piece of a
+        sampled token carries its log-probability and this many top alternatives (0: none).
+        Then `finish_reason`, `tokens` and `context_full` describe the run."""
         if not self._fed:
             raise InputError("feed() the prompt before streaming: a stream continues the tokens fed last")
+        if logprobs is not None and logprobs < 0:
+            raise InputError(f"logprobs must be >= 0 (the number of top alternatives), not {logprobs}")
         self._fed = False
         run = TextRun(self.vocab, max_tokens, stop_list(stop), special)
         self.tokens, self.finish_reason, self.context_full = run.tokens, None, False
-        return self._stream(run, self._run_id)
+        return self._stream(run, self._run_id, logprobs)
 
-    def _stream(self, run: TextRun, run_id: int) -> Iterator[Piece]:
+    def _stream(self, run: TextRun, run_id: int, logprobs: int | None) -> Iterator[Piece]:
         ctx, chain = self.ctx, self.chain
         while run.finish_reason is None:
             if self._run_id != run_id:
                 raise InputError("this stream was abandoned: its generator was fed another prompt since")
+            logits = None if logprobs is None else np.array(ctx.get_logits_ith(-1))  # before samplers touch it
             token = chain.sample(ctx, -1)
+            lp, top = (None, ()) if logits is None else token_logprobs(logits, token, logprobs)
             text = run.push(token)
             if run.finish_reason is None and len(self.cached) >= ctx.n_ctx:
                 self.context_full = True
@@ -345,9 +405,9 @@ class Generator:
                 self.finish_reason = run.finish_reason  # known before the last piece is taken
                 eog = self.vocab.is_eog(token)
                 if text or not eog:
-                    yield Piece(None if eog else token, text)
+                    yield Piece(None if eog else token, text, None if eog else lp, () if eog else top)
                 return
-            yield Piece(token, text)
+            yield Piece(token, text, lp, top)
             if self._run_id != run_id:
                 raise InputError("this stream was abandoned: its generator was fed another prompt since")
             t1 = time.perf_counter()
@@ -417,24 +477,52 @@ def _session(model: Model, n_ctx: int | None, n_threads: int | None) -> _Session
 
 def _start(session: _Session, tokens: Sequence[int] | Prompt, max_tokens: int, stop: Stop,
            lora: Iterable[LoraItem] | None, sampler: SamplerChain | None, backend_sampling: bool,
-           sampling: SamplingOptions) -> Iterator[Piece]:
+           sampling: SamplingOptions, logprobs: int | None = None) -> tuple[list[int], Iterator[Piece]]:
+    """The prompt's tokens, fed, and the stream of its continuation."""
     gen = session.gen
     gen.set_sampler(sampler, backend_sampling=backend_sampling, **sampling)
     gen.set_lora(lora or [])
-    gen.feed(gen.tokenize(tokens))
-    return gen.stream(max_tokens, stop)
+    prompt = gen.tokenize(tokens)
+    gen.feed(prompt)
+    return prompt, gen.stream(max_tokens, stop, logprobs=logprobs)
+
+
+def _finished(gen: Generator, prompt: list[int], pieces: Iterator[Piece], logprobs: int | None) -> Completion:
+    """Run a stream to its end, with its accounting."""
+    kept = list(pieces)
+    return Completion("".join(p.text for p in kept), list(gen.tokens), gen.finish_reason, len(prompt),
+                      [p for p in kept if p.token is not None] if logprobs is not None else None)
+
+
+def _check_model_call(model: ModelLike, prompt: Any, max_tokens: Any) -> tuple[Any, Any]:
+    """mlx-lm's call shape `generate(model, tokenizer, prompt)`: the model's own vocabulary in
+    the second place is allowed (llamapy needs no tokenizer passed), the prompt then third."""
+    from .vocab import Vocab
+    if isinstance(prompt, Vocab):
+        if isinstance(model, Model) and prompt is not model.vocab:
+            raise TypeError("generate(model, tokenizer, prompt): the tokenizer must be the model's own (model.vocab)")
+        if not isinstance(max_tokens, (str, list, tuple)):
+            raise TypeError("generate(model, tokenizer, prompt): the prompt is missing")
+        return max_tokens, 256
+    return prompt, max_tokens
 
 
 def generate(model: ModelLike, prompt: Prompt, max_tokens: int = 256, *, stop: Stop = None, stream: bool = False,
              lora: Iterable[LoraItem] | None = None, sampler: SamplerChain | None = None,
              backend_sampling: bool = False, n_ctx: int | None = None, n_threads: int | None = None,
-             **sampling: Unpack[SamplingOptions]) -> str | Stream[str]:
+             details: bool = False, logprobs: int | None = None,
+             **sampling: Unpack[SamplingOptions]) -> str | Completion | Stream[str] | Stream[Piece]:
     """The continuation of `prompt` (a text, BOS added as the model wants, or token ids),
     without the prompt: up to `max_tokens` tokens (-1: until end of generation or a full
     context), ended early by any of the `stop` strings (not included). Sampling: llama.cpp's
     default chain from `temperature`, `top_k`, ... (`seed`), or `sampler`. `lora`: adapters
     (or GGUF files), each at scale 1 or as (adapter, scale). `stream=True`: an iterator of
     text pieces as they come (with `finish_reason` at the end).
+
+    `details=True` returns a `Completion` (text, tokens, finish_reason, usage) instead of the
+    text, and with `stream=True` yields `Piece`s (token, text); `logprobs=N` (implies
+    details) gives each generated token its log-probability and N top alternatives.
+    mlx-lm's `generate(model, model.vocab, prompt)` is accepted too.
 
     Calls on the same model share a Context and keep the KV cache of the longest common
     prefix. Its n_ctx is the model's training context capped at 4096, or `n_ctx` when a
@@ -443,9 +531,13 @@ def generate(model: ModelLike, prompt: Prompt, max_tokens: int = 256, *, stop: S
     are not changed in place between calls: after training them in place, `forget(model)`
     (replacing tensors with `Model.set_tensor`, or an adapter by another object or a
     rewritten file, is noticed)."""
+    prompt, max_tokens = _check_model_call(model, prompt, max_tokens)
     m = _as_model(model)
     session = _session(m, n_ctx, n_threads)
-    pieces = _start(session, prompt, max_tokens, stop, lora, sampler, backend_sampling, sampling)
+    details = details or logprobs is not None
+    tokens, pieces = _start(session, prompt, max_tokens, stop, lora, sampler, backend_sampling, sampling, logprobs)
+    if details:
+        return Stream(pieces, session.gen) if stream else _finished(session.gen, tokens, pieces, logprobs)
     texts = (p.text for p in pieces if p.text)
     if stream:
         return Stream(texts, session.gen)
@@ -469,7 +561,7 @@ def chat_completion(model: ModelLike, messages: list[dict[str, Any]], max_tokens
     if key not in session.templates:
         session.templates[key] = ChatTemplate.for_model(m, chat_template)[0]
     tokens, _ = session.templates[key].tokenize(m.vocab, messages, add_generation_prompt=True)
-    pieces = _start(session, tokens, max_tokens, stop, lora, sampler, backend_sampling, sampling)
+    _, pieces = _start(session, tokens, max_tokens, stop, lora, sampler, backend_sampling, sampling)
     if stream:
         def deltas() -> Iterator[dict[str, str]]:
             yield {"role": "assistant", "content": ""}

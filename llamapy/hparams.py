@@ -64,6 +64,15 @@ class HParams:
         self.swa_layers = [n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(self.n_layer)]
 
 
+def check_block_count(n_layer: int, n_tensors: int, where: object, key: str) -> None:
+    """Every layer has tensors: a block count above the file's tensor count (10^9 in a small
+    file) is refused before anything is planned or allocated for layers the file cannot hold."""
+    if n_layer < 1:
+        raise ModelLoadError(f"{where}: metadata {key} = {n_layer} is out of range (a model has at least 1 layer)")
+    if n_layer > n_tensors:
+        raise ModelLoadError(f"{where}: {key} = {n_layer}, but the file holds only {n_tensors} tensors")
+
+
 def read_common(f: GGUFMetadata, arch: str, n_vocab: int, rope_type: int) -> HParams:
     """The keys every transformer architecture shares (LLM_KV_* in llama.cpp), each of its
     type and in its range, and the relations between them that the graph relies on."""
@@ -73,9 +82,7 @@ def read_common(f: GGUFMetadata, arch: str, n_vocab: int, rope_type: int) -> HPa
     n_embd = f.get_int(key("embedding_length"), at_least=1)
     n_head = f.get_int(key("attention.head_count"), at_least=1)
     n_layer = f.get_int(key("block_count"), at_least=1)
-    if n_layer > len(f.tensors):  # every layer has tensors: nothing is planned for layers the file cannot hold
-        raise ModelLoadError(f"{f.path}: {key('block_count')} = {n_layer}, but the file holds only "
-                             f"{len(f.tensors)} tensors")
+    check_block_count(n_layer, len(f.tensors), f.path, key("block_count"))
     if n_embd % n_head and not (f.has(key("attention.key_length")) and f.has(key("attention.value_length"))):
         raise UnsupportedModelError(f"{f.path}: n_embd {n_embd} is not divisible by n_head {n_head}")
     n_head_kv = f.get_int(key("attention.head_count_kv"), n_head, at_least=1)

@@ -9,6 +9,7 @@ products without a dequantized copy of the model.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +27,23 @@ from .save import write_atomically
 
 # every projection the graph applies adapters to (GraphBuilder.mm); new adapters adapt all of them by default
 DEFAULT_MODULES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+# The largest |scale| an adapter may be applied or merged at. llama.cpp sets no bound, but a
+# scale of 1e38 turns every logit into NaN (on a server: every client's text is empty), and
+# the scales people use are within [-2, 2]; 100 leaves room for experiments while
+# scale * alpha / r * B A stays far from float32's overflow. One bound for the command lines
+# (--lora-scaled), the server (POST /lora-adapters, a request's `lora`) and export-lora.
+LORA_SCALE_LIMIT = 100.0
+LORA_SCALE_RULE = f"a LoRA scale must be a finite number from {-LORA_SCALE_LIMIT:g} to {LORA_SCALE_LIMIT:g}"
+
+
+def check_lora_scale(scale: float, where: str = "LoRA scale") -> float:
+    """`scale` as a float if it is a finite number within +-LORA_SCALE_LIMIT, else InputError
+    naming `where` (see LORA_SCALE_LIMIT for why there is a bound)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) \
+            or not -LORA_SCALE_LIMIT <= scale <= LORA_SCALE_LIMIT:  # NaN fails the comparison too
+        raise InputError(f"{where}: {LORA_SCALE_RULE}, not {scale!r}")
+    return float(scale)
 
 
 class LoraAdapter:
@@ -149,6 +167,8 @@ def merge_adapters(model: Model, adapters: list[tuple[LoraAdapter, float]],
     choice with "auto" (F32 stays F32, any other type becomes F16). Returns the names of
     the merged tensors."""
     from ggmlpy import convert, quants, traits
+    for _, scale in adapters:
+        check_lora_scale(scale)
     names = list(dict.fromkeys(n for adapter, _ in adapters for n in adapter.tensors))
     for name in names:
         w = model.tensors[name]

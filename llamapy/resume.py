@@ -76,6 +76,8 @@ def resume_position(trainer, force: bool) -> tuple[FitPosition, Result]:
     if position.ibatch > run.n_train_batches or position.ibatch % per_step:
         raise InputError(f"{path}: the checkpoint's position (batch {position.ibatch} of the epoch) is not a step of "
                          f"this run's epoch ({run.n_train_batches} batches, {per_step} per optimizer step)")
+    _check_steps(path, ckpt, per_step, run.n_train_batches // per_step,
+                 same_data=ckpt.data_fingerprint == run.data_fingerprint())
     perm = run.dataset.permutation
     if ckpt.permutation.shape != perm.shape and not force:
         raise InputError(f"{path}: the checkpoint's window order ({ckpt.permutation.size} windows) does not fit this "
@@ -86,3 +88,22 @@ def resume_position(trainer, force: bool) -> tuple[FitPosition, Result]:
         run.rng.bit_generator.state = ckpt.rng_state
     run.pending = None
     return position, ckpt.epoch_result
+
+
+def _check_steps(path: Path, ckpt: Checkpoint, per_step: int, steps_per_epoch: int, same_data: bool) -> None:
+    """The step counts a checkpoint records agree with its position, in this run's steps of
+    `per_step` windows: its epoch's result one entry per step of the epoch so far, and (on
+    the data it was written for, whose epochs take `steps_per_epoch` steps) its optimizer at
+    least the steps of the epochs before and of this one (more when the trainer had trained
+    before the run began). InputError with one line when they do not."""
+    position = ckpt.position
+    in_epoch, recorded = position.ibatch // per_step, len(ckpt.epoch_result.steps)
+    if recorded != in_epoch:
+        raise InputError(f"{path}: the checkpoint is invalid: its epoch_result records {recorded} steps of this epoch, "
+                         f"but its position (window {position.ibatch}, {per_step} window{'s' * (per_step != 1)} a "
+                         f"step) is after {in_epoch} steps")
+    n_steps, needed = int(ckpt.optimizer["opt.n_steps"][0]), position.epoch * steps_per_epoch + in_epoch
+    if same_data and n_steps < needed:
+        raise InputError(f"{path}: the checkpoint is invalid: its step count {n_steps} is fewer than its position "
+                         f"takes (epoch {position.epoch + 1}, window {position.ibatch}: at least {needed} steps, "
+                         f"{steps_per_epoch} an epoch)")

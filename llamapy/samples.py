@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -145,14 +146,10 @@ def split_text(text: str, sample_start: str | None, where: str, include_sample_s
 
 
 def unescape(text: str) -> str:
-    """llama.cpp's --escape: \\n, \\r, \\t, \\', \\" and \\\\ in a command-line string."""
-    table = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in table:
-            out.append(table[text[i + 1]])
-            i += 2
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
+    """llama.cpp's --escape: \\n, \\r, \\t, \\', \\" and \\\\ in a command-line string (read left to
+    right, one regex pass: a long text is not turned into a list of its characters)."""
+    return _ESCAPE.sub(lambda m: _UNESCAPED[m.group(1)], text)
+
+
+_UNESCAPED = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
+_ESCAPE = re.compile(r"""\\([nrt'"\\])""")

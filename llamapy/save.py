@@ -5,14 +5,16 @@ in-memory one of a model built by `new_model`) value for value (every key, its e
 value type, the original order, strings as raw bytes); tensors are written in the original
 order with their current type and shape, from the bytes the model holds NOW (so weights
 changed in memory, e.g. by training, are saved). The file goes to a temporary file in the
-destination's directory, is fsynced, then renamed over the destination: a reader never
-sees a half-written file and a failed save leaves any previous file intact. Adapters and
-checkpoints are written the same way (`write_atomically`).
+destination's directory, is fsynced, read back (llamapy.read_back: a model through the
+model loader's structural checks, any other GGUF through the GGUF reader), then renamed over
+the destination: a reader never sees a half-written file, no save ends with a file llamapy
+cannot load, and a failed save leaves any previous file intact. Adapters, checkpoints and
+converted models are written the same way (`write_atomically`).
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from .errors import SaveError
 from .gguf_file import MetaValue, ValueType
 from .gguf_writer import TensorOut, write_gguf
 from .model import Model
+from .read_back import read_back_gguf, read_back_model, read_back_written
 
 
 def _typed_value(key: str, value: Any, existing: MetaValue | None) -> MetaValue:
@@ -82,17 +85,22 @@ def save_model_to_file(model: Model, path: str | os.PathLike, metadata: Mapping[
     Every metadata key of the source file is copied with its exact type and in its order;
     `metadata` adds keys or overrides values (typed like the key it replaces; new ints are
     UINT32, floats FLOAT32; pass a `MetaValue` (or a `gguf.GGUFValue`) to choose the type).
-    Every tensor is written from its current in-memory bytes. Raises `SaveError` with one
-    clear line (the destination is then untouched: a previous file there stays as it was).
+    Every tensor is written from its current in-memory bytes. The file is read back as a model
+    before it replaces anything (a Model's: the loader's structural checks; another GGUF
+    description's: the GGUF reader). Raises `SaveError` with one clear line (the destination
+    is then untouched: a previous file there stays as it was).
     """
     source = model.file  # a GGUFFile, or the in-memory description of a model built in Python
     meta = metadata_to_save(source.metadata, metadata)
     n_dims_in_file = source.tensor_n_dims
     tensors = [tensor_out(name, t, n_dims_in_file.get(name)) for name, t in model.tensors.items()]
-    return write_atomically(meta, tensors, Path(path), "model")
+    validate = read_back_model if isinstance(model, Model) else read_back_gguf
+    return write_atomically(meta, tensors, Path(path), "model", validate)
 
 
 def write_atomically(metadata: Mapping[str, MetaValue], tensors: list[TensorOut], dest: Path,
-                     what: str) -> Path:
-    """Write a GGUF file atomically (llamapy.atomic: a temp file beside `dest`, fsync, rename)."""
-    return replace_atomically(dest, lambda out: write_gguf(out, metadata, tensors), what)
+                     what: str, validate: Callable[[Path], object] = read_back_written) -> Path:
+    """Write a GGUF file atomically (llamapy.atomic: a temp file beside `dest`, fsync, read back
+    by `validate`, rename). The default reads it back with the GGUF reader, and with the model
+    loader's checks when it is a model llamapy runs (llamapy.read_back.read_back_written)."""
+    return replace_atomically(dest, lambda out: write_gguf(out, metadata, tensors), what, validate)

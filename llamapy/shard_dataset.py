@@ -15,6 +15,7 @@ from ggmlpy.opt import Dataset
 
 from .dataset import IGNORE, pad_token, window_count
 from .errors import InputError
+from .samples import FORMATS
 from .token_shards import TokenShards
 
 
@@ -123,14 +124,41 @@ class ShardSampleWindows(Dataset):
                 f"{len(self.shards.index.shards)} shard(s), packed into {self.ndata} windows of {self.n_ctx}")
 
 
-def shard_windows(path, vocab, n_ctx: int, *, window_bos: bool = False, truncate: bool = True) -> Dataset:
+def shard_windows(path, vocab, n_ctx: int, *, window_bos: bool = False, truncate: bool = True,
+                  data_format: str | None = None) -> Dataset:
     """The training windows of a shard directory made by llamapy-tokenize (or
     write_token_shards) for `vocab`'s model: a text's windows (BOS at each window's start with
-    `window_bos`) or its samples packed; the dataset Context.opt_fit takes."""
+    `window_bos`) or its samples packed; the dataset Context.opt_fit takes. `data_format`,
+    when given, must be what the shards hold (check_format)."""
     shards = TokenShards.open(path, vocab)
+    check_format(shards, data_format)
     if shards.index.kind == "text":
         return ShardTextWindows(shards, n_ctx, bos=vocab.bos_id if window_bos else None)
     return ShardSampleWindows(shards, n_ctx, pad_token(vocab), truncate)
+
+
+def check_format(shards: TokenShards, data_format: str | None) -> None:
+    """Refuse a `data_format` the shards do not hold: the format was applied when they were
+    tokenized, so a data format asked for now cannot be honoured by reading them otherwise.
+    A text holds "text"; samples hold the formats their index records (an index written
+    before formats were recorded cannot say, and is refused with any format named)."""
+    if data_format is None:
+        return
+    if data_format not in FORMATS:
+        raise InputError(f"unknown data format {data_format!r} (known: {', '.join(FORMATS)})")
+    index = shards.index
+    if index.kind == "text":
+        if data_format != "text":
+            raise InputError(f"{shards.path}: --data-format {data_format}, but the shards hold a plain text, not "
+                             f"{data_format} samples (tokenize the {data_format} JSONL files into shards of their own)")
+        return
+    if index.formats is None:
+        raise InputError(f"{shards.path}: --data-format {data_format}, but the shards' index does not record the "
+                         "samples' format (tokenized by an older llamapy: drop --data-format, or tokenize again)")
+    if index.formats != [data_format]:
+        raise InputError(f"{shards.path}: --data-format {data_format}, but the shards hold "
+                         f"{' and '.join(index.formats)} samples (the format is fixed when they are tokenized: drop "
+                         f"--data-format, or tokenize again with --data-format {data_format})")
 
 
 def _pack(positions: np.ndarray, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
@@ -149,6 +177,7 @@ def _pack(positions: np.ndarray, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
 def _fingerprint(shards: TokenShards, cut: str) -> str:
     """The windows' identity for checkpoints: the shards' index (their digests) and the cut."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(shards.index.model_dump_json().encode())
+    recorded = {"formats"} if shards.index.formats is None else set()  # as before formats were recorded
+    digest.update(shards.index.model_dump_json(exclude=recorded).encode())
     digest.update(cut.encode())
     return digest.hexdigest()

@@ -11,6 +11,12 @@ A shard directory holds:
   the answers of a conversation) and `lengths-NNNNN.bin` (uint32 tokens per sample; a sample
   never spans two shards).
 
+Opening a directory checks it whole before any window is read: the index's entries (each
+a distinct `tokens-NNNNN.bin` of the directory), the files' sizes, the token files' digests
+and, in the same read, that every id is a token of the vocabulary (an id past it would index
+past the embedding matrix), and for samples that the lengths cut the tokens into samples of
+at least two tokens each.
+
 A text ("text" kind) is one token stream: each document tokenized as `-f` tokenizes a file
 (BOS first, as the vocabulary asks), the documents one after another. Training cuts it into
 windows as it cuts one text, so `--data DIR` trains on the same windows as `-f FILE` for a
@@ -25,20 +31,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import InputError, SaveError
 from .dataset import tokenize_sample
-from .samples import FORMATS, is_jsonl, parse_jsonl_line
+from .samples import FORMATS, Format, is_jsonl, parse_jsonl_line
 from .text_input import decode_text
 
 FORMAT = "llamapy-token-shards"
@@ -50,15 +57,16 @@ VERIFY_PIECE = 4 << 20          # bytes read at a time to check a shard's digest
 _CUT_SEARCH = 1 << 20            # how far back from a piece's end a cut is looked for
 _CUT_TRIES = 256                 # line breaks tried there
 _CUT_CONTEXT = 256               # bytes each side of a cut tokenized to check it
+TOKENS_NAME = re.compile(r"tokens-[0-9]{5,}\.bin")  # the token files write_token_shards names
 Kind = Literal["text", "samples"]
 
 
 class ShardEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     tokens: str
-    n_tokens: int
+    n_tokens: int = Field(ge=0)
     digest: str
-    n_samples: int = 0           # samples (kind "samples"): masks-/lengths- files beside tokens-
+    n_samples: int = Field(0, ge=0)  # samples (kind "samples"): masks-/lengths- files beside tokens-
 
 
 class ShardIndex(BaseModel):
@@ -69,12 +77,14 @@ class ShardIndex(BaseModel):
     version: int = VERSION
     kind: Kind
     dtype: Literal["uint16", "uint32"]
-    n_vocab: int
+    n_vocab: int = Field(ge=1)
     vocab: str                   # the tokenizer's Vocab.fingerprint()
     sources: list[str]
     shards: list[ShardEntry]
     chat_template: str | None = None   # samples: the template's name, and whether prompts were masked
     mask_prompt: bool = True
+    formats: Annotated[list[Format], Field(min_length=1)] | None = None  # samples: their JSONL formats (None:
+    #                                                                     written before formats were recorded)
 
     @property
     def n_tokens(self) -> int:
@@ -85,14 +95,25 @@ class ShardIndex(BaseModel):
         return sum(s.n_samples for s in self.shards)
 
 
-def _verify_digest(file: Path, expected: str) -> None:
-    """The token file's bytes against the digest llamapy-tokenize wrote for it: a damaged or
-    changed shard is refused before training, not trained on (read in pieces, through the
-    page cache; about a second a GB)."""
+def _verify_tokens(file: Path, expected: str, dtype: np.dtype, n_vocab: int) -> None:
+    """The token file's bytes against the digest llamapy-tokenize wrote for it, and in the same
+    read its ids against the vocabulary: a damaged or changed shard is refused before training,
+    not trained on, and an id a model has no row for never reaches a kernel (read in pieces,
+    through the page cache; about a second a GB)."""
     digest = hashlib.blake2b(digest_size=16)
+    done = 0  # ids read
     with open(file, "rb") as f:
         while piece := f.read(VERIFY_PIECE):
+            if len(piece) % dtype.itemsize:
+                raise InputError(f"{file}: changed while it was read (its size is no longer whole tokens)")
             digest.update(piece)
+            ids = np.frombuffer(piece, dtype)
+            if int(ids.max()) >= n_vocab or (dtype.kind == "i" and int(ids.min()) < 0):
+                at = int(np.argmax((ids >= n_vocab) | (ids < 0)))
+                raise InputError(f"{file}: token {done + at} is id {int(ids[at])}, not one of the vocabulary's "
+                                 f"{n_vocab} (0 to {n_vocab - 1}: a damaged or changed shard; tokenize the data "
+                                 "again)")
+            done += len(ids)
     if digest.hexdigest() != expected:
         raise InputError(f"{file}: its bytes are not the ones llamapy-tokenize wrote (the index's digest "
                          "differs: a damaged or changed shard; tokenize the data again)")
@@ -110,25 +131,20 @@ class TokenShards:
     pages would over an epoch."""
 
     def __init__(self, path: Path, index: ShardIndex) -> None:
+        """Check the directory against `index` (the cheap checks first, then one read of the
+        token files) and open it."""
         self.path, self.index = path, index
         self.dtype = np.dtype(index.dtype).newbyteorder("<")
+        self._check_entries()
         self.tokens = [self._checked(s.tokens, s.n_tokens, self.dtype) for s in index.shards]
-        for s, file in zip(index.shards, self.tokens):
-            _verify_digest(file, s.digest)
-        self.starts = np.concatenate([[0], np.cumsum([s.n_tokens for s in index.shards])]).astype(np.int64)
         self._open: dict[Path, object] = {}
         if index.kind == "samples":
             self.masks = [self._checked(_sibling(s.tokens, "masks"), s.n_tokens, np.uint8) for s in index.shards]
-            lengths = []
-            for s in index.shards:
-                file = self._checked(_sibling(s.tokens, "lengths"), s.n_samples, np.dtype("<u4"))
-                n = np.fromfile(file, np.dtype("<u4")).astype(np.int64)
-                if int(n.sum()) != s.n_tokens:
-                    raise InputError(f"{file}: the sample lengths do not add up to the shard's {s.n_tokens} tokens "
-                                     "(a damaged shard directory)")
-                lengths.append(n)
-            self.lengths = np.concatenate(lengths)
+            self.lengths = np.concatenate([self._lengths(s) for s in index.shards])
             self.sample_starts = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        for s, file in zip(index.shards, self.tokens):
+            _verify_tokens(file, s.digest, self.dtype, index.n_vocab)
+        self.starts = np.concatenate([[0], np.cumsum([s.n_tokens for s in index.shards])]).astype(np.int64)
 
     @classmethod
     def open(cls, path: str | os.PathLike, vocab=None) -> TokenShards:
@@ -139,7 +155,7 @@ class TokenShards:
             raise InputError(f"{path}: not a token shard directory (no {INDEX}; make one with llamapy-tokenize)")
         try:
             raw = json.loads((path / INDEX).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also over-long ints
             raise InputError(f"{path / INDEX}: unreadable ({e})") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise InputError(f"{path / INDEX}: not a {FORMAT} index")
@@ -156,7 +172,43 @@ class TokenShards:
         if vocab is not None and index.vocab != vocab.fingerprint():
             raise InputError(f"{path}: tokenized with another tokenizer than this model's (tokenize the data "
                              "again with this model)")
+        if vocab is not None and index.n_vocab != vocab.n_tokens:
+            raise InputError(f"{path / INDEX}: n_vocab {index.n_vocab}, but the model's vocabulary has "
+                             f"{vocab.n_tokens} tokens (a changed index; tokenize the data again)")
         return cls(path, index)
+
+    def _check_entries(self) -> None:
+        """Each entry names a token file of this directory by its name, and no file twice: an
+        index edited to point elsewhere, at another kind of file or at a shard twice (its
+        tokens would silently train twice) is refused."""
+        where, seen = self.path / INDEX, set()
+        for k, s in enumerate(self.index.shards):
+            if Path(s.tokens).name != s.tokens or s.tokens in ("", ".", ".."):
+                raise InputError(f"{where}: shard {k} names {s.tokens!r}, not a file of the directory (an index "
+                                 "names its shards by file name)")
+            if not TOKENS_NAME.fullmatch(s.tokens):
+                raise InputError(f"{where}: shard {k} names {s.tokens!r}, not a token file (tokens-NNNNN.bin)")
+            if s.tokens in seen:
+                raise InputError(f"{where}: shard {s.tokens!r} is listed twice (its tokens would train twice: a "
+                                 "changed index; tokenize the data again)")
+            if self.index.kind == "text" and s.n_samples:
+                raise InputError(f"{where}: shard {s.tokens!r} of a text counts {s.n_samples} samples "
+                                 "(a changed index; tokenize the data again)")
+            seen.add(s.tokens)
+
+    def _lengths(self, entry: ShardEntry) -> np.ndarray:
+        """A samples shard's sample lengths, checked to cut its tokens into samples of at least
+        two tokens (a sample learns its tokens after the first)."""
+        file = self._checked(_sibling(entry.tokens, "lengths"), entry.n_samples, np.dtype("<u4"))
+        n = np.fromfile(file, np.dtype("<u4")).astype(np.int64)
+        if int(n.sum()) != entry.n_tokens:
+            raise InputError(f"{file}: the sample lengths add up to {int(n.sum())} tokens, not the shard's "
+                             f"{entry.n_tokens} (a damaged shard directory)")
+        if len(n) and int(n.min()) < 2:
+            k = int(np.argmin(n))
+            raise InputError(f"{file}: sample {k} is {int(n[k])} token(s); a sample has at least 2 "
+                             "(a damaged shard directory)")
+        return n
 
     def _checked(self, name: str, count: int, dtype) -> Path:
         """The shard file `name`, checked to be in the directory and of the size the index says."""
@@ -483,9 +535,10 @@ def write_token_shards(inputs: Sequence[Path], out_dir: Path, vocab, *, workers:
     try:
         writer = _ShardWriter(tmp, dtype, shard_tokens, samples)
         total = sum(f.stat().st_size for f in files)
-        done, invalid = 0, 0
+        done, invalid, formats = 0, 0, set()
         for path in files:
             fmt = first_format(path, data_format) if samples else None
+            formats.add(fmt)
             if samples and fmt != "text" and chat_template is None:
                 raise InputError(f"{path}: conversations need a chat template (the model has none: give one by "
                                  "file or name)")
@@ -506,7 +559,7 @@ def write_token_shards(inputs: Sequence[Path], out_dir: Path, vocab, *, workers:
         index = ShardIndex(kind="samples" if samples else "text", dtype=dtype.name, n_vocab=vocab.n_tokens,
                            vocab=vocab.fingerprint(), sources=[str(f.resolve()) for f in files], shards=entries,
                            chat_template=None if chat_template is None else chat_template.name,
-                           mask_prompt=mask_prompt)
+                           mask_prompt=mask_prompt, formats=sorted(formats) if samples else None)
         if index.n_tokens == 0:
             raise InputError("the inputs give no tokens")
         with open(tmp / INDEX, "w", encoding="utf-8") as f:

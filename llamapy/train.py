@@ -142,7 +142,7 @@ class Trainer:
         self.run = RunState()
         self.timing = TrainTiming()
         self.label_weight = 1.0  # of a counted position in the step being trained (begin_step)
-        self._t_last = 0.0
+        self._t_last: float | None = None  # when the last training window ended (None: none yet in this run)
         self._graphs: dict[tuple[int, bool], UbatchGraph] = {}
         # a window's ubatch graphs run one after another and their results are copied out
         # at once (K/V stores, losses): they share one arena, as large as the largest plan
@@ -311,7 +311,7 @@ class Trainer:
     def run_batch(self, dataset: Dataset, ibatch: int, train: bool, result: Result | None,
                   tick: Callable[[], None]) -> None:
         tokens, labels = dataset.datapoint(ibatch)
-        if train and ibatch == 0:
+        if train and (ibatch == 0 or self._t_last is None):  # an epoch's start, or a run resumed mid-epoch
             self._t_last = time.perf_counter()
         self.window(tokens, labels, train, result, tick, window_layout(dataset, ibatch))
         if train:  # the time since the last window ended: this window and the step before it

@@ -20,10 +20,15 @@ import hashlib
 import json
 import re
 import struct
+from array import array
 from typing import Callable
 
+import numpy as np
+
+from llamapy import vocab_checks as checks
 from llamapy.errors import InputError, LlamapyError, VocabError
-from llamapy.gguf_file import GGUFMetadata, MetaValue, ValueType, metadata_from_reader, typed_scalar
+from llamapy.gguf_file import GGUFMetadata, MetaValue, metadata_from_reader, typed_scalar
+from llamapy.long_text import check_cuttable, encode_long
 from llamapy.pretokenizers import PRE_TOKENIZERS, PreTokenizer
 from llamapy.text_input import check_text
 
@@ -134,41 +139,6 @@ def _scalar(meta: dict[str, MetaValue], key: str, kind: type, default=None):
     when the file stores another type."""
     value = typed_scalar(meta, key, kind)
     return default if value is None else value
-
-
-def _array(meta: dict[str, MetaValue], key: str, allowed: tuple) -> list | None:
-    """An array value whose element type is one of `allowed`, or None when absent."""
-    v = meta.get(key)
-    if v is None:
-        return None
-    if v.type != ValueType.ARRAY or v.sub_type not in allowed:
-        got = [v.type.name] + ([v.sub_type.name] if v.sub_type is not None else [])
-        raise VocabError(f"GGUF key {key} has type {got}, expected an array of {[t.name for t in allowed]}")
-    return v.value if isinstance(v.value, list) else v.value.tolist()
-
-
-def _token_list(reader: dict[str, MetaValue]) -> list[str]:
-    """Token texts; empty ones renamed like llama.cpp, duplicates refused."""
-    texts = _array(reader, "tokenizer.ggml.tokens", (ValueType.STRING,))
-    if not texts:
-        raise VocabError("GGUF file has no tokenizer.ggml.tokens list (no vocabulary)")
-    texts = [text or f"[EMPTY_{i}]" for i, text in enumerate(texts)]
-    if len(set(texts)) != len(texts):
-        seen: dict[str, int] = {}
-        for i, text in enumerate(texts):
-            if text in seen:
-                raise VocabError(f"duplicate token in vocabulary: {text!r} has ids {seen[text]} and {i}")
-            seen[text] = i
-    return texts
-
-
-def _per_token(reader: dict[str, MetaValue], key: str, allowed: tuple, n_tokens: int, default) -> list:
-    values = _array(reader, key, allowed)
-    if values is None:
-        return [default] * n_tokens
-    if len(values) < n_tokens:
-        raise VocabError(f"GGUF key {key} has {len(values)} entries for {n_tokens} tokens")
-    return values[:n_tokens]
 
 
 # ---------------------------------------------------------------------------------------
@@ -296,8 +266,8 @@ def _bpe_encoder(texts: list[str], merges: list[str], pre: PreTokenizer) -> Call
         models,
         pre_tokenizers,
     )
-    vocab = {text: i for i, text in enumerate(texts) if _is_str_valid(text)}
-    unknown = len(texts)  # "" is never a token text: _token_list renames empty ones
+    vocab = {text: i for i, text in enumerate(texts)}
+    unknown = len(texts)  # "" is never a token text: vocab_checks.token_texts renames empty ones
     try:
         model = models.BPE(vocab={**vocab, "": unknown}, merges=_bpe_merges(merges, vocab), unk_token="",
                            ignore_merges=pre.ignore_merges, byte_fallback=not pre.byte_encode)
@@ -328,15 +298,6 @@ def _bpe_encoder(texts: list[str], merges: list[str], pre: PreTokenizer) -> Call
         return ids + merge(text[done:])
 
     return encode
-
-
-def _is_str_valid(text: str) -> bool:
-    """False for token texts holding undecodable bytes (they cannot go to Rust)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _decode_byte_level(text: str) -> bytes:
@@ -459,9 +420,9 @@ class Vocab:
         if model is None:
             raise VocabError("GGUF file has no tokenizer.ggml.model (no vocabulary)")
         pre_name = _scalar(reader, "tokenizer.ggml.pre", str, "")
-        vocab._texts = _token_list(reader)
-        vocab._types = _per_token(reader, "tokenizer.ggml.token_type", (ValueType.INT32,),
-                                  vocab.n_tokens, TYPE_NORMAL)
+        vocab._texts = checks.token_texts(reader)
+        vocab._types = checks.token_types(reader, vocab.n_tokens, TYPE_NORMAL)
+        scores = checks.token_scores(reader, vocab.n_tokens)
         vocab._check_byte_tokens()
         vocab._attrs = [_TYPE_TO_ATTR.get(t, 0) for t in vocab._types]
         defaults, pre = vocab._configure(model, pre_name)
@@ -474,18 +435,17 @@ class Vocab:
         vocab._check_add_special()
         vocab._special_ids = vocab._special_token_cache()
         vocab._set_strip_attrs(_scalar(reader, "general.name", str, ""), pre_name)
-        vocab._encode = vocab._build_encoder(reader, pre)
+        vocab._encode = vocab._build_encoder(reader, pre, scores)
         return vocab
 
-    def _build_encoder(self, reader: dict[str, MetaValue], pre: PreTokenizer | None) -> Callable[[str], list[int]]:
+    def _build_encoder(self, reader: dict[str, MetaValue], pre: PreTokenizer | None, scores: list[float] | None
+                       ) -> Callable[[str], list[int]]:
         """The library tokenizer for raw-text fragments: sentencepiece (SPM) or tokenizers (BPE)."""
         if self.kind == "spm":
-            scores = _per_token(reader, "tokenizer.ggml.scores",
-                                (ValueType.FLOAT32, ValueType.INT32), self.n_tokens, 0.0)
             unk_id = 0 if self.unk_id is None else self.unk_id  # SPM's default unk (0) is always valid
-            return _spm_encoder(self._texts, [float(s) for s in scores], self._attrs, unk_id)
+            return _spm_encoder(self._texts, scores or [0.0] * self.n_tokens, self._attrs, unk_id)
         assert pre is not None  # set by _configure for every BPE vocab
-        merges = _array(reader, "tokenizer.ggml.merges", (ValueType.STRING,))
+        merges = checks.merges(reader)
         if merges is None and not pre.merges_optional:
             raise VocabError("GGUF file has no tokenizer.ggml.merges, needed by a BPE vocabulary")
         return _bpe_encoder(self._texts, merges or [], pre)
@@ -517,14 +477,15 @@ class Vocab:
 
     def _special_ids_from(self, reader: dict[str, MetaValue], defaults: dict[str, int | None]
                           ) -> dict[str, int | None]:
-        """Special ids: defaults dropped when out of range, then valid metadata values."""
+        """Special ids: defaults dropped when out of range, then the metadata's (checked by
+        vocab_checks.special_id: in range, or -1 for none)."""
         n = len(self._texts)
         ids: dict[str, int | None] = {name: None for name, _ in _SPECIAL_ID_KEYS}
         for name, value in defaults.items():
             ids[name] = value if value is not None and 0 <= value < n else None
         for name, key in _SPECIAL_ID_KEYS:
-            value = _scalar(reader, key, int)
-            if value is not None and 0 <= value < n:
+            value = checks.special_id(reader, key, n)
+            if value is not None:
                 ids[name] = value
         return ids
 
@@ -655,25 +616,34 @@ class Vocab:
         add_special adds BOS/EOS when the vocab asks for them; parse_special lets control
         tokens written literally in the text become single tokens (user-defined tokens
         always do). `space_prefix=False` leaves out SentencePiece's space before the text
-        (a piece that continues a text cut in pieces).
+        (a piece that continues a text cut in pieces). A long text: `tokenize_array`.
         """
+        return self.tokenize_array(text, add_special, parse_special, space_prefix).tolist()
+
+    def tokenize_array(self, text: str, add_special: bool = True, parse_special: bool = False,
+                       space_prefix: bool = True) -> np.ndarray:
+        """`tokenize`'s ids as an int32 array: 4 bytes a token where a list takes up to 36, and
+        a long text encoded in bounded pieces (llamapy.long_text) with the same ids."""
         check_text(text, "the text to tokenize")
-        out: list[int] = []
+        out = array("i")
         if add_special and self.add_bos:
             out.append(self.bos_id)
         prev_special = space_prefix  # SPM: a space prefix goes at the start and after special tokens
-        for fragment in self._partition(text, parse_special):
+        fragments = self._partition(text, parse_special)
+        for fragment in fragments:
+            if isinstance(fragment, str):
+                check_cuttable(fragment)  # before any is encoded
+        for fragment in fragments:
             if isinstance(fragment, int):
                 out.append(fragment)
                 prev_special = True
                 continue
-            if self.kind == "spm" and self.add_space_prefix and prev_special:
-                fragment = " " + fragment
-            out.extend(self._encode(fragment))
+            prefix = " " if self.kind == "spm" and self.add_space_prefix and prev_special else ""
+            encode_long(fragment, self._encode, out, prefix)
             prev_special = False
         if add_special and self.add_eos:
             out.append(self.eos_id)
-        return out
+        return np.frombuffer(out, dtype=np.intc).astype(np.int32, copy=False)
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes (possibly part of a UTF-8 character); control and unknown tokens

@@ -267,3 +267,12 @@ def assert_logits_match(logits: np.ndarray, recorded, tol: float) -> None:
     m = logits.max(axis=1)
     logsumexp = np.log(np.exp(logits - m[:, None]).sum(axis=1)) + m
     assert np.allclose(logsumexp, recorded["logsumexp"], rtol=tol, atol=0)
+
+
+if __name__ == "__main__":  # python tests/hf_checkpoints.py NAME DEST: a checkpoint to try llamapy-convert on
+    import sys
+    if len(sys.argv) != 3 or sys.argv[1] not in NAMES:
+        raise SystemExit(f"usage: python tests/hf_checkpoints.py {{{','.join(NAMES)}}} DEST_FOLDER")
+    import os
+    shared_dir = Path(os.environ.get("LLAMAPY_SHARED", Path(__file__).resolve().parent.parent.parent / "shared"))
+    print(f"wrote {write_checkpoint(sys.argv[1], Path(sys.argv[2]), shared_dir)}")

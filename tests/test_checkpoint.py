@@ -100,8 +100,11 @@ def test_resume_is_bit_identical(kind, stories_path, q4_model_path, text, tmp_pa
     saved = load_checkpoint(ckpt)
     assert 0 < int(saved.optimizer["opt.n_steps"][0]) <= die_at
     resumed = fresh_context(path, kind)
+    t0 = time.perf_counter()
     history = fit(resumed, text, checkpoint=ckpt, save_every=3, resume=ckpt)
     assert resumed.trainer.n_steps == total and history[-1].epoch == EPOCHS - 1
+    # the resumed run's first window is timed from its own start, not from the epoch's
+    assert 0 < resumed.trainer.timing.startup_seconds <= time.perf_counter() - t0
     got = trained(resumed)
     assert got.keys() == expect.keys()
     for name in expect:

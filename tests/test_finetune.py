@@ -188,9 +188,9 @@ def test_warmup_leaves_no_trace_and_is_refused_while_training(stories):
         ctx.set_warmup(True)
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch, stories_path):
+def test_docs_python_training_example_runs(tmp_path, monkeypatch, stories_path):
     shared_path("data", "tinyshakespeare.txt")  # the example's text (skips where shared/ is absent)
-    text = (REPO_ROOT / "README.md").read_text()
+    text = (REPO_ROOT / "docs" / "python.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     example = next(b for b in blocks if "opt_fit" in b)
     out = tmp_path / "stories-shakespeare.gguf"

@@ -9,6 +9,7 @@ exit, no traceback), the rest through ctx.opt_load_checkpoint / opt_fit(resume=.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,40 @@ def test_crafted_checkpoints_are_refused(stories_path, good, tmp_path, name, edi
     refused(stories_path, crafted(good, tmp_path, name, edit), expected)
 
 
+def with_value(prefix: str, index: int, value: float):
+    """An edit setting entry `index` (flat) of the first tensor whose name starts with `prefix`."""
+    def edit(metadata, tensors):
+        i = next(k for k, t in enumerate(tensors) if t.name.startswith(prefix))
+        values = np.frombuffer(bytes(tensors[i].data), np.float32).reshape(tuple(reversed(tensors[i].ne))).copy()
+        values.reshape(-1)[index] = value
+        tensors[i] = array_out(tensors[i].name, values)
+    return edit
+
+
+@pytest.mark.parametrize("name, edit, expected", [
+    ("nan_weight", with_value("param.", 3, np.nan), r"tensor param\.\S+ has a non-finite value \(nan\) at index 3"),
+    ("inf_weight", with_value("param.", 0, np.inf), r"tensor param\.\S+ has a non-finite value \(inf\) at index 0"),
+    ("nan_first_moment", with_value("opt.m.", 7, np.nan),
+     r"tensor opt\.m\.\S+ has a non-finite value \(nan\) at index 7"),
+    ("inf_second_moment", with_value("opt.v.", 1, np.inf), r"tensor opt\.v\.\S+ has a non-finite value \(inf\)"),
+    ("negative_second_moment", with_value("opt.v.", 5, -1e-3),
+     r"tensor opt\.v\.\S+ has a negative value \(-0\.001\) at index 5"),
+    ("n_steps_past_int64", set_json("n_steps", lambda v: 10**30), r"llamapy\.checkpoint\.n_steps must be <="),
+    ("epoch_past_int64", set_json("position", lambda v: [2**63, *v[1:]]), r"llamapy\.checkpoint\.position must be <="),
+    ("fewer_steps_than_the_epoch_records", set_json("n_steps", lambda v: 1),
+     "n_steps 1 is fewer than the 2 steps its epoch_result records"),
+    ("epoch_start_with_steps", set_json("position", lambda v: [v[0], 0, 1]),
+     r"position \[0, 0, 1\] is the start of an epoch, but its epoch_result records 2 steps"),
+    ("steps_without_result", set_json("epoch_result", lambda v: {**v, "steps": []}),
+     r"position \[0, 2, 1\] is inside an epoch, but its epoch_result records no step"),
+])
+def test_inconsistent_or_non_finite_checkpoints_are_refused(stories_path, good, tmp_path, name, edit, expected):
+    """Re-sealed with a valid checksum: counters out of range or disagreeing with each other,
+    weights and optimizer moments that are not finite (or a negative second moment)."""
+    message = refused(stories_path, crafted(good, tmp_path, name, edit), INVALID)
+    assert re.search(expected, message), message
+
+
 def test_a_tensor_of_the_wrong_size_is_refused(stories_path, good, tmp_path) -> None:
     first = next(t for t in contents(good)[1] if t.name.startswith("param."))
     path = crafted(good, tmp_path, "size", replace_tensor(first.name, np.zeros(7, np.float32)))
@@ -205,18 +240,34 @@ def test_positions_and_orders_that_do_not_fit_the_run_are_refused(stories_path, 
     """Checked against the run that resumes: a position past its epoch, an order of another length."""
     ckpt = load_checkpoint(good)
     windows = token_windows(llamapy.load_model(stories_path).vocab.tokenize(text), N_CTX)
+    steps = int(ckpt.optimizer["opt.n_steps"][0])
+    assert ckpt.position.ibatch == steps == len(ckpt.epoch_result.steps)  # one window a step, all in epoch 0
     cases = {"past_the_data": ("position", "is not a step of this run's epoch"),
-             "short_order": ("permutation", "does not fit this text")}
+             "short_order": ("permutation", "does not fit this text"),
+             "later_epoch_same_steps": ("position", f"step count {steps} is fewer than its position takes "
+                                                    rf"\(epoch 2, window {steps}: at least"),
+             "epoch_far_past_the_run": ("position", f"step count {steps} is fewer than its position takes"),
+             "position_ahead_of_its_steps": ("position", f"its epoch_result records {steps} steps of this epoch, "
+                                                         rf"but its position \(window {steps + 1}, 1 window a "
+                                                         rf"step\) is after {steps + 1}")}
     for name, (field, expected) in cases.items():
         changed = load_checkpoint(good)
         if name == "past_the_data":
             changed.position = type(ckpt.position)(0, 10**6, True)
-        else:
+        elif name == "short_order":
             changed.permutation = np.arange(ckpt.permutation.size - 1)
+        elif name == "later_epoch_same_steps":
+            changed.position = type(ckpt.position)(1, ckpt.position.ibatch, True)
+        elif name == "epoch_far_past_the_run":
+            changed.position = type(ckpt.position)(10**6, 0, False)
+            changed.epoch_result = type(ckpt.epoch_result)()
+        else:
+            changed.position = type(ckpt.position)(0, ckpt.position.ibatch + 1, True)
         path = save_checkpoint(changed, tmp_path / f"{name}.gguf")
         with pytest.raises(InputError) as e:
             context(stories_path).opt_fit(windows, epochs=1, val_split=0.2, seed=11, silent=True, resume=path)
-        assert str(path) in str(e.value) and expected in str(e.value) and "\n" not in str(e.value), (field, e.value)
+        message = str(e.value)
+        assert str(path) in message and re.search(expected, message) and "\n" not in message, (field, message)
 
 
 # ---- through the command line ------------------------------------------------------------------------

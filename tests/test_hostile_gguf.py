@@ -289,10 +289,11 @@ def test_a_crafted_file_is_refused_in_one_line(stories_path, tmp_path, make: Mak
     assert re.search(expected, message), message
 
 
-@pytest.mark.parametrize("token_type", [0, 1, 2, 3, 4, 5, 7, 99, -1])
+@pytest.mark.parametrize("token_type", [0, 1, 2, 3, 4, 5])
 def test_a_vocabulary_of_one_token_type_works_or_is_refused(stories_path, tmp_path, token_type: int):
-    """Every token NORMAL, CONTROL, UNUSED, ... (BYTE is refused above): tokenizing, rendering
-    every piece and decoding either work, with finite logits, or stop at one line."""
+    """Every token NORMAL, CONTROL, UNUSED, ... (BYTE is refused above, types outside llama.cpp's
+    0..6 in test_hostile_vocab.py): tokenizing, rendering every piece and decoding work, with
+    finite logits."""
     path = with_meta(tokenizer__ggml__token_type=token_types(token_type))(stories_path, tmp_path)
     with deadline(PER_CASE_SECONDS):
         model = llamapy.load_model(path)

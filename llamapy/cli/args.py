@@ -60,9 +60,9 @@ def flag(*names: str, help: str, group: str = COMMON, env: str | None = None, me
          paths_of: Callable[[Any], list] | None = None, replaced_by: str | None = None, **checks: Any) -> Any:
     """A flag's declaration: typer's Option with llama.cpp's names, its help group and text and
     its environment variable. `bare`: the value of the flag given without one (`-lr-half`);
-    `path`: "read" or "write", the role of the file(s) it names (paths.py), `paths_of` turning
-    its value into them and `replaced_by` the write flag allowed onto it; `checks`: typer's own
-    (min=, max=)."""
+    `path`: "read", "write" or "append" (a log), the role of the file(s) it names (paths.py),
+    `paths_of` turning its value into them and `replaced_by` the write flag allowed onto it;
+    `checks`: typer's own (min=, max=)."""
     info = typer.Option(*names, help=help, rich_help_panel=group, envvar=env, show_envvar=env is not None,
                         metavar=metavar, show_default=show_default, **checks)
     info.bare_value = bare
@@ -80,8 +80,8 @@ Verbosity = Annotated[Optional[int], flag("-lv", "--verbosity", "--log-verbosity
 LogDisable = Annotated[bool, flag("--log-disable", group=LOGGING, show_default=False,
                                   help="no log lines (errors still print; results still go to stdout)")]
 LogFile = Annotated[Optional[Path], flag("--log-file", group=LOGGING, metavar="FNAME", env="LLAMA_ARG_LOG_FILE",
-                                         show_default=False, path="write",
-                                         help="also write the log lines to this file")]
+                                         show_default=False, path="append",
+                                         help="also write the log lines to this file (appended to)")]
 
 
 def _print_version(value: bool) -> None:
@@ -181,6 +181,7 @@ class Tool:
             common.debug(_describe_flags(typer_context, values))
             for name, cls in sets.items():
                 values[name] = cls(**{f.name: values.pop(f.name) for f in dataclasses.fields(cls)})
+            common.command_begins()  # its first log line opens the log file, after it declared its paths
             function(**values)
 
         run.__signature__ = signature.replace(parameters=parameters)
@@ -193,17 +194,18 @@ class Tool:
         return function
 
     def _register_paths(self, ctx: typer.Context, values: dict[str, Any]) -> None:
-        """The run's paths (common.paths()): the flags' reads first, then their writes."""
+        """The run's paths (common.paths()): the flags' reads first, then their writes and the
+        log file."""
         names = {param.name: param.opts[0] for param in ctx.command.params}
         plan = common.new_paths()
-        for wanted in ("read", "write"):
+        for wanted in ("read", "write", "append"):
             for name, (role, paths_of, replaced_by) in self._path_roles.items():
                 if role == wanted and values.get(name) not in (None, [], ()):
                     for path in paths_of(values[name]):
                         if role == "read":
                             plan.read(names[name], path, replaced_by)
                         else:
-                            plan.write(names[name], path)
+                            plan.write(names[name], path, appends=role == "append")
 
     def click_command(self) -> typer.core.TyperCommand:
         if self._command is None:
@@ -268,6 +270,7 @@ class Tool:
         argv = list(sys.argv[1:] if argv is None else argv)
         command = self.click_command()
         self._notes: list[str] = []
+        common.configure_logging()  # a run in a longer process (tests, Python) starts from the defaults
 
         def run() -> None:
             args, self._notes = self.prescan(argv)
@@ -281,9 +284,13 @@ class Tool:
                 raise KeyboardInterrupt from None
             except typer.TyperException as e:  # click's usage errors, as typer raises them
                 raise InputError(_one_line(e)) from None
+            common.command_ends()
         if self.distributed:
             common.begin_setup()
-        common.guarded(run)()
+        try:
+            common.guarded(run)()
+        finally:
+            common.close_log()
 
 
 def _check_finite(ctx: typer.Context, values: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """What every command-line front end shares: one-line errors, threads, reading text."""
 from __future__ import annotations
 
+import errno
 import gc
-import math
 import os
 import sys
 import traceback
@@ -113,8 +113,7 @@ def fail(message: str, code: int = 1, *, every_rank: bool = False) -> None:
         abort_job(_COMM, message, code)
     if _COMM is None or _COMM.rank == 0:
         _line(sys.stderr, f"error: {message}")
-        if _Log.file is not None:
-            print(f"error: {message}", file=_Log.file, flush=True)
+        _error_to_log_file(f"error: {message}")
     raise SystemExit(code)
 
 
@@ -133,6 +132,8 @@ def guarded(main: Callable[[], None]) -> Callable[[], None]:
             if _Setup.open and _COMM.size > 1:  # -h or --version: the other ranks may be waiting
                 _stopped_early()
         except LlamapyError as e:
+            if LOG_FILE_FLAG in getattr(e, "flags", ()):  # paths.PathClash: the log file was refused
+                forget_log_file()
             fail(str(e), getattr(e, "code", 1), every_rank=e.on_every_rank)
         except KeyboardInterrupt as e:
             # every rank has the signal, some maybe inside a meeting: meeting again could pair
@@ -214,34 +215,114 @@ def chat_template_for(model, choice: str | None):
 
 
 class _Log:
-    """Where log lines go (the logging flags of every tool: -v, -lv, --log-disable, --log-file)."""
+    """Where log lines go (the logging flags of every tool: -v, -lv, --log-disable, --log-file).
+
+    The log file is one of the run's outputs (paths.py), appended to and never replaced (a
+    character device such as /dev/stderr or a FIFO is written to as it is). It opens with
+    the first line the command itself logs: a command declares its inputs and outputs before
+    that line, so a log file that is one of them is refused before a byte goes into it; the
+    lines logged before (notes on flags, -v's flags) wait in `held`. An error goes into it
+    only once it is open, and never the refusal of the log file itself."""
 
     level = INFO = 3
-    file = None
+    path: Path | None = None  # --log-file
+    file = None               # open from the command's first log line
+    held: list[str] = []      # lines logged before that
+    began = False             # the command's own code runs (it has declared its paths)
 
 
 ERROR, WARNING, INFO, DEBUG = 1, 2, 3, 4
+LOG_FILE_FLAG = "--log-file"
 
 
 def configure_logging(verbose: bool = False, verbosity: int | None = None, log_disable: bool = False,
                       log_file: Path | None = None) -> None:
     """llama.cpp's logging flags: -lv N shows lines up to level N, -v everything,
-    --log-disable nothing (errors still print), --log-file a copy of every line shown."""
+    --log-disable nothing (errors still print), --log-file a copy of every line shown
+    (opened later: _Log). Called with no arguments: the defaults, no log file."""
+    close_log()
     _Log.level = 0 if log_disable else DEBUG if verbose else verbosity if verbosity is not None else INFO
-    if log_file is not None:
+    _Log.path, _Log.held, _Log.began = log_file, [], False
+
+
+def command_begins() -> None:
+    """The command's own code starts: its first log line may open the log file."""
+    _Log.began = True
+
+
+def command_ends() -> None:
+    """The command succeeded: lines still held (it logged nothing itself) go to the log file."""
+    if _Log.began and _Log.held:
+        _to_log_file(None)
+
+
+def close_log() -> None:
+    """Close the log file (lines are flushed as they are written: nothing is lost)."""
+    if _Log.file is not None:
         try:
-            _Log.file = open(log_file, "a", encoding="utf-8")  # noqa: SIM115 -- kept open for the run
-        except OSError as e:
-            raise InputError(f"--log-file {log_file}: {e.strerror}") from None
+            _Log.file.close()
+        except OSError:
+            pass
+    _Log.file = None
+
+
+def forget_log_file() -> None:
+    """The log file was refused (an input, another output, a full device): nothing more goes to it."""
+    close_log()
+    _Log.path, _Log.held = None, []
+
+
+def _to_log_file(line: str | None) -> None:
+    """`line` (and the lines held before it) into the log file, opening it on first use; a
+    file that cannot be opened or written is one InputError line, and is given up."""
+    if _Log.path is None:
+        return
+    if not _Log.began:
+        _Log.held.append(line)
+        return
+    lines = [*_Log.held, *([] if line is None else [line])]
+    try:
+        if _Log.file is None:
+            _Log.file = _open_log_file(_Log.path)
+        _Log.held = []
+        _Log.file.write("".join(text + "\n" for text in lines))
+        _Log.file.flush()
+    except OSError as e:
+        path = _Log.path
+        forget_log_file()
+        raise InputError(f"{LOG_FILE_FLAG} {path}: cannot write to it: {_log_file_reason(e)}") from None
+
+
+def _open_log_file(path: Path):
+    """`path` opened to append (created when new, never truncated or renamed over); without
+    blocking at the open, so that a FIFO that no process reads is an error, not a hang."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    os.set_blocking(fd, True)
+    return open(fd, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115 -- kept open for the run
+
+
+def _log_file_reason(e: OSError) -> str:
+    if e.errno == errno.ENXIO:
+        return "no process reads it (a FIFO or socket needs a reader)"
+    return e.strerror or str(e)
+
+
+def _error_to_log_file(line: str) -> None:
+    """An error line into the log file when it is open (after the command declared its paths)."""
+    if _Log.file is not None:
+        try:
+            _to_log_file(line)
+        except InputError:
+            pass  # the error itself is on stderr; the log file is given up
 
 
 def log(message: str, level: int = INFO) -> None:
-    """A progress line on stderr (rank 0's only, under MPI), if the log level shows it."""
+    """A progress line on stderr (rank 0's only, under MPI), if the log level shows it, and
+    into the log file."""
     if level > _Log.level or (_COMM is not None and _COMM.rank != 0):
         return
     _line(sys.stderr, message)
-    if _Log.file is not None:
-        print(message, file=_Log.file, flush=True)
+    _to_log_file(message)
 
 
 def _line(stream, text: str) -> None:
@@ -266,24 +347,27 @@ def progress_stream():
 
 def adapter_list(lora: list[str] | None, lora_scaled: list[str] | None) -> list[tuple[str, float]]:
     """(path, scale) pairs from llama.cpp's `--lora FNAME[,FNAME...]` and
-    `--lora-scaled FNAME:SCALE[,FNAME:SCALE...]` (each repeatable)."""
+    `--lora-scaled FNAME:SCALE[,FNAME:SCALE...]` (each repeatable); a SCALE outside
+    llamapy.lora.LORA_SCALE_LIMIT is refused here, before any file is read."""
+    from llamapy.lora import check_lora_scale
     pairs = [(path, 1.0) for item in lora or [] for path in _csv(item)]
     for item in lora_scaled or []:
         for entry in _csv(item):
             path, sep, scale = entry.rpartition(":")
             try:
-                value = float(scale)
-            except ValueError:
+                value = check_lora_scale(float(scale))
+            except (ValueError, InputError):
                 _bad_scaled(entry)
-            if not sep or not path or not math.isfinite(value):
+            if not sep or not path:
                 _bad_scaled(entry)
             pairs.append((path, value))
     return pairs
 
 
 def _bad_scaled(entry: str):
-    raise InputError(f"--lora-scaled {entry}: expected FNAME:SCALE with a finite SCALE, e.g. --lora-scaled "
-                     "adapter.gguf:0.5")
+    from llamapy.lora import LORA_SCALE_LIMIT
+    raise InputError(f"--lora-scaled {entry}: expected FNAME:SCALE with a finite SCALE from {-LORA_SCALE_LIMIT:g} to "
+                     f"{LORA_SCALE_LIMIT:g}, e.g. --lora-scaled adapter.gguf:0.5")
 
 
 def _csv(item: str) -> list[str]:

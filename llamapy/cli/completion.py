@@ -27,6 +27,7 @@ from llamapy.text_input import check_text
 from . import flags as F
 from .args import CHAT, GENERATION, Tool, flag
 from .common import (
+    adapter_list,
     chat_template_for,
     freeze_startup_objects,
     kv_cache_types,
@@ -126,6 +127,7 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
     type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
     if repeat_penalty <= 0:
         raise InputError(f"--repeat-penalty must be > 0 (1.0: off), not {repeat_penalty:g}")
+    adapter_list(lora, lora_scaled)  # a bad --lora-scaled is refused before the model is read
     seed = random_seed() if seed == -1 else seed
     m = load_model(model or default_model_path(log))
     if ctx_size > m.hparams.n_ctx_train:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 from ggmlpy import GGMLType
-from llamapy.convert.peft import adapter_to_peft
+from llamapy.convert.peft import adapter_to_peft, check_peft_folder, peft_folder_files
 from llamapy.errors import InputError
 from llamapy.lora import merge_adapters
 from llamapy.model import load_model
@@ -29,10 +29,11 @@ DEFAULT_OUTPUT = Path("ggml-lora-merged-f16.gguf")
 
 Output = Annotated[Optional[Path], flag("-o", "--output", "--output-file", metavar="FNAME", group=OUTPUT, path="write",
                                         show_default=str(DEFAULT_OUTPUT), help="the merged GGUF to write")]
-ToPeft = Annotated[Optional[Path], flag("--to-peft", metavar="DIR", group=OUTPUT, path="write", show_default=False,
+ToPeft = Annotated[Optional[Path], flag("--to-peft", metavar="DIR", group=OUTPUT, path="write",
+                                        paths_of=peft_folder_files, show_default=False,
                                         help="instead of merging, write the adapter (one --lora) as a Hugging Face "
-                                             "PEFT adapter in DIR: adapter_model.safetensors and adapter_config.json, "
-                                             "for the checkpoint MODEL was converted from")]
+                                             "PEFT adapter in DIR (a new or empty folder): adapter_model.safetensors "
+                                             "and adapter_config.json, for the checkpoint MODEL was converted from")]
 Base = Annotated[Optional[str], flag("--base", metavar="HF_DIR|MODEL_ID", group=OUTPUT, show_default=False,
                                      help="with --to-peft: that checkpoint's folder or model id "
                                           "(base_model_name_or_path; a folder is checked against MODEL)")]
@@ -55,8 +56,12 @@ def run(model: F.Model, lora: F.Lora = None, lora_scaled: F.LoraScaled = None, o
             raise InputError("-o names a merged model, --to-peft a PEFT adapter's folder: give one")
         if len(adapter_list(lora, lora_scaled)) != 1 or adapter_list(lora, lora_scaled)[0][1] != 1.0:
             raise InputError("--to-peft writes one adapter as it is: give it with --lora FNAME (no scale)")
+        check_peft_folder(to_peft)
     elif base is not None:
         raise InputError("--base names the Hugging Face checkpoint of a PEFT adapter: use it with --to-peft DIR")
+    else:
+        output = output or DEFAULT_OUTPUT
+        paths().write("-o", output)
     t0 = time.perf_counter()
     m = load_model(model)
     log(f"model: {m.path.name}: {m.describe()}")
@@ -64,8 +69,6 @@ def run(model: F.Model, lora: F.Lora = None, lora_scaled: F.LoraScaled = None, o
     if to_peft is not None:
         adapter_to_peft(m, adapters[0][0], to_peft, base, log=log)
         return
-    output = output or DEFAULT_OUTPUT
-    paths().write("-o", output)
     merged = merge_adapters(m, adapters, OUTTYPES[outtype.lower()])
     save_model_to_file(m, output)
     log(f"export-lora: merged {len(merged)} matrices, wrote {output} in {time.perf_counter() - t0:.1f} s")

@@ -59,18 +59,18 @@ def run(model: F.OptionalModel = None, file: T.File = None, output: Output = Non
     paths().read("-m", model)
     m = load_model(model)
     freeze_startup_objects()
-    log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
     params = args.train_params(m, lora_rank=lora_rank, lora_alpha=lora_alpha, window_bos=window_bos,
                                lora_modules=[x.strip() for x in lora_modules.split(",") if x.strip()])
-    if params.lora is not None and lora_rank is None:
-        log(f"finetune: the model's weights are quantized: training a LoRA adapter of rank {params.lora.rank}")
     if params.lora is None and lora_out is not None:
         raise InputError("--lora-out names the adapter of a LoRA run: add --lora-rank R (or write the model with -o)")
     if output is not None and lora_out is not None and output != lora_out:
         raise InputError(f"-o {output} and --lora-out {lora_out} both name the adapter: give one")
     flag = "-o" if output is not None or lora_out is None else "--lora-out"
     output = output or lora_out or Path("lora-adapter.gguf" if params.lora else "finetuned-model.gguf")
-    paths().write(flag, output)
+    paths().write(flag, output)  # before the first log line: it opens the log file (common._Log)
+    log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
+    if params.lora is not None and lora_rank is None:
+        log(f"finetune: the model's weights are quantized: training a LoRA adapter of rank {params.lora.rank}")
     demo = None
     if file is None and args.data is None:
         demo = demo_corpus()[:demo_chars]

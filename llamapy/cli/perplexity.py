@@ -17,7 +17,8 @@ from llamapy.samples import unescape
 
 from . import flags as F
 from .args import PERPLEXITY, Tool, flag
-from .common import freeze_startup_objects, kv_cache_types, load_adapters, log, paths, read_text, thread_count, warn
+from .common import (adapter_list, freeze_startup_objects, kv_cache_types, load_adapters, log, paths, read_text,
+                     thread_count, warn)
 from .kld_report import TABLE_HEADER, chunk_line, statistics
 
 tool = Tool("llamapy-perplexity", llama_cpp=["perplexity"])
@@ -59,6 +60,7 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     if flash_attn not in ("on", "off", "auto"):
         raise InputError(f"-fa must be on, off or auto, not {flash_attn!r}")
     type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
+    adapter_list(lora, lora_scaled)  # a bad --lora-scaled is refused before the model is read
     t_load = time.perf_counter()
     m = load_model(model)
     freeze_startup_objects()
@@ -78,7 +80,7 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     if escape:
         text = unescape(text)
     t0 = time.perf_counter()
-    tokens = m.vocab.tokenize(text, add_special=True)
+    tokens = m.vocab.tokenize_array(text, add_special=True)
     log(f"perplexity: tokenized {len(tokens)} tokens in {time.perf_counter() - t0:.2f} s")
     if kl_divergence_base is not None:
         log(f"perplexity: saving the log-probabilities of every scored token to {kl_divergence_base}")

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 from llamapy import Context, load_model
 from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
+from llamapy.server.limits import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BODY
 
 from . import flags as F
 from .args import Tool, flag
@@ -50,6 +51,12 @@ KvUnified = Annotated[bool, flag("-kvu", "--kv-unified/-no-kvu", "--no-kv-unifie
 SlotSimilarity = Annotated[float, flag("-sps", "--slot-prompt-similarity", metavar="SIMILARITY", group=SERVER, min=0,
                                        max=1, help="reuse a slot's cache when it holds at least this share of the "
                                                    "prompt (0: always the longest prefix)")]
+MaxBody = Annotated[int, flag("--max-body", metavar="BYTES", group=SERVER, min=1024,
+                              help="the largest request body accepted; past it, 413 (llama-server has no limit; "
+                                   "16 MiB is far more than any context holds)")]
+LoraMax = Annotated[int, flag("--lora-max", metavar="N", group=SERVER, min=1, max=1024,
+                              help="adapters loaded at most, the command line's included (past it, "
+                                   "POST /lora-adapters/load answers 409)")]
 LoraInitWithoutApply = Annotated[bool, flag("--lora-init-without-apply", group=SERVER, show_default=False,
                                             help="load the adapters at scale 0 (set them with POST /lora-adapters)")]
 
@@ -68,12 +75,14 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
         typical_p: F.Typical = 1.0, repeat_penalty: F.RepeatPenalty = 1.0, repeat_last_n: F.RepeatLastN = 64,
         frequency_penalty: F.FrequencyPenalty = 0.0, presence_penalty: F.PresencePenalty = 0.0,
         dynatemp_range: F.DynatempRange = 0.0, dynatemp_exp: F.DynatempExp = 1.0, logit_bias: F.LogitBias = None,
-        ignore_eos: F.IgnoreEos = False) -> None:
+        ignore_eos: F.IgnoreEos = False, max_body: MaxBody = DEFAULT_MAX_BODY,
+        lora_max: LoraMax = DEFAULT_MAX_ADAPTERS) -> None:
     """Serve MODEL over HTTP with llama-server's OpenAI-compatible API (/v1/chat/completions, ...).
     The sampling flags are the defaults of requests that do not set their own."""
     try:
         import uvicorn
 
+        from llamapy.server.adapters import Adapters
         from llamapy.server.app import Server, create_app
         from llamapy.server.engine import Engine
     except ImportError as e:
@@ -94,30 +103,39 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
             raise InputError("give the chat template with --chat-template or --chat-template-file, not both")
         chat_template = str(chat_template_file)
     type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
+    paths = [p for p, _ in adapter_list(lora, lora_scaled)]  # a bad --lora-scaled is refused before any reading
+    if len(paths) > lora_max:
+        raise InputError(f"{len(paths)} adapters given, more than --lora-max {lora_max}")
+    defaults = dict(n_predict=n_predict, seed=None if seed == -1 else seed, temperature=temp, top_k=top_k,
+                    top_p=top_p, min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty,
+                    repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exp,
+                    ignore_eos=ignore_eos)
+    check_request_defaults(defaults)
     t0 = time.perf_counter()
     path = model or default_model_path(log)
     m = load_model(path)
     n_ctx = ctx_size or m.hparams.n_ctx_train
     if not kv_unified:
         n_ctx -= n_ctx % parallel  # each slot gets the same number of cells
-    if (n_ctx if kv_unified else n_ctx // parallel) < 2:
+    slot_ctx = n_ctx if kv_unified else n_ctx // parallel
+    if slot_ctx < 2:
         raise InputError(f"-c {n_ctx} leaves no room in {parallel} slots: use a larger context or fewer slots")
+    if n_predict > slot_ctx:
+        raise InputError(f"-n {n_predict} is more than a slot's context ({slot_ctx} tokens): use a larger -c, fewer "
+                         "slots or a smaller -n")
+    bias = parse_logit_bias(logit_bias, m.vocab)
+    check_server_bias(bias)
     ctx = Context(m, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, n_seq_max=parallel,
                   n_threads=thread_count(threads), kv_unified=kv_unified, flash_attn=flash_attn != "off",
                   type_k=type_k, type_v=type_v)
     pairs = load_adapters(m, lora, lora_scaled)
-    paths = [p for p, _ in adapter_list(lora, lora_scaled)]
     engine = Engine(ctx, [a for a, _ in pairs], [0.0 if lora_init_without_apply else s for _, s in pairs],
                     max_queue=queue_size, slot_similarity=slot_prompt_similarity)
     template = chat_template_for(m, chat_template)
-    defaults = dict(n_predict=n_predict, seed=None if seed == -1 else seed, temperature=temp, top_k=top_k,
-                    top_p=top_p, min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty,
-                    repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exp,
-                    ignore_eos=ignore_eos)
-    server = Server(engine, template, alias or Path(path).name, paths, lora_dir, defaults,
-                    parse_logit_bias(logit_bias, m.vocab))
-    app = create_app(server, api_key=api_key, metrics=metrics, slots=slots)
+    server = Server(engine, template, alias or Path(path).name, Adapters(engine, paths, lora_dir, lora_max), defaults,
+                    bias)
+    app = create_app(server, api_key=api_key, metrics=metrics, slots=slots, max_body=max_body)
     freeze_startup_objects()
     log(f"model loaded in {time.perf_counter() - t0:.2f} s: {parallel} slot{'s' if parallel > 1 else ''} of "
         f"{engine.n_ctx_slot} tokens, {ctx.backend.n_threads} threads")
@@ -133,6 +151,39 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
         engine.stop()
     if not web.started:
         raise InputError(f"cannot listen on {host}:{port} (in use, or not an address of this machine)")
+
+
+# a request field -> the flag that sets its default
+DEFAULT_FLAGS = {"n_predict": "-n", "seed": "-s", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
+                 "min_p": "--min-p", "typical_p": "--typical", "repeat_penalty": "--repeat-penalty",
+                 "repeat_last_n": "--repeat-last-n", "frequency_penalty": "--frequency-penalty",
+                 "presence_penalty": "--presence-penalty", "dynatemp_range": "--dynatemp-range",
+                 "dynatemp_exponent": "--dynatemp-exp", "ignore_eos": "--ignore-eos"}
+
+
+def check_request_defaults(defaults: dict) -> None:
+    """The sampling flags are the defaults of requests, so they keep the ranges a request's
+    fields have (llamapy/server/schemas.py): a default no request could send is refused."""
+    from pydantic import ValidationError
+
+    from llamapy.server.schemas import Sampling
+    try:
+        Sampling.model_validate(defaults)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err.get("loc") else ""
+        flag_name = DEFAULT_FLAGS.get(name, name)
+        raise InputError(f"{flag_name} {defaults.get(name)}: {err['msg'].removeprefix('Value error, ')} "
+                         "(the range of the request field it is the default of)") from None
+
+
+def check_server_bias(bias: dict[int, float]) -> None:
+    """-l: a bias every request gets, so within a request's range (-inf, llama-server's ban, allowed)."""
+    from llamapy.server.schemas import LOGIT_BIAS_LIMIT
+    for token, value in bias.items():
+        if value != float("-inf") and not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise InputError(f"-l {token}{value:+g}: a bias must be from {-LOGIT_BIAS_LIMIT:g} to "
+                             f"{LOGIT_BIAS_LIMIT:g}, or -inf (the token is never sampled)")
 
 
 def _announce_when_listening(web, host: str) -> None:

@@ -25,7 +25,7 @@ from llamapy.token_shards import SHARD_TOKENS, input_files, write_token_shards
 
 from . import flags as F
 from .args import DATA, OUTPUT, Tool, flag
-from .common import chat_template_for, log, progress_stream, warn
+from .common import chat_template_for, log, paths, progress_stream, warn
 
 tool = Tool("llamapy-tokenize", llama_cpp=[])
 
@@ -51,6 +51,8 @@ def run(model: F.Model, inputs: Inputs = None, output: Output = Path("data"), th
     if not inputs:
         raise InputError("give the texts, JSONL files or directories to tokenize")
     files = input_files(inputs)
+    for f in files:  # declared before the first log line: a --log-file onto a text is refused untouched
+        paths().read("TEXT", f)
     m = load_model(model)
     template = None
     if is_jsonl(files[0]) and (chat_template is not None or m.file.get("tokenizer.chat_template")):

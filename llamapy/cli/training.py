@@ -17,7 +17,7 @@ from ggmlpy.opt import loss_and_accuracy
 from ggmlpy.records import explain
 from llamapy.atomic import replace_atomically
 from llamapy.checkpoint import data_fingerprint
-from llamapy.context import Context, validation_windows
+from llamapy.context import Context, split_too_small, validation_windows
 from llamapy.distributed import Setting, oversubscription_warning
 from llamapy.errors import InputError, TrainingInterrupted
 from llamapy.save import save_model_to_file
@@ -292,7 +292,13 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
             "-val-split unused)")
     else:
         n_val = validation_windows(dataset.ndata, args.val_split)
-        log(f"dataset: {dataset.ndata - n_val} windows for training, {n_val} for validation (-val-split {args.val_split:g})")
+        if split_too_small(dataset.ndata, args.val_split):
+            log(f"dataset: {dataset.ndata} windows, all for training: too few to hold out {100 * args.val_split:g}% "
+                f"for validation (-val-split {args.val_split:g}) without losing most of them; no validation loss "
+                "(more data, or --val-file, gives one)")
+        else:
+            log(f"dataset: {dataset.ndata - n_val} windows for training, {n_val} for validation "
+                f"(-val-split {args.val_split:g})")
     sched = params.schedule
     log(f"training: {args.optimizer.lower()}, lr {sched.lr0:g} ({sched.kind}"
         f"{f', warmup {sched.warmup}' if sched.warmup else ''}), {n_batch} tokens per step, "

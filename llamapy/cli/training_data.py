@@ -117,7 +117,11 @@ class _Loader:
     def from_shards(self, path: Path) -> Dataset:
         """Windows read from token shards as they train (llamapy.shard_dataset)."""
         opts = self.opts
-        ds = shard_windows(path, self.model.vocab, opts.n_ctx, window_bos=opts.window_bos, truncate=opts.truncate)
+        if opts.sample_start is not None:
+            raise InputError(f"--sample-start: {path} holds token shards, cut into samples (or not) when they were "
+                             "tokenized (tokenize JSONL samples, or train on the text with -f)")
+        ds = shard_windows(path, self.model.vocab, opts.n_ctx, window_bos=opts.window_bos, truncate=opts.truncate,
+                           data_format=opts.data_format)
         if isinstance(ds, ShardSampleWindows):
             index = ds.shards.index
             if opts.chat_template is not None or not opts.mask_prompt:

@@ -24,8 +24,11 @@ from llamapy.save import write_atomically
 
 from . import architectures as A
 from .checkpoint import Checkpoint, open_checkpoint
-from .metadata import Meta, add_general, model_title
-from .special_tokens import gather, optional_json
+from .json_file import optional_json
+from .metadata import Meta, add_general, generation_config, model_title
+from .safetensors import StTensor
+from .special_tokens import gather
+from .tensor_check import check_vocabulary, text_tensors
 from .vocab import add_bpe_vocab, add_spm_vocab, bpe_token_count
 
 # --outtype: the type of the matrices, and general.file_type (llama_ftype)
@@ -51,17 +54,21 @@ def convert_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, outtyp
     if outtype not in OUTTYPES:
         raise CheckpointError(f"unknown outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
     ckpt = open_checkpoint(Path(folder))
-    arch = A.architecture_of(ckpt.config)
-    hp = A.hyperparameters(arch, ckpt.config)
+    arch = A.architecture_of(ckpt.config, ckpt.path / "config.json")
+    cfg = A.read_config(arch, ckpt.config, ckpt.path / "config.json")
+    named = text_tensors(arch, ckpt, cfg)  # headers against config.json, before any data or vocabulary
+    hp = A.hyperparameters(arch, cfg)
+    generation = generation_config(ckpt.path / "generation_config.json")
     matrix_type, file_type = OUTTYPES[outtype]
     meta = Meta()
     meta.string("general.architecture", arch.gguf)
     meta.string("general.type", "model")
     vocab = Meta()  # written last, but the gemma3 embedding needs the token count first
     n_vocab = _vocabulary(vocab, arch, ckpt, hp)
-    tensors = _tensors(arch, ckpt, hp, n_vocab, matrix_type)
+    check_vocabulary(arch, cfg, named, n_vocab, ckpt.path / "config.json")
+    tensors = _tensors(arch, named, hp, n_vocab, matrix_type)
     n_params = sum(int(np.prod(t.ne)) for t in tensors)
-    add_general(meta, optional_json(ckpt.path / "generation_config.json") or {}, name or _model_name(ckpt), n_params)
+    add_general(meta, generation, name or _model_name(ckpt), n_params)
     A.write_hyperparameters(meta, arch, hp, file_type)
     meta.u32("general.quantization_version", QUANTIZATION_VERSION)
     meta.update(vocab)
@@ -119,16 +126,13 @@ def _is_llama_hf_json(folder: Path) -> bool:
     return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
 
 
-def _tensors(arch: A.Architecture, ckpt: Checkpoint, hp: dict, n_vocab: int,
+def _tensors(arch: A.Architecture, named: dict[str, tuple[str, StTensor]], hp: dict, n_vocab: int,
              matrix_type: GGMLType) -> list[TensorOut]:
-    """Every tensor to write, in convert's order (its extra tensors first), each converted lazily."""
-    n_layers = hp["num_hidden_layers"]
+    """Every tensor to write (`named`: GGUF name -> checkpoint tensor, checked), in convert's
+    order (its extra tensors first), each converted lazily."""
     out = [tensor_out(name, make, matrix_type) for name, make in A.extra_tensors(arch, hp)]
-    for hf_name, st in ckpt.tensors.items():
+    for gguf, (hf_name, st) in named.items():
         name = A.text_tensor_name(hf_name)
-        if name is None or name.endswith(A.UNUSED_SUFFIXES):
-            continue
-        gguf = A.gguf_name(arch, name, n_layers)
 
         def values(st=st, name=name) -> np.ndarray:
             x = st.array()

@@ -12,11 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from llamapy.errors import CheckpointError
 
+from . import config as C
+from .config import Gemma3Config, TextConfig, rope_parameters
 from .metadata import Meta
 
 _COMMON = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -34,6 +37,7 @@ class Architecture:
     defaults: dict = field(default_factory=dict)
     permute_qk: bool = False  # llama: Q and K rows from HF's rotate-half order to GGUF's interleaved pairs
     norm_shift: bool = False  # gemma3: RMSNorm weights stored minus 1
+    record: type[TextConfig] = TextConfig  # config.json's keys, checked
 
 
 ARCHITECTURES = (
@@ -56,15 +60,17 @@ ARCHITECTURES = (
                  dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
                       rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10000.0, sliding_window=4096),
-                 norm_shift=True),
+                 norm_shift=True, record=Gemma3Config),
 )
 
 
-def architecture_of(config: dict) -> Architecture:
-    """The architecture config.json names (text_config's name first, as llama.cpp does)."""
+def architecture_of(config: dict, path: Path = Path("config.json")) -> Architecture:
+    """The architecture config.json (read from `path`) names (text_config's name first, as
+    llama.cpp does); CheckpointError with one line for a config.json of another shape."""
+    C.check_layout(config, path)
     names = (config.get("text_config") or {}).get("architectures") or config.get("architectures") or []
     if not names:
-        raise CheckpointError("config.json names no architecture (\"architectures\")")
+        raise CheckpointError(f"{path} names no architecture (\"architectures\")")
     for arch in ARCHITECTURES:
         if names[0] in arch.hf:
             return arch
@@ -72,41 +78,23 @@ def architecture_of(config: dict) -> Architecture:
     raise CheckpointError(f"architecture {names[0]} is not supported (llamapy-convert converts {known})")
 
 
-def hyperparameters(arch: Architecture, config: dict) -> dict:
-    """config.json with text_config's keys on top and the config class's defaults filled in."""
-    hp = {**arch.defaults, **config, **(config.get("text_config") or {})}
-    if hp.get("num_key_value_heads") is None and arch.gguf == "llama":
-        hp["num_key_value_heads"] = hp["num_attention_heads"]
-    if arch.gguf == "llama" and hp.get("head_dim") is None:
-        hp["head_dim"] = hp["hidden_size"] // hp["num_attention_heads"]
+def read_config(arch: Architecture, config: dict, path: Path) -> TextConfig:
+    """config.json (read from `path`) as the architecture's checked record, the config
+    class's defaults filled in; CheckpointError with one line naming a bad key."""
+    return C.read_config(arch.record, arch.defaults, config, path)
+
+
+def hyperparameters(arch: Architecture, cfg: TextConfig) -> dict:
+    """The checked config.json as the dict the writer reads (text_config's keys on top,
+    defaults filled in, llama's derived head counts and size added as its converter adds them)."""
+    hp = cfg.values()
+    if arch.gguf == "llama":
+        hp["num_key_value_heads"], hp["head_dim"] = cfg.n_kv_heads, cfg.head_size
     return hp
 
 
 def _find(hp: dict, *keys: str):
     return next((hp[k] for k in keys if k in hp), None)
-
-
-def rope_parameters(hp: dict) -> dict:
-    """RoPE settings in transformers 5's form (rope_parameters, maybe per attention type),
-    from it or from transformers 4's rope_theta and rope_scaling, as convert_hf_to_gguf.py
-    gathers them."""
-    rope = dict(hp.get("rope_parameters", hp.get("rope_scaling")) or {})
-    if "full_attention" in rope or "sliding_attention" in rope:
-        return rope
-    theta = _find(hp, "global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta", "rotary_emb_base")
-    local = _find(hp, "local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta",
-                  "rope_local_base_freq")
-    if local is not None:
-        rope["sliding_attention"] = {"rope_theta": local}
-    if "rope_theta" not in rope and theta is not None:
-        rope["rope_theta"] = theta
-    if "rope_type" not in rope and rope.get("type") is not None:
-        rope["rope_type"] = rope["type"]
-    for key, names in (("partial_rotary_factor", ("partial_rotary_factor", "rope_pct", "rope_percent")),
-                       ("original_max_position_embeddings", ("original_max_position_embeddings",))):
-        if key not in rope and (value := _find(hp, *names)) is not None:
-            rope[key] = value
-    return rope
 
 
 def _require(hp: dict, key: str):
@@ -166,9 +154,8 @@ def write_hyperparameters(meta: Meta, arch: Architecture, hp: dict, file_type: i
 
 
 def _gemma3_hyperparameters(meta: Meta, hp: dict, rope: dict) -> None:
-    """What convert_hf_to_gguf.py's Gemma3Model adds (keys set again keep their place)."""
-    if hp.get("attn_logit_softcapping") is not None:
-        raise CheckpointError("config.json sets attn_logit_softcapping, which Gemma 3 does not have")
+    """What convert_hf_to_gguf.py's Gemma3Model adds (keys set again keep their place; the
+    soft-caps Gemma 3 has not are refused by config.Gemma3Config)."""
     meta.u32("gemma3.context_length", hp.get("max_position_embeddings", 131072))
     meta.u32("gemma3.attention.head_count", hp.get("num_attention_heads", 8))
     meta.f32("gemma3.attention.layer_norm_rms_epsilon", hp.get("rms_norm_eps", 1e-6))

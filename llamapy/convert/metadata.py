@@ -6,12 +6,18 @@ as convert_hf_to_gguf.py's does. Each `add_*` names the GGUF value type convert 
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from llamapy.gguf_file import MetaValue, ValueType
+from llamapy.errors import CheckpointError
+from llamapy.gguf_file import FLOAT32_MAX, MetaValue, ValueType
+
+from .config import shown
+from .json_file import read_json
 
 
 class Meta(dict):
@@ -74,6 +80,34 @@ _SAMPLING = (("sequence", ValueType.STRING, ("sequence",)), ("top_k", ValueType.
              ("penalty_repeat", ValueType.FLOAT32, ("penalty_repeat", "repetition_penalty")),
              ("mirostat", ValueType.INT32, ("mirostat",)), ("mirostat_tau", ValueType.FLOAT32, ("mirostat_tau",)),
              ("mirostat_eta", ValueType.FLOAT32, ("mirostat_eta",)))
+
+
+def generation_config(path: Path) -> dict:
+    """generation_config.json ({} when absent), its sampling values checked: each one of the
+    GGUF type it is written as (a whole number in int32, a finite float32, a string), so a bad
+    one is a line naming the key rather than a file that cannot hold it."""
+    if not path.is_file():
+        return {}
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    for _, vtype, sources in _SAMPLING:
+        for key in sources:
+            if config.get(key) is not None and not _fits(config[key], vtype):
+                kind = {ValueType.STRING: "a string", ValueType.INT32: "a whole number in int32's range"}.get(
+                    vtype, "a finite number in float32's range")
+                raise CheckpointError(f"{path}: {key} must be {kind}, not {shown(config[key])}")
+    return config
+
+
+def _fits(value: object, vtype: ValueType) -> bool:
+    if vtype == ValueType.STRING:
+        return isinstance(value, str)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if vtype == ValueType.INT32:
+        return isinstance(value, int) and -2**31 <= value < 2**31
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 def add_general(meta: Meta, generation: dict, name: str, n_params: int) -> None:

@@ -35,9 +35,10 @@ from llamapy.save import write_atomically
 from . import OUTTYPES, QUANTIZATION_VERSION, tensor_out
 from . import architectures as A
 from .checkpoint import open_checkpoint
-from .metadata import Meta, add_general, model_title
+from .json_file import read_json
+from .metadata import Meta, add_general, generation_config, model_title
 from .safetensors import StTensor, read_safetensors, write_safetensors
-from .special_tokens import optional_json, read_json
+from .tensor_check import text_tensors
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -120,8 +121,10 @@ def peft_to_gguf(folder: str | os.PathLike, base: str | os.PathLike, out: str | 
     folder, where = Path(folder), Path(folder) / WEIGHTS
     config = read_peft_config(folder)
     ckpt = open_checkpoint(Path(base))
-    arch = A.architecture_of(ckpt.config)
-    hp = A.hyperparameters(arch, ckpt.config)
+    arch = A.architecture_of(ckpt.config, ckpt.path / "config.json")
+    cfg = A.read_config(arch, ckpt.config, ckpt.path / "config.json")
+    text_tensors(arch, ckpt, cfg)  # the base's weights are the ones its config.json describes
+    hp = A.hyperparameters(arch, cfg)
     pairs: dict[str, dict[str, StTensor]] = {}
     for t in _adapter_weights(folder):
         hf, part = _base_of(t.name, where)
@@ -158,7 +161,7 @@ def peft_to_gguf(folder: str | os.PathLike, base: str | os.PathLike, out: str | 
     meta.string("general.architecture", arch.gguf)
     meta.string("general.type", "adapter")
     meta.string("adapter.type", "lora")
-    add_general(meta, optional_json(folder / "generation_config.json") or {}, model_title(folder.resolve().name), 0)
+    add_general(meta, generation_config(folder / "generation_config.json"), model_title(folder.resolve().name), 0)
     meta.f32("adapter.lora.alpha", float(config["lora_alpha"]))
     meta.u32("general.quantization_version", QUANTIZATION_VERSION)
     if log:
@@ -221,33 +224,53 @@ def adapter_to_peft(model: Model, adapter: LoraAdapter, folder: str | os.PathLik
     made from a Hugging Face checkpoint) as a PEFT LoRA adapter in `folder` (created; each
     file written atomically). `base_model`: adapter_config.json's base_model_name_or_path,
     the checkpoint's folder or model id (a folder is checked against the model: architecture
-    and the shapes of the adapted weights)."""
+    and the shapes of the adapted weights). A folder that already holds an adapter is refused
+    (`check_peft_folder`)."""
     folder = Path(folder)
+    check_peft_folder(folder)
     arch, modules = peft_tensors(model, adapter)
     if base_model is not None and (Path(base_model) / "config.json").is_file():
         _check_base(Path(base_model), arch, modules)
     config = peft_config(adapter, modules, model.hparams.n_layer, base_model)
-    if folder.exists() and not folder.is_dir():
-        raise CheckpointError(f"{folder} is a file: --to-peft names the folder to write the adapter into")
     folder.mkdir(parents=True, exist_ok=True)
     tensors = [(f"{PREFIX}{m}{suffix}", "F32", ab[i]) for m, ab in modules.items()
                for i, suffix in enumerate(_PARTS)]
     tensors.sort(key=lambda t: t[0])
-    replace_atomically(folder / WEIGHTS, lambda f: write_safetensors(f, tensors, {"format": "pt"}), "PEFT weights")
+    replace_atomically(folder / WEIGHTS, lambda f: write_safetensors(f, tensors, {"format": "pt"}), "PEFT weights",
+                       validate=read_safetensors)
     replace_atomically(folder / CONFIG, lambda f: f.write((json.dumps(config, indent=2) + "\n").encode()),
-                       "PEFT config")
+                       "PEFT config", validate=read_json)
     if log:
         log(f"export-lora: a PEFT LoRA adapter of {len(modules)} modules (r {config['r']}, lora_alpha "
             f"{config['lora_alpha']}) in {folder}")
     return folder
 
 
+def peft_folder_files(folder: str | os.PathLike) -> list[Path]:
+    """The files `adapter_to_peft` writes into `folder`."""
+    return [Path(folder) / WEIGHTS, Path(folder) / CONFIG]
+
+
+def check_peft_folder(folder: str | os.PathLike) -> None:
+    """`folder` can take a new PEFT adapter: a new or empty folder, or one without adapter
+    files; an adapter already there is not overwritten (CheckpointError naming it)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file: --to-peft names the folder to write the adapter into")
+    if folder.is_dir():
+        held = [name for name in (CONFIG, WEIGHTS, "adapter_model.bin")
+                if (folder / name).exists() or (folder / name).is_symlink()]
+        if held:
+            raise CheckpointError(f"{folder} already holds a PEFT adapter ({', '.join(held)}): it is not "
+                                  "overwritten; give a new or empty folder")
+
+
 def _check_base(base: Path, arch: A.Architecture, modules: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     """The checkpoint `base` is the model's: its architecture, and its weights of the adapted
     modules exist with the adapter's shapes."""
     ckpt = open_checkpoint(base)
-    if A.architecture_of(ckpt.config) != arch:
-        raise CheckpointError(f"{base} is a {A.architecture_of(ckpt.config).gguf} checkpoint, the model {arch.gguf}")
+    if (base_arch := A.architecture_of(ckpt.config, ckpt.path / "config.json")) != arch:
+        raise CheckpointError(f"{base} is a {base_arch.gguf} checkpoint, the model {arch.gguf}")
     for module, (a, b) in modules.items():
         weight = ckpt.tensors.get(f"{module}.weight")
         if weight is None or weight.shape != (b.shape[0], a.shape[1]):

@@ -12,6 +12,7 @@ The writer is as small (a header and the bytes), so it is here too rather than a
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -22,6 +23,9 @@ from typing import BinaryIO
 import numpy as np
 
 from llamapy.errors import CheckpointError
+
+from .config import shown
+from .json_file import unique_keys
 
 # safetensors dtype -> numpy storage (BF16 as its uint16 bit patterns, ggmlpy's convention)
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
@@ -62,10 +66,7 @@ def read_safetensors(path: Path) -> list[StTensor]:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > min(_MAX_HEADER, size - 8):
                 raise CheckpointError(f"{path}: not a safetensors file (header of {n} bytes in a file of {size})")
-            try:
-                header = json.loads(f.read(n).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{path}: the safetensors header is not JSON ({e})") from None
+            header = _header(path, f.read(n))
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
@@ -85,21 +86,38 @@ def read_safetensors(path: Path) -> list[StTensor]:
     return tensors
 
 
+def _header(path: Path, raw: bytes) -> object:
+    """The JSON header: refused when it is not UTF-8 JSON, is nested too deeply for Python's
+    reader, or names a tensor twice (which entry counts would depend on the reader)."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+    except RecursionError:
+        raise CheckpointError(f"{path}: the safetensors header is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError and a too long number are ValueErrors
+        raise CheckpointError(f"{path}: the safetensors header is not JSON ({e})") from None
+
+
+def _whole(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def _tensor(path: Path, name: str, entry: object, data_start: int, data_size: int,
             mapped: mmap.mmap | None) -> StTensor:
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise CheckpointError(f"{where}: its header entry lacks dtype, shape or data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not (isinstance(dtype, str) and dtype.isprintable() and len(dtype) <= 16):
+        dtype = shown(dtype)
     if dtype not in DTYPES:
         known = "a dtype safetensors knows" if dtype in _OTHER_DTYPES else "not a safetensors dtype"
-        raise CheckpointError(f"{where} has dtype {dtype} ({known}); only F32, F16 and BF16 weights are converted")
-    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-            or not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offsets)):
+        raise CheckpointError(f"{where} has dtype {dtype} ({known}); only F32, F16 and BF16 weights "
+                              "are converted")
+    if (not isinstance(shape, list) or not all(_whole(d) for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(o) for o in offsets)):
         raise CheckpointError(f"{where}: bad shape or data_offsets in the header")
     begin, end = offsets
-    nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize  # Python's ints: no wrap-around
     if end - begin != nbytes or end > data_size:
         raise CheckpointError(f"{where}: its bytes [{begin}, {end}) do not hold a {dtype} {shape} tensor inside "
                               f"the file's {data_size} data bytes")

@@ -9,7 +9,6 @@ config.json's *_token_id. A token id already set is never replaced.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from llamapy.errors import CheckpointError
 from llamapy.gguf_file import ValueType
 
+from .json_file import optional_json, read_json
 from .metadata import Meta
 
 DEFAULT_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
@@ -24,18 +24,6 @@ DEFAULT_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
            "pad": "padding_token_id", "mask": "mask_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
 ADD_KEYS = ("bos", "eos", "sep")
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file's content; CheckpointError naming the file when it is not JSON."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-
-
-def optional_json(path: Path) -> Any:
-    return read_json(path) if path.is_file() else None
 
 
 @dataclass

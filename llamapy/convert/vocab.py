@@ -23,6 +23,7 @@ from llamapy.gguf_file import ValueType
 from llamapy.pretokenizers import PRE_TOKENIZERS
 
 from . import special_tokens
+from .json_file import optional_json, read_json
 from .metadata import Meta
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -49,16 +50,19 @@ def spm_tokens(folder: Path, vocab_size: int | None) -> tuple[list[bytes], list[
     except (OSError, RuntimeError) as e:
         raise CheckpointError(f"{folder / 'tokenizer.model'} is not a SentencePiece model: {e}") from None
     n = vocab_size or sp.vocab_size()
+    if sp.vocab_size() > n:  # ids the model has no embedding row for
+        raise CheckpointError(f"{folder / 'tokenizer.model'} has {sp.vocab_size()} pieces, but config.json's "
+                              f"vocab_size is {n}")
     tokens = [f"[PAD{i}]".encode() for i in range(n)]
     scores, types = [-10000.0] * n, [UNUSED] * n
     for i in range(min(n, sp.vocab_size())):
         tokens[i], scores[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i)
         types[i] = (UNKNOWN if sp.IsUnknown(i) else CONTROL if sp.IsControl(i) else UNUSED if sp.IsUnused(i)
                     else BYTE if sp.IsByte(i) else NORMAL)
-    for content, i in (special_tokens.optional_json(folder / "added_tokens.json") or {}).items():
+    for content, i in (optional_json(folder / "added_tokens.json") or {}).items():
         if i < n:
             tokens[i], scores[i], types[i] = content.encode("utf-8"), -1000.0, USER_DEFINED
-    decoder = (special_tokens.optional_json(folder / "tokenizer_config.json") or {}).get("added_tokens_decoder", {})
+    decoder = (optional_json(folder / "tokenizer_config.json") or {}).get("added_tokens_decoder", {})
     for key, entry in decoder.items():
         i, content = int(key), entry["content"]
         if i >= n:
@@ -112,8 +116,8 @@ def add_bpe_vocab(meta: Meta, folder: Path, config: dict, vocab_size: int | None
     if vocab and max(vocab.values()) >= n:
         raise CheckpointError(f"{path} has token ids up to {max(vocab.values())}, but config.json's vocab_size is {n}")
     pre = identify_pre(tokenizer)
-    added = {a["content"]: a for a in special_tokens.read_json(path).get("added_tokens", [])}
-    clean_up = (special_tokens.optional_json(folder / "tokenizer_config.json") or {}).get(
+    added = {a["content"]: a for a in read_json(path).get("added_tokens", [])}
+    clean_up = (optional_json(folder / "tokenizer_config.json") or {}).get(
         "clean_up_tokenization_spaces") is True
     by_id = {i: t for t, i in vocab.items()}
     tokens, types = [], []
@@ -142,7 +146,7 @@ def add_bpe_vocab(meta: Meta, folder: Path, config: dict, vocab_size: int | None
     meta.string("tokenizer.ggml.pre", pre)
     meta.array("tokenizer.ggml.tokens", ValueType.STRING, tokens)
     meta.array("tokenizer.ggml.token_type", ValueType.INT32, types)
-    special_tokens.gather(folder, config, load_merges=True).write(meta)
+    special_tokens.gather(folder, config, load_merges=True, n_vocab=n).write(meta)
     return len(tokens)
 
 
@@ -156,5 +160,5 @@ def _clean_up_spaces(text: str) -> str:
 
 def bpe_token_count(folder: Path) -> int:
     """Tokens of tokenizer.json (its model's vocabulary and its added tokens)."""
-    tok = special_tokens.read_json(folder / "tokenizer.json")
+    tok = read_json(folder / "tokenizer.json")
     return len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))

@@ -8,9 +8,13 @@ llama.cpp's order (by layer, then by name), each in the type llama.cpp picks for
 (rules.py) made by ggml's reference quantizers (bit-identical kernels, parallel over rows);
 32-byte alignment and zero padding as ggml's gguf writer lays them out.
 
-The output is written atomically and never onto the input. Bad input is one LlamapyError:
-not a GGUF file, an unknown or unwritable type, an already quantized tensor without
-`allow_requantize`, a NaN or infinity in a tensor, an unwritable destination.
+The output is written atomically and never onto the input, and read back before it replaces
+anything (llamapy.read_back: a model of an architecture llamapy runs through the model
+loader's checks), so no quantization ends with a file llamapy cannot load. Bad input is one
+LlamapyError: not a GGUF file, a model llamapy cannot load, a block count its tensors cannot
+hold, layers to prune that it does not have (or all of them), an unknown or unwritable type,
+an already quantized tensor without `allow_requantize`, a NaN or infinity in a tensor, an
+unwritable destination.
 """
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ from ..atomic import replace_atomically
 from ..errors import InputError, UnsupportedModelError
 from ..gguf_file import GGUFFile, MetaValue, ValueType, typed_scalar
 from ..gguf_writer import TensorOut, write_gguf
+from ..read_back import check_model_structure, is_runnable_model, read_back_written
 from .rows import convert_rows
 from .ftypes import DEFAULT_TYPE, GUESS_FROM_TYPE, GUESSED, QUANT_OPTIONS, FileType, QuantOption, parse_option
-from .rules import Fallback, ModelFacts, TypeChooser, ggml_n_dims, parse_tensor_type, tensor_order
+from .rules import Fallback, ModelFacts, TypeChooser, ggml_n_dims, layer_of, parse_tensor_type, tensor_order
 
 __all__ = ["QUANT_OPTIONS", "FileType", "KvOverride", "QuantizeParams", "QuantizeResult", "TensorReport",
            "parse_tensor_type", "quantize_model"]
@@ -190,11 +195,14 @@ def quantize_model(in_path: str | os.PathLike, out_path: str | os.PathLike | Non
     src = GGUFFile(in_path)
     if out_path is not None and not params.dry_run:
         _refuse_same_file(Path(in_path), Path(out_path))
+    if is_runnable_model(src.metadata):  # what llamapy loads stays loadable: refused now, not after the work
+        check_model_structure(src)
     metadata = dict(src.metadata)
     for o in params.kv_overrides:
         metadata[o.key] = o.meta_value()
-    facts = ModelFacts.from_metadata(metadata, str(src.path))
+    facts = ModelFacts.from_metadata(metadata, str(src.path), len(src.tensors))
     order = tensor_order(list(src.tensors))
+    _check_prune(params.prune_layers, order, facts.n_layer)
     names, n_blocks = _renamed(order, params.prune_layers)
     kept = [(name, source) for name, source in zip(names, order) if name]
     file_type = _file_type(src, order) if only_copy else int(option.ftype)
@@ -260,7 +268,8 @@ def quantize_model(in_path: str | os.PathLike, out_path: str | os.PathLike | Non
     threads = numba.get_num_threads()
     fd = os.open(src.path, os.O_RDONLY)
     try:
-        path = replace_atomically(Path(out_path), lambda out: write_gguf(out, out_meta, tensors), "the quantized model")
+        path = replace_atomically(Path(out_path), lambda out: write_gguf(out, out_meta, tensors), "the quantized model",
+                                  validate=read_back_written)
     finally:
         os.close(fd)
         numba.set_num_threads(threads)
@@ -274,6 +283,19 @@ def _refuse_same_file(a: Path, b: Path) -> None:
         same = False
     if same:
         raise InputError(f"input and output files are the same: {a}")
+
+
+def _check_prune(prune: tuple[int, ...], order: list[str], n_layer: int) -> None:
+    """The layers to prune are layers of the model, and not all of them (a model without
+    layers loads nowhere)."""
+    if not prune:
+        return
+    present = {layer for layer in map(layer_of, order) if layer is not None}
+    missing = [layer for layer in prune if layer not in present]
+    if missing:
+        raise InputError(f"--prune-layers {missing[0]}: the model has {n_layer} layers (0 to {n_layer - 1})")
+    if present <= set(prune):
+        raise InputError(f"--prune-layers names every layer of the model ({n_layer}): nothing would be left to run")
 
 
 def _renamed(order: list[str], prune: tuple[int, ...]) -> tuple[list[str], int]:

@@ -25,6 +25,7 @@ from ggmlpy.types import TYPE_TRAITS, traits
 
 from ..errors import InputError, UnsupportedModelError
 from ..gguf_file import MetaValue, ValueType, typed_scalar
+from ..hparams import check_block_count
 from .ftypes import FileType
 
 F = FileType
@@ -120,7 +121,9 @@ class ModelFacts:
     is_70b: bool = False  # LLM_TYPE_70B: 8 query heads share each attn_v, which gets more bits
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[str, MetaValue], where: str) -> ModelFacts:
+    def from_metadata(cls, metadata: Mapping[str, MetaValue], where: str, n_tensors: int | None = None) -> ModelFacts:
+        """The facts of a model's metadata; with `n_tensors` (the file's tensor count), a block
+        count the tensors cannot hold is refused as the model loader refuses it."""
         def number(key: str, default: int | None) -> int:
             v = metadata.get(key)
             if v is not None and v.type == ValueType.ARRAY:  # an array per layer: llama.cpp's n_head(0) reads layer 0
@@ -139,6 +142,8 @@ class ModelFacts:
         if arch is None:
             raise UnsupportedModelError(f"{where}: required metadata key 'general.architecture' is missing")
         n_layer = number(f"{arch}.block_count", None)
+        if n_tensors is not None:
+            check_block_count(n_layer, n_tensors, where, f"{arch}.block_count")
         n_head = number(f"{arch}.attention.head_count", 0)
         n_head_kv = number(f"{arch}.attention.head_count_kv", n_head)
         # llama.cpp's model types that matter here: 80-layer llama with grouped K/V heads, 80-layer qwen2

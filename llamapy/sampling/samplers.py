@@ -329,7 +329,8 @@ class TempExt(Temp):
         cur.softmax(True)
         p = cur.p[cur.p > 0].astype(np.float64)
         entropy = float(-(p * np.log(p)).sum())
-        dyn = min_temp + (max_temp - min_temp) * (entropy / max_entropy) ** self.exponent
+        with np.errstate(all="ignore"):  # as llama.cpp's powf: 0 ** -x is inf, an overflow inf, never an error
+            dyn = float(min_temp + (max_temp - min_temp) * np.power(np.float64(entropy / max_entropy), self.exponent))
         _temp_impl(cur, dyn)
         e = np.exp(cur.logits.astype(np.float64) - float(cur.logits[0]))
         cur.p = (e / e.sum()).astype(np.float32)

@@ -7,8 +7,12 @@ Endpoints (llama-server's names and fields): /health, /v1/models, /v1/chat/compl
 
 Every error is OpenAI's error object {"error": {"code", "message", "type"}}. With an API key,
 every endpoint but /health answers 401 without it (`Authorization: Bearer KEY`, or
-`X-Api-Key`). A client that disconnects cancels its job: the engine frees its slot at its
-next step.
+`X-Api-Key`). A body past --max-body is a 413 (gate.py). A client that disconnects cancels its
+job: the engine frees its slot at its next step.
+
+The event loop only moves bytes: parsing a body, tokenizing, rendering a chat, building a
+sampler chain and rendering a large answer run in worker threads (bodies.py, `Server.prepare`),
+so one client's 16 MB prompt never keeps /health or another client's stream waiting.
 """
 from __future__ import annotations
 
@@ -17,19 +21,23 @@ import itertools
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llamapy.errors import InputError, LlamapyError
-from llamapy.generate import stop_list, prompt_tokens
+from llamapy.generate import prompt_tokens, sampler_chain, stop_list
 
+from .adapters import Adapters
+from .bodies import parse_body, validation_message
 from .engine import Done, Engine, Failed, Job, QueueFull, TokenOut
+from .errors import ApiError, error_response
+from .gate import Gate
+from .limits import DEFAULT_MAX_BODY
+from .render import json_list_response
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -40,96 +48,55 @@ from .schemas import (
     TokenizeRequest,
 )
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
-OPEN_PATHS = ("/health", "/v1/health")
 
-
-class ApiError(Exception):
-    def __init__(self, code: int, message: str, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-        self.kind = kind or ERROR_TYPES.get(code, "server_error")
-
-
-def error_response(code: int, message: str, kind: str | None = None) -> JSONResponse:
-    kind = kind or ERROR_TYPES.get(code, "server_error")
-    return JSONResponse({"error": {"code": code, "message": message, "type": kind}}, status_code=code)
-
-
-class Gate:
-    """What every request passes first (a plain ASGI middleware: it never buffers a streamed
-    response): with an API key, 401 without it but for /health; a body is JSON whatever its
-    Content-Type says (llama-server's rule: `curl -d '{...}'` sends a form type)."""
-
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key.encode() if api_key else None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
-            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-                found = dict(headers)
-                given = found.get(b"x-api-key") or found.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-                if not secrets.compare_digest(given, self.api_key):
-                    await error_response(401, "Invalid API Key")(scope, receive, send)
-                    return
-            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+# characters of a long prompt tokenized first to see whether it can fit (_refuse_surely_too_long):
+# text runs at 3 to 5 characters a token, so the probe holds ~4 times a slot's context
+PROBE_CHARS_PER_TOKEN = 16
 
 
 class Server:
-    """What the endpoints share: the engine, the model's chat template, the adapters' files."""
+    """What the endpoints share: the engine, the model's chat template, the adapters."""
 
-    def __init__(self, engine: Engine, template, alias: str, lora_paths: list[str], lora_dir: Path | None,
+    def __init__(self, engine: Engine, template, alias: str, adapters: Adapters,
                  defaults: dict | None = None, logit_bias: dict[int, float] | None = None) -> None:
-        self.engine, self.template, self.alias = engine, template, alias
+        self.engine, self.template, self.alias, self.adapters = engine, template, alias, adapters
         self.defaults = dict(defaults or {})  # request field -> the command line's value, for requests without it
         self.logit_bias = dict(logit_bias or {})
         self.vocab = engine.vocab
-        self.lora_paths = list(lora_paths)
-        self.lora_dir = lora_dir.resolve() if lora_dir else None
         self.model_path = str(getattr(engine.ctx.model.file, "path", ""))
         self.created = int(time.time())
         self._piece_cache: dict[int, bytes] = {}
 
-    # ---- requests to jobs ----------------------------------------------------------------------
+    # ---- requests to jobs (in a worker thread) --------------------------------------------------
     def value(self, req: Sampling, name: str):
         """A request's field, or the server's default for it when the request does not set it."""
         return getattr(req, name) if name in req.model_fields_set else self.defaults.get(name, getattr(req, name))
 
     def sampling(self, req: Sampling) -> dict:
         bias: dict[int, float] = dict(self.logit_bias)
-        items = req.logit_bias.items() if isinstance(req.logit_bias, dict) else (req.logit_bias or [])
-        for item in items:
-            key, value = item if isinstance(item, tuple) else (item + [None, None])[:2]
+        for key, value in req.logit_bias or []:
             bias.update(self._bias(key, value))
         if self.value(req, "ignore_eos"):
             bias.update({t: float("-inf") for t in self.vocab.eog_ids})
         seed = self.value(req, "seed")
         seed = seed if seed is not None and seed >= 0 else secrets.randbelow(2**31)
         v = lambda name: self.value(req, name)  # noqa: E731
+        last_n = v("repeat_last_n")
+        last_n = self.engine.n_ctx_slot if last_n == -1 else last_n  # llama.cpp's -1: the whole context
         return dict(temperature=v("temperature"), top_k=v("top_k"), top_p=v("top_p"), min_p=v("min_p"),
-                    typical_p=v("typical_p"), repeat_penalty=v("repeat_penalty"), repeat_last_n=v("repeat_last_n"),
+                    typical_p=v("typical_p"), repeat_penalty=v("repeat_penalty"), repeat_last_n=last_n,
                     frequency_penalty=v("frequency_penalty"), presence_penalty=v("presence_penalty"),
                     dynatemp_range=v("dynatemp_range"), dynatemp_exp=v("dynatemp_exponent"), seed=seed,
                     logit_bias=bias)
 
-    def _bias(self, key: Any, value: Any) -> dict[int, float]:
-        """One logit_bias entry: a token id (or its decimal string) or a text whose tokens all
-        get the bias; `false` as the value bans them (llama-server's forms)."""
-        if value is False:
-            value = float("-inf")
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-            raise ApiError(400, f"logit_bias: {value!r} is not a number")
-        if isinstance(key, int) or (isinstance(key, str) and key.strip().lstrip("-").isdigit()):
-            token = int(key)
-            if not 0 <= token < self.vocab.n_tokens:
-                raise ApiError(400, f"logit_bias: token {token} is not in the vocabulary (0..{self.vocab.n_tokens - 1})")
-            return {token: float(value)}
-        if isinstance(key, str):
-            return {t: float(value) for t in self.vocab.tokenize(key, add_special=False)}
-        raise ApiError(400, f"logit_bias: {key!r} is neither a token id nor a text")
+    def _bias(self, key: int | str, value: float) -> dict[int, float]:
+        """One logit_bias entry (schemas.py has made it a token id or a text, and a bias):
+        a token id must be in the vocabulary; a text's tokens all get the bias."""
+        if isinstance(key, int):
+            if not 0 <= key < self.vocab.n_tokens:
+                raise ApiError(400, f"logit_bias: token {key} is not in the vocabulary (0..{self.vocab.n_tokens - 1})")
+            return {key: value}
+        return {t: value for t in self.vocab.tokenize(key, add_special=False)}
 
     def lora_of(self, given: list[LoraScale] | None) -> tuple[float, ...]:
         """A request's adapter scales: llama-server's rule, every adapter it does not list at 0."""
@@ -142,10 +109,55 @@ class Server:
             scales[entry.id] = entry.scale
         return tuple(scales)
 
-    def job(self, req: Sampling, tokens: list[int], n_probs: int, emit) -> Job:
-        limit = req.limit()
-        return Job(tokens=tokens, max_tokens=self.defaults.get("n_predict", -1) if limit is None else limit, stop=stop_list(req.stop), sampling=self.sampling(req),
-                   lora=self.lora_of(req.lora), emit=emit, n_probs=max(n_probs, req.n_probs))
+    def prepare(self, req: Sampling, tokens_of: Callable[[], list[int]], n_probs: int, emit) -> Job:
+        """The request as a job for the engine: its prompt's tokens, its limits, its own sampler
+        chain (made here, so that a request the sampler refuses fails alone, not in the loop
+        that serves everyone)."""
+        limit = self._limit(req)
+        try:
+            tokens = tokens_of()
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        if len(tokens) >= self.engine.n_ctx_slot:
+            raise ApiError(400, f"the request ({len(tokens)} prompt tokens) exceeds the available context size "
+                                f"({self.engine.n_ctx_slot} tokens per slot), try increasing it",
+                           "exceed_context_size_error")
+        chain = sampler_chain(self.vocab.n_tokens, **self.sampling(req))
+        return Job(tokens=tokens, max_tokens=limit, stop=stop_list(req.stop), chain=chain, lora=self.lora_of(req.lora),
+                   emit=emit, n_probs=max(n_probs, req.n_probs))
+
+    def _limit(self, req: Sampling) -> int:
+        """The tokens to generate: the request's max_tokens (or the server's -n), at most a slot's context."""
+        given = req.limit()
+        if given is None:
+            return self.defaults.get("n_predict", -1)
+        if given > self.engine.n_ctx_slot:
+            raise ApiError(400, f"max_tokens {given} is more than a slot's context ({self.engine.n_ctx_slot} tokens): "
+                                f"ask for at most {self.engine.n_ctx_slot} (or -1: until the end or a full slot)",
+                           "exceed_context_size_error")
+        return given
+
+    def completion_tokens(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            self._refuse_surely_too_long(req.prompt)
+        tokens = prompt_tokens(self.vocab, req.prompt)
+        if any(not 0 <= t < self.vocab.n_tokens for t in tokens):
+            raise ApiError(400, f"prompt: token ids must be in 0..{self.vocab.n_tokens - 1}")
+        return tokens
+
+    def _refuse_surely_too_long(self, text: str) -> None:
+        """A prompt many times a slot's context is refused from the tokens of a prefix (a 16 MB
+        text takes seconds of CPU to tokenize, shared with the other clients' decoding). The
+        prefix's tokens are a lower bound of the whole text's but for the few a merge across
+        the cut may save: twice the context leaves room for them."""
+        n_ctx = self.engine.n_ctx_slot
+        probe = text[:PROBE_CHARS_PER_TOKEN * n_ctx]
+        if len(probe) < len(text):
+            n_probe = len(self.vocab.tokenize(probe, add_special=False))
+            if n_probe > 2 * n_ctx:
+                raise ApiError(400, f"the request (more than {n_probe} prompt tokens in its first {len(probe)} of "
+                                    f"{len(text)} characters) exceeds the available context size ({n_ctx} tokens per "
+                                    "slot), try increasing it", "exceed_context_size_error")
 
     def chat_tokens(self, req: ChatRequest) -> list[int]:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
@@ -194,10 +206,12 @@ class Server:
                 raise ApiError(500, event.message)
         return outs, done
 
-    def submit(self, req: Sampling, tokens: list[int], n_probs: int) -> tuple[Job, asyncio.Queue]:
+    async def submit(self, req: Sampling, tokens_of: Callable[[], list[int]], n_probs: int) -> tuple[Job, asyncio.Queue]:
+        """Prepare the request's job in a worker thread and queue it; its events come in the queue."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        job = self.job(req, tokens, n_probs, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)  # noqa: E731
+        job = await asyncio.to_thread(self.prepare, req, tokens_of, n_probs, emit)
         try:
             self.engine.submit(job)
         except QueueFull as e:
@@ -227,20 +241,9 @@ class Server:
         return {**entry(out.token, out.logprob), "top_logprobs": [entry(t, lp) for t, lp in out.top or []]}
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
-            continue
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        message = err.get("msg", "invalid").removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts) or "invalid request"
-
-
-def create_app(server: Server, api_key: str | None = None, metrics: bool = False, slots: bool = True) -> Gate:
-    """The ASGI application serving `server`'s model."""
+def create_app(server: Server, api_key: str | None = None, metrics: bool = False, slots: bool = True,
+               max_body: int = DEFAULT_MAX_BODY) -> Gate:
+    """The ASGI application serving `server`'s model (bodies up to `max_body` bytes)."""
     app = FastAPI(title="llamapy-server", docs_url=None, redoc_url=None)
     engine = server.engine
 
@@ -250,7 +253,11 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(400, _validation_message(exc))
+        return error_response(400, validation_message(exc.errors()))
+
+    @app.exception_handler(InputError)
+    async def _input_error(request: Request, exc: InputError):
+        return error_response(400, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -287,9 +294,10 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
+    async def chat_completions(request: Request):
+        req: ChatRequest = await parse_body(request, ChatRequest)
         n_probs = max(1, req.top_logprobs or 0) if req.logprobs else 0
-        job, queue = server.submit(req, server.chat_tokens(req), n_probs)
+        job, queue = await server.submit(req, lambda: server.chat_tokens(req), n_probs)
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         head = {"id": ident, "created": created, "model": req.model or server.alias}
         if req.stream:
@@ -324,15 +332,10 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
 
     @app.post("/v1/completions")
     @app.post("/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        try:
-            tokens = prompt_tokens(server.vocab, req.prompt)
-        except InputError as e:
-            raise ApiError(400, str(e)) from None
-        if any(not 0 <= t < server.vocab.n_tokens for t in tokens):
-            raise ApiError(400, f"prompt: token ids must be in 0..{server.vocab.n_tokens - 1}")
+    async def completions(request: Request):
+        req: CompletionRequest = await parse_body(request, CompletionRequest)
         n_probs = max(1, req.logprobs) if req.logprobs is not None else 0
-        job, queue = server.submit(req, tokens, n_probs)
+        job, queue = await server.submit(req, lambda: server.completion_tokens(req), n_probs)
         ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         head = {"id": ident, "created": created, "model": req.model or server.alias, "object": "text_completion"}
 
@@ -374,17 +377,26 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
         return {**head, "choices": [choice], "usage": server.usage(done), "timings": server.timings(done)}
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        tokens = server.vocab.tokenize(req.content, add_special=req.add_special, parse_special=True)
-        if req.with_pieces:
-            return {"tokens": [{"id": t, "piece": server.piece(t).decode("utf-8", "replace")} for t in tokens]}
-        return {"tokens": tokens}
+    async def tokenize(request: Request):
+        req: TokenizeRequest = await parse_body(request, TokenizeRequest)
+
+        def answer() -> Response:  # in a worker thread: time and size grow with the content
+            tokens = server.vocab.tokenize(req.content, add_special=req.add_special, parse_special=True)
+            if req.with_pieces:
+                return json_list_response("tokens", [{"id": t, "piece": server.piece(t).decode("utf-8", "replace")}
+                                                     for t in tokens])
+            return json_list_response("tokens", tokens)
+        return await asyncio.to_thread(answer)
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        if any(not 0 <= t < server.vocab.n_tokens for t in req.tokens):
-            raise ApiError(400, f"tokens: ids must be in 0..{server.vocab.n_tokens - 1}")
-        return {"content": b"".join(server.piece(t) for t in req.tokens).decode("utf-8", "replace")}
+    async def detokenize(request: Request):
+        req: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
+
+        def answer() -> JSONResponse:
+            if any(not 0 <= t < server.vocab.n_tokens for t in req.tokens):
+                raise ApiError(400, f"tokens: ids must be in 0..{server.vocab.n_tokens - 1}")
+            return JSONResponse({"content": b"".join(server.piece(t) for t in req.tokens).decode("utf-8", "replace")})
+        return await asyncio.to_thread(answer)
 
     @app.get("/slots")
     async def get_slots():
@@ -423,37 +435,20 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
 
     @app.get("/lora-adapters")
     async def get_lora():
-        return [{"id": i, "path": p, "scale": s} for i, (p, s) in enumerate(zip(server.lora_paths, engine.scales))]
+        return server.adapters.listing()
 
     @app.post("/lora-adapters")
-    async def set_lora(entries: list[LoraScale]):
-        scales = server.lora_of(entries)
-        with engine.lock:
-            engine.scales[:] = scales
-        return await get_lora()
+    async def set_lora(request: Request):
+        entries = await parse_body(request, list[LoraScale])
+        await asyncio.to_thread(server.adapters.set_scales, server.lora_of(entries))
+        return server.adapters.listing()
 
     @app.post("/lora-adapters/load")
-    async def load_lora(req: LoadLora):
-        if server.lora_dir is None:
-            raise ApiError(403, "loading adapters is off: start the server with --lora-dir DIR")
-        path = Path(req.path)
-        path = (path if path.is_absolute() else server.lora_dir / path).resolve()
-        if not path.is_relative_to(server.lora_dir):
-            raise ApiError(403, f"{req.path}: not under the --lora-dir {server.lora_dir}")
-        if not path.is_file():
-            raise ApiError(404, f"{req.path}: no such adapter file under --lora-dir")
-        from llamapy.lora import LoraAdapter
-        try:
-            adapter = await asyncio.to_thread(LoraAdapter.load, path, engine.ctx.model)
-        except LlamapyError as e:
-            raise ApiError(400, str(e)) from None
-        with engine.lock:
-            engine.adapters.append(adapter)
-            engine.scales.append(req.scale)
-            server.lora_paths.append(str(path))
-        return {"id": len(engine.adapters) - 1, "path": str(path), "scale": req.scale}
+    async def load_lora(request: Request):
+        req: LoadLora = await parse_body(request, LoadLora)
+        return await server.adapters.load(req.path, req.scale)
 
-    return Gate(app, api_key)
+    return Gate(app, api_key, max_body)
 
 
 def llamapy_version() -> str:

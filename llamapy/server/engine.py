@@ -20,6 +20,7 @@ greedy text is what `llamapy.generate` gives for the same prompt.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -31,7 +32,11 @@ import numpy as np
 from llamapy.batch import Batch
 from llamapy.context import Context
 from llamapy.errors import InputError
-from llamapy.generate import TextRun, sampler_chain
+from llamapy.generate import TextRun
+
+# what a log-probability that is not a number becomes: JSON has no -inf (llama-server's choice:
+# float's lowest for a probability of 0)
+LOWEST_LOGPROB = float(np.finfo(np.float32).min)
 
 
 class QueueFull(Exception):
@@ -72,7 +77,7 @@ class Job:
     tokens: list[int]
     max_tokens: int
     stop: tuple[str, ...]
-    sampling: dict
+    chain: object                      # its own sampler chain (llamapy.generate.sampler_chain), made by the caller
     lora: tuple[float, ...]            # a scale per loaded adapter (0: not applied)
     emit: Callable[[Event], None]
     n_probs: int = 0
@@ -232,7 +237,7 @@ class Engine:
         slot.lora = job.lora
         slot.job, slot.n_read, slot.n_cached, slot.pending = job, keep, keep, None
         slot.run = TextRun(self.vocab, job.max_tokens, job.stop, job.special)
-        slot.chain = sampler_chain(self.vocab.n_tokens, **job.sampling)
+        slot.chain = job.chain
         slot.t_admit, slot.t_first = time.perf_counter(), 0.0
         slot.t_used = slot.t_admit
         self.metrics.requests += 1
@@ -300,14 +305,20 @@ class Engine:
         logprob, top = None, None
         if job.n_probs:
             logits = np.asarray(self.ctx.get_logits_ith(row), np.float64)
-            logp = logits - logits.max()
-            logp -= np.log(np.exp(logp).sum())
-        token = slot.chain.sample(self.ctx, row)
+            with np.errstate(all="ignore"):  # logits that are not finite give logprobs that are not (_finite)
+                logp = logits - logits.max()
+                logp -= np.log(np.exp(logp).sum())
+        try:
+            with np.errstate(all="ignore"):  # a request's extreme (in-range) values: its own text, not the log's
+                token = slot.chain.sample(self.ctx, row)
+        except Exception as e:  # noqa: BLE001 -- a request its sampler cannot serve fails alone
+            self._fail_one(slot, f"sampling failed: {type(e).__name__}: {e}")
+            return
         if job.n_probs:
             n = min(job.n_probs, len(logp))
             best = np.argpartition(-logp, n - 1)[:n]              # the n best of the whole vocabulary,
             best = best[np.argsort(-logp[best], kind="stable")]  # then only they are sorted
-            logprob, top = float(logp[token]), [(int(t), float(logp[t])) for t in best]
+            logprob, top = _finite(logp[token]), [(int(t), _finite(logp[t])) for t in best]
         if not slot.t_first:
             slot.t_first = time.perf_counter()
         text = run.push(token)
@@ -335,6 +346,11 @@ class Engine:
         if slot.n_read < len(job.tokens):  # cancelled while reading its prompt: the cache holds a part
             slot.cached = slot.cached[:slot.n_read]
 
+    def _fail_one(self, slot: Slot, message: str) -> None:
+        """End the slot's job with an error; its cache (decoded before the failure) stays."""
+        slot.job.emit(Failed(message))
+        slot.job, slot.run, slot.chain, slot.pending = None, None, None, None
+
     def _fail_all(self, message: str) -> None:
         for slot in self.slots:
             if slot.busy:
@@ -347,3 +363,10 @@ class Engine:
     def cells_used(self, slot: Slot) -> int:
         """Cells of the slot's KV stream holding tokens (memory_seq_pos_max + 1)."""
         return self.ctx.memory_seq_pos_max(slot.id) + 1
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability as JSON can carry it (an adapter or a model with overflowing logits
+    must not turn a response into a 500)."""
+    value = float(logprob)
+    return value if math.isfinite(value) else LOWEST_LOGPROB

@@ -4,51 +4,118 @@ Fields a client may send that change nothing here (`user`, `n: 1`, `stream_optio
 usage, ...) are accepted and ignored, as llama-server does; a known field of the wrong type
 or out of its range is a 400 naming it; features this server does not have (several
 choices, tools, grammars) are refused by name rather than silently ignored.
+
+Every number has a range, so that no request can make the sampler overflow or hold the decode
+loop (which serves every client) for long; where OpenAI documents one it is OpenAI's:
+
+- temperature >= 0; top_p, min_p, typical_p in [0, 1]; all finite
+- dynatemp_range and dynatemp_exponent in [0, 100] (the temperature moves within +-range by the
+  entropy's share ** exponent: past ~10 it is pinned to an end already; a huge range or
+  exponent only makes it overflow)
+- presence_penalty, frequency_penalty in [-2, 2] (OpenAI's); repeat_penalty in (0, 100]
+  (past ~10 a seen token is already as good as banned)
+- logit_bias values in [-100, 100] (OpenAI's) or `false` (llama-server's ban)
+- a LoRA scale within llamapy.lora.LORA_SCALE_LIMIT (shared with the command lines)
+- max_tokens (max_completion_tokens, n_predict) -1 or up to 2**31 - 1 (llama-server's int32),
+  and the server refuses more than a slot's context (app.py); n_probs <= 100, logprobs <= 5,
+  top_logprobs <= 20 (OpenAI's); at most 64 stop strings of at most 1024 characters
+- seed: a 64-bit integer (OpenAI's; as llama.cpp, its low 32 bits seed the sampler)
+Strings are valid Unicode by the time they get here: the body's parser refuses lone surrogates.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import os
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from llamapy.errors import InputError
+from llamapy.lora import LORA_SCALE_RULE, check_lora_scale
+
+INT32_MAX = 2**31 - 1
+LOGIT_BIAS_LIMIT = 100.0
+MAX_STOPS, MAX_STOP_CHARS = 64, 1024
+NAME_MAX, PATH_MAX = 255, 4096  # POSIX's limits on a file name's bytes and a path's
+
+
+def _lora_scale(value: float) -> float:
+    try:
+        return check_lora_scale(value)
+    except InputError:
+        raise ValueError(LORA_SCALE_RULE) from None
+
+
+LoraScaleValue = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_lora_scale)]
 
 
 class LoraScale(BaseModel):
-    id: int = Field(ge=0)
-    scale: float = Field(allow_inf_nan=False)
+    id: int = Field(ge=0, le=INT32_MAX)
+    scale: LoraScaleValue
+
+
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class Sampling(BaseModel):
     """What both completion endpoints share: llama-server's sampling and stopping fields."""
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=-1)
-    max_completion_tokens: Optional[int] = Field(None, ge=-1)
-    n_predict: Optional[int] = Field(None, ge=-1)
-    temperature: float = Field(0.8, allow_inf_nan=False)
-    top_p: float = Field(0.95, ge=0, le=1)
-    top_k: int = Field(40, ge=0)
-    min_p: float = Field(0.05, ge=0, le=1)
-    typical_p: float = Field(1.0, ge=0, le=1)
-    repeat_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
-    repeat_last_n: int = Field(64, ge=-1)
-    presence_penalty: float = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
-    dynatemp_range: float = Field(0.0, ge=0, allow_inf_nan=False)
-    dynatemp_exponent: float = Field(1.0, allow_inf_nan=False)
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    model: Optional[str] = Field(None, max_length=1024)
+    max_tokens: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
+    max_completion_tokens: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
+    n_predict: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
+    temperature: float = Field(0.8, ge=0, allow_inf_nan=False)
+    top_p: float = Field(0.95, ge=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(40, ge=0, le=INT32_MAX)
+    min_p: float = Field(0.05, ge=0, le=1, allow_inf_nan=False)
+    typical_p: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
+    repeat_last_n: int = Field(64, ge=-1, le=INT32_MAX)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    dynatemp_range: float = Field(0.0, ge=0, le=100, allow_inf_nan=False)
+    dynatemp_exponent: float = Field(1.0, ge=0, le=100, allow_inf_nan=False)
+    seed: Optional[int] = Field(None, ge=-2**63, le=2**64 - 1)
+    stop: Union[Stop, list[Stop], None] = Field(None)
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     n: int = Field(1, ge=1, le=1, description="one choice per request (as llama-server)")
     n_probs: int = Field(0, ge=0, le=100)
-    logit_bias: Union[dict[str, float], list[list[Any]], None] = None
+    logit_bias: Optional[list[tuple[Union[int, str], float]]] = None
     ignore_eos: bool = False
     lora: Optional[list[LoraScale]] = None
     tools: Optional[list[Any]] = None
     grammar: Optional[str] = None
     json_schema: Optional[dict[str, Any]] = None
     response_format: Optional[dict[str, Any]] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, not {len(value)}")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_entries(cls, value):
+        """llama-server's forms, as (token id or text, bias) pairs: {"15043": 1.0},
+        {"15043": false} (false bans: -inf), {"Hello": -1} (every token of the text),
+        [[15043, 1.0]], [[15043, false]], [["Hello", -1]]."""
+        if value is None:
+            return None
+        if isinstance(value, dict):
+            pairs = [(_token_key(key), bias) for key, bias in value.items()]
+        elif isinstance(value, list):
+            if not all(isinstance(item, list) and len(item) == 2 for item in value):
+                raise ValueError(BIAS_FORMS)
+            pairs = [(key, bias) for key, bias in value]
+            if not all(isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool))
+                       for key, _ in pairs):
+                raise ValueError(f"each entry's first item is a token id or a text: {BIAS_FORMS}")
+        else:
+            raise ValueError(BIAS_FORMS)
+        return [(key, _bias_value(bias)) for key, bias in pairs]
 
     @field_validator("tools", "grammar", "json_schema")
     @classmethod
@@ -74,6 +141,27 @@ class Sampling(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+BIAS_FORMS = ('expected {"TOKEN_ID or text": BIAS or false, ...} or [[TOKEN_ID or text, BIAS or false], ...] '
+              f"with BIAS a number from {-LOGIT_BIAS_LIMIT:g} to {LOGIT_BIAS_LIMIT:g}")
+
+
+def _token_key(key: str) -> int | str:
+    """An object key as llama-server reads it: a whole decimal integer is a token id, anything
+    else a text whose tokens get the bias."""
+    stripped = key.strip()
+    digits = stripped[1:] if stripped[:1] in "+-" else stripped
+    return int(stripped) if digits.isascii() and digits.isdigit() else key
+
+
+def _bias_value(bias: Any) -> float:
+    if bias is False:
+        return float("-inf")
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+            or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN fails the comparison too
+        raise ValueError(f"{bias!r} is not a bias: {BIAS_FORMS}")
+    return float(bias)
 
 
 class ContentPart(BaseModel):
@@ -133,6 +221,19 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+def _file_path(value: str) -> str:
+    """A path the file system can take: not empty, no NUL byte, within POSIX's lengths."""
+    if not value.strip():
+        raise ValueError("the path is empty")
+    if "\0" in value:
+        raise ValueError("a path cannot hold a NUL byte")
+    if len(os.fsencode(value)) > PATH_MAX:
+        raise ValueError(f"the path is longer than {PATH_MAX} bytes")
+    if any(len(os.fsencode(part)) > NAME_MAX for part in value.split("/")):
+        raise ValueError(f"a name in the path is longer than {NAME_MAX} bytes")
+    return value
+
+
 class LoadLora(BaseModel):
-    path: str
-    scale: float = Field(0.0, allow_inf_nan=False)
+    path: Annotated[str, AfterValidator(_file_path)]
+    scale: LoraScaleValue = 0.0
