@@ -77,11 +77,12 @@ class PackedWindows(Dataset):
     """Samples packed into windows: I32 tokens (data) and labels (the next token, or IGNORE),
     and per token its position in its sample (`pos`, from 0: RoPE) and the sample it belongs
     to (`seq`, its index in the window, -1 for padding: the attention mask). `n_samples`
-    samples were packed, `n_truncated` of them cut to fit a window (a front end warns)."""
+    samples were packed, `n_truncated` of them cut to fit a window, `n_unlearned` of them
+    cut before their first learned token (a front end warns)."""
 
-    def __init__(self, n_ctx: int, ndata: int, n_samples: int, n_truncated: int) -> None:
+    def __init__(self, n_ctx: int, ndata: int, n_samples: int, n_truncated: int, n_unlearned: int = 0) -> None:
         super().__init__(n_ctx, n_ctx, ndata, 1, GGMLType.I32, GGMLType.I32)
-        self.n_ctx, self.n_samples, self.n_truncated = n_ctx, n_samples, n_truncated
+        self.n_ctx, self.n_samples, self.n_truncated, self.n_unlearned = n_ctx, n_samples, n_truncated, n_unlearned
         self.pos = np.zeros((ndata, n_ctx), dtype=np.int32)
         self.seq = np.full((ndata, n_ctx), -1, dtype=np.int32)
 
@@ -136,7 +137,8 @@ def join_windows(train: Dataset, val: Dataset) -> tuple[PackedWindows, int]:
     a, b = as_packed(train), as_packed(val)
     if a.n_ctx != b.n_ctx:
         raise InputError(f"training windows have {a.n_ctx} tokens, validation windows {b.n_ctx}")
-    out = PackedWindows(a.n_ctx, a.ndata + b.ndata, a.n_samples + b.n_samples, a.n_truncated + b.n_truncated)
+    out = PackedWindows(a.n_ctx, a.ndata + b.ndata, a.n_samples + b.n_samples, a.n_truncated + b.n_truncated,
+                        a.n_unlearned + b.n_unlearned)
     for name in ("data", "labels", "pos", "seq"):
         getattr(out, name)[:] = np.concatenate([getattr(a, name), getattr(b, name)])
     return out, a.ndata
@@ -181,20 +183,29 @@ def pack_samples(samples: Sequence[tuple[np.ndarray, np.ndarray]], n_ctx: int, p
     if pad_id < 0:
         raise InputError(f"pack_samples: pad_id must be a token id, got {pad_id}")
     placed: list[tuple[int, int, np.ndarray, np.ndarray]] = []  # (window, offset, inputs, labels)
-    window, fill, n_truncated = 0, 0, 0
+    window, fill, n_truncated, n_unlearned, first_learned = 0, 0, 0, 0, None
     for k, (tokens, train_mask) in enumerate(samples):
         inputs, labels = _sample_arrays(tokens, train_mask, f"sample {k}")
+        learned = np.flatnonzero(labels != IGNORE)
+        if len(learned):  # the positions a window needs to hold this sample's first learned token
+            first_learned = min(first_learned or n_ctx + len(inputs), int(learned[0]) + 1)
         if len(inputs) > n_ctx:
             if not truncate:
                 raise InputError(f"sample {k} has {len(inputs) + 1} tokens: it needs {len(inputs)} positions, "
                                  f"the window has {n_ctx} (truncate=True cuts it to fit)")
             inputs, labels = inputs[:n_ctx], labels[:n_ctx]
             n_truncated += 1
+        n_unlearned += not np.any(labels != IGNORE)
         if fill + len(inputs) > n_ctx:
             window, fill = window + 1, 0
         placed.append((window, fill, inputs, labels))
         fill += len(inputs)
-    ds = PackedWindows(n_ctx, window + 1, len(samples), n_truncated)
+    if n_unlearned == len(samples):
+        need = f"the earliest comes at position {first_learned}: a window of at least {first_learned} (-c) keeps it" \
+            if first_learned else "no sample marks any token to learn"
+        raise InputError(f"none of the {len(samples)} samples has a token to learn within a window of {n_ctx} "
+                         f"positions ({need}); training would run on nothing")
+    ds = PackedWindows(n_ctx, window + 1, len(samples), n_truncated, n_unlearned)
     ds.data[:], ds.labels[:] = pad_id, IGNORE
     ends = np.zeros(ds.ndata, dtype=np.int64)  # the first padding position of each window
     seq = np.zeros(ds.ndata, dtype=np.int32)   # samples placed in each window so far

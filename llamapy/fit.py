@@ -145,6 +145,9 @@ class FitRun:
                 self.say(f"resume: {note}")
         if run.pending is not None:
             self.start, self.start_result = resume_position(trainer, o.force_resume)
+            if self.start.epoch >= self.epochs:
+                raise InputError(f"{o.resume}: the checkpoint's run finished its {self.start.epoch} epoch(s): nothing "
+                                 f"is left to train for {self.epochs} (more epochs train further)")
             self.say(f"resume: epoch {self.start.epoch + 1}, window {self.start.ibatch} of the epoch, after "
                      f"{trainer.n_steps} optimizer steps")
 

@@ -17,7 +17,7 @@ from llamapy.save import save_model_to_file
 
 from . import flags as F
 from .args import OUTPUT, Tool, flag
-from .common import adapter_list, load_adapters, log, paths
+from .common import adapter_list, load_adapters, log, paths, warn
 
 tool = Tool("llamapy-export-lora", llama_cpp=["export-lora"])
 
@@ -57,6 +57,10 @@ def run(model: F.Model, lora: F.Lora = None, lora_scaled: F.LoraScaled = None, o
         if len(adapter_list(lora, lora_scaled)) != 1 or adapter_list(lora, lora_scaled)[0][1] != 1.0:
             raise InputError("--to-peft writes one adapter as it is: give it with --lora FNAME (no scale)")
         check_peft_folder(to_peft)
+        if base is None:
+            warn("--to-peft without --base: adapter_config.json names no base model (base_model_name_or_path "
+                 "null); peft.PeftModel.from_pretrained(model, DIR) loads it onto the model you give, but "
+                 "AutoPeftModelForCausalLM cannot find one (--base HF_DIR|MODEL_ID names it)")
     elif base is not None:
         raise InputError("--base names the Hugging Face checkpoint of a PEFT adapter: use it with --to-peft DIR")
     else:

@@ -19,7 +19,7 @@ from llamapy.atomic import replace_atomically
 from llamapy.checkpoint import data_fingerprint
 from llamapy.context import Context, split_too_small, validation_windows
 from llamapy.distributed import Setting, oversubscription_warning
-from llamapy.errors import InputError, TrainingInterrupted
+from llamapy.errors import InputError, LlamapyError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import (
@@ -196,6 +196,10 @@ class TrainingArgs:
             raise InputError("--save-every needs --checkpoint-out FILE")
         if self.checkpoint_in is not None and not self.checkpoint_in.is_file():
             raise InputError(f"checkpoint not found: {self.checkpoint_in}")
+        if self.checkpoint_out is not None and self.checkpoint_in is None and _is_checkpoint(self.checkpoint_out):
+            raise InputError(f"--checkpoint-out {self.checkpoint_out} holds the checkpoint of an earlier run, which "
+                             f"this run would overwrite: resume it with --checkpoint-in {self.checkpoint_out}, or "
+                             "give another path (delete the file to start over)")
         if self.steps_per_eval is not None and self.steps_per_eval <= 0:
             raise InputError(f"--steps-per-eval must be a positive number of optimizer steps, got {self.steps_per_eval}")
 
@@ -354,13 +358,12 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     elapsed = time.perf_counter() - start
     n_trained = sum(len(h.train.losses) for h in history) * ctx.trainer.n_ubatch
     timing = ctx.trainer.timing
-    if n_trained == 0:
-        log(f"{tool}: the checkpoint's run was already complete: nothing left to train")
-    else:
-        log(f"{tool}: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
-            f"{timing.tokens_per_second * comm.size:.0f} tokens/s after the first window's "
-            f"{timing.startup_seconds:.2f} s of start-up (graphs built, kernels loaded)"
-            f"{f' ({comm.size} ranks)' if comm.size > 1 else ''}")
+    if n_trained == 0:  # opt_fit refuses a finished run's checkpoint and data with nothing to learn: never here
+        raise InputError(f"{tool}: no window was trained: nothing to save")
+    log(f"{tool}: {n_trained} training tokens in {elapsed:.1f} s (validation included); training: "
+        f"{timing.tokens_per_second * comm.size:.0f} tokens/s after the first window's "
+        f"{timing.startup_seconds:.2f} s of start-up (graphs built, kernels loaded)"
+        f"{f' ({comm.size} ranks)' if comm.size > 1 else ''}")
     if comm.size > 1 and ctx.trainer.n_steps:
         opt = ctx.trainer.opt
         log(f"distributed: summing the gradients took {1e3 * opt.reduce_seconds / ctx.trainer.n_steps:.2f} ms per step "
@@ -381,6 +384,17 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         plot_history(history, args.plot)
         log(f"{tool}: wrote the loss curves to {args.plot}")
     return ctx
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """True when `path` is a llamapy checkpoint (its header says so; the file is not verified)."""
+    from llamapy.gguf_file import GGUFFile
+    if not path.is_file():
+        return False
+    try:
+        return GGUFFile(path).get("general.type") == "checkpoint"
+    except LlamapyError:
+        return False
 
 
 def _mb(n: int) -> str:

@@ -150,3 +150,6 @@ def _describe_samples(path: Path, role: str, ds: PackedWindows, masked: bool) ->
     if ds.n_truncated:
         log(f"warning: {path}: {ds.n_truncated} of {ds.n_samples} samples are longer than a window of {ds.n_ctx} "
             "tokens and were cut (a longer -c keeps them whole; --no-truncate refuses them)")
+    if ds.n_unlearned:
+        log(f"warning: {path}: {ds.n_unlearned} of {ds.n_samples} samples are cut before their first token to "
+            "learn and teach nothing (a longer -c keeps them)")
