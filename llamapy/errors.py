@@ -42,3 +42,14 @@ class TrainingInterrupted(KeyboardInterrupt):
     """A run stopped on request (Ctrl-C) after writing its checkpoint; the message says where."""
 
     on_every_rank = True  # the request is shared: every rank stops after the same step
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs one of llamapy's extras: into the clone this llamapy runs
+    from (an editable install: its folder holds pyproject.toml), where `pip install
+    'llamapy[extra]'` would fetch another llamapy from the package index; else that."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e '{root}[{extra}]'"
+    return f"pip install 'llamapy[{extra}]'"

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 from llamapy import Context, load_model
 from llamapy.defaults import default_model_path
-from llamapy.errors import InputError
+from llamapy.errors import InputError, install_hint
 from llamapy.server.limits import DEFAULT_MAX_ADAPTERS, DEFAULT_MAX_BODY
 
 from . import flags as F
@@ -87,7 +87,7 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
         from llamapy.server.engine import Engine
     except ImportError as e:
         raise InputError(f"llamapy-server needs the server extra ({e.name} is missing): "
-                         "pip install 'llamapy[server]'") from None
+                         f"{install_hint('server')}") from None
     if flash_attn not in ("on", "off", "auto"):
         raise InputError(f"-fa must be on, off or auto, not {flash_attn!r}")
     if api_key_file is not None:

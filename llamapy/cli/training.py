@@ -19,7 +19,7 @@ from llamapy.atomic import replace_atomically
 from llamapy.checkpoint import data_fingerprint
 from llamapy.context import Context, split_too_small, validation_windows
 from llamapy.distributed import Setting, oversubscription_warning
-from llamapy.errors import InputError, LlamapyError, TrainingInterrupted
+from llamapy.errors import InputError, LlamapyError, TrainingInterrupted, install_hint
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import (
@@ -407,7 +407,7 @@ def plot_history(history, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("--plot needs matplotlib: pip install 'llamapy[plot]'") from None
+        raise InputError(f"--plot needs matplotlib: {install_hint('plot')}") from None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     steps, train_loss, val_x, val_loss = [], [], [], []
     for h in history:
