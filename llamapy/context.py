@@ -296,8 +296,11 @@ class Context:
 
     # ---- LoRA adapters ---------------------------------------------------------------------------
     def attach_lora(self, adapter, scale: float = 1.0) -> None:
-        """Apply `adapter` (a llamapy.lora.LoraAdapter) with `scale` in every graph from now on."""
-        self.adapters = [(a, s) for a, s in self.adapters if a is not adapter] + [(adapter, float(scale))]
+        """Apply `adapter` (a llamapy.lora.LoraAdapter) with `scale` in every graph from now on
+        (a finite scale within llamapy.lora.LORA_SCALE_LIMIT, as every front end takes)."""
+        from .lora import check_lora_scale
+        scale = check_lora_scale(scale)
+        self.adapters = [(a, s) for a, s in self.adapters if a is not adapter] + [(adapter, scale)]
 
     def detach_lora(self, adapter=None) -> None:
         """Stop applying `adapter` (all adapters when None)."""

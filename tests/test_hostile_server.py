@@ -78,7 +78,8 @@ def test_out_of_range_lora_scales_are_refused_and_every_client_is_still_served(s
         ("POST", "/lora-adapters", None, b'[{"id": 0, "scale": NaN}]'),
         ("POST", "/lora-adapters", None, b'[{"id": 0, "scale": Infinity}]'),
         ("POST", "/lora-adapters/load", {"path": "a1.gguf", "scale": 1e38}, None),
-        ("POST", "/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 2, "lora": [{"id": 0, "scale": 1e38}]}, None),
+        ("POST", "/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 2,
+                                     "lora": [{"id": 0, "scale": 1e38}]}, None),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                           "lora": [{"id": 0, "scale": -1e308}]}, None),
     ]:
@@ -97,7 +98,6 @@ def test_out_of_range_lora_scales_are_refused_and_every_client_is_still_served(s
 
 # ---- sampling fields -----------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, fragment", [
-    ("temperature", -0.5, "greater than or equal to 0"),
     ("temperature", "NaN", "finite number"),
     ("top_p", 1.5, "less than or equal to 1"),
     ("min_p", -0.1, "greater than or equal to 0"),
@@ -134,6 +134,12 @@ def test_max_tokens_past_a_slots_context_is_refused(server):
     status, reply = server.request("POST", "/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 257})
     assert status == 400 and reply["error"]["type"] == "exceed_context_size_error", reply
     assert "max_tokens 257 is more than a slot's context (256 tokens)" in reply["error"]["message"]
+
+
+def test_a_negative_temperature_is_greedy_as_in_llama_cpp(server):
+    status, reply = server.request("POST", "/v1/completions", {"prompt": GOLDEN_PROMPT, "max_tokens": 12,
+                                                               "temperature": -1})
+    assert status == 200 and reply["choices"][0]["text"] == greedy(server)
 
 
 def test_repeat_last_n_minus_one_is_the_whole_context(server):
@@ -314,3 +320,63 @@ def test_server_defaults_keep_the_ranges_of_requests(files, capsys, flags, fragm
     model, _ = files
     code, err = run_tool("server", "-m", model, *flags, capsys=capsys)
     assert code != 0 and fragment in one_error(err)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+def _run_jobs(engine, jobs: list, seconds: float = 60.0) -> list[list]:
+    """Each job's events, once every job has ended (Done or Failed)."""
+    from llamapy.server.engine import Done, Failed
+    events: list[list] = [[] for _ in jobs]
+    for job, got in zip(jobs, events):
+        job.emit = got.append
+        engine.submit(job)
+    deadline = time.monotonic() + seconds
+    while not all(got and isinstance(got[-1], (Done, Failed)) for got in events):
+        assert time.monotonic() < deadline, events
+        time.sleep(0.01)
+    return events
+
+
+def test_a_request_its_sampler_cannot_serve_fails_alone(model):
+    """The decode loop serves every slot: a sampler that raises ends its own job, and the job
+    beside it (same step) still gets its whole greedy text."""
+    from llamapy.generate import sampler_chain
+    from llamapy.server.engine import Done, Engine, Failed, Job
+
+    class Broken:
+        def sample(self, ctx, row):
+            raise ZeroDivisionError("0.0 cannot be raised to a negative power")
+
+    engine = Engine(llamapy.Context(model, n_ctx=256, n_seq_max=2, n_threads=1))
+    engine.start()
+    try:
+        tokens = model.vocab.tokenize(GOLDEN_PROMPT, add_special=True)
+        greedy_chain = sampler_chain(model.vocab.n_tokens, temperature=0)
+        broken, fine = (Job(tokens=list(tokens), max_tokens=8, stop=(), chain=chain, lora=(), emit=None)
+                        for chain in (Broken(), greedy_chain))
+        failed, done = _run_jobs(engine, [broken, fine])
+    finally:
+        engine.stop()
+    assert isinstance(failed[-1], Failed) and "ZeroDivisionError" in failed[-1].message
+    assert isinstance(done[-1], Done) and done[-1].finish_reason == "length"
+    assert "".join(e.text for e in done[:-1]) == llamapy.generate(model, GOLDEN_PROMPT, 8, temperature=0)
+
+
+def test_logprobs_of_logits_that_overflow_are_still_json(model, adapter_dir):
+    """An adapter at a scale past any bound (a Python caller's, not a request's) makes the
+    logits NaN: the log-probabilities become float32's lowest (llama-server's value for a
+    probability of 0), never a NaN that no JSON can carry."""
+    from llamapy.generate import sampler_chain
+    from llamapy.server.engine import LOWEST_LOGPROB, Engine, Job, TokenOut
+    adapter = LoraAdapter.load(adapter_dir / "a1.gguf", model)
+    engine = Engine(llamapy.Context(model, n_ctx=64, n_threads=1), [adapter], [1e38])
+    engine.start()
+    try:
+        job = Job(tokens=model.vocab.tokenize(GOLDEN_PROMPT, add_special=True), max_tokens=2, stop=(),
+                  chain=sampler_chain(model.vocab.n_tokens, temperature=0), lora=(1e38,), emit=None, n_probs=3)
+        (events,) = _run_jobs(engine, [job])
+    finally:
+        engine.stop()
+    outs = [e for e in events if isinstance(e, TokenOut)]
+    assert outs and all(e.logprob == LOWEST_LOGPROB and len(e.top) == 3 for e in outs), outs
+    json.dumps([(e.logprob, e.top) for e in outs], allow_nan=False)

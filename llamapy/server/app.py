@@ -206,7 +206,8 @@ class Server:
                 raise ApiError(500, event.message)
         return outs, done
 
-    async def submit(self, req: Sampling, tokens_of: Callable[[], list[int]], n_probs: int) -> tuple[Job, asyncio.Queue]:
+    async def submit(self, req: Sampling, tokens_of: Callable[[], list[int]],
+                     n_probs: int) -> tuple[Job, asyncio.Queue]:
         """Prepare the request's job in a worker thread and queue it; its events come in the queue."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

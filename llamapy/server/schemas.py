@@ -8,7 +8,7 @@ choices, tools, grammars) are refused by name rather than silently ignored.
 Every number has a range, so that no request can make the sampler overflow or hold the decode
 loop (which serves every client) for long; where OpenAI documents one it is OpenAI's:
 
-- temperature >= 0; top_p, min_p, typical_p in [0, 1]; all finite
+- temperature any finite number (<= 0: greedy, as llama.cpp); top_p, min_p, typical_p in [0, 1]
 - dynatemp_range and dynatemp_exponent in [0, 100] (the temperature moves within +-range by the
   entropy's share ** exponent: past ~10 it is pinned to an end already; a huge range or
   exponent only makes it overflow)
@@ -64,7 +64,7 @@ class Sampling(BaseModel):
     max_tokens: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
     max_completion_tokens: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
     n_predict: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
-    temperature: float = Field(0.8, ge=0, allow_inf_nan=False)
+    temperature: float = Field(0.8, allow_inf_nan=False)
     top_p: float = Field(0.95, ge=0, le=1, allow_inf_nan=False)
     top_k: int = Field(40, ge=0, le=INT32_MAX)
     min_p: float = Field(0.05, ge=0, le=1, allow_inf_nan=False)
