@@ -75,7 +75,7 @@ def test_text_windows_read_from_shards_equal_the_in_memory_ones(bos, model, wiki
         np.testing.assert_array_equal(ds.datapoint(i)[0], ref.datapoint(i)[0])
 
 
-@pytest.mark.parametrize("n_ctx", [48, 200])  # 48: some samples are cut to fit
+@pytest.mark.parametrize("n_ctx", [128, 200])  # 128: the long sample is cut to fit
 def test_sample_windows_read_from_shards_equal_the_packed_ones(n_ctx, model, tmp_path):
     path = tmp_path / "chats.jsonl"
     long = [{"messages": [{"role": "user", "content": "Tell a story. " * 6},
@@ -87,7 +87,7 @@ def test_sample_windows_read_from_shards_equal_the_packed_ones(n_ctx, model, tmp
     ds = shard_windows(tmp_path / "s", model.vocab, n_ctx)
     ref = load_samples(path, model.vocab, n_ctx, chat_template=template)
     assert isinstance(ds, ShardSampleWindows) and ds.ndata == ref.ndata and ds.n_truncated == ref.n_truncated
-    assert (ds.n_truncated > 0) == (n_ctx == 48)
+    assert (ds.n_truncated > 0) == (n_ctx == 128)
     data, labels = ds.rows(np.arange(ds.ndata))
     np.testing.assert_array_equal(data, ref.data)
     np.testing.assert_array_equal(labels, ref.labels)
@@ -96,7 +96,7 @@ def test_sample_windows_read_from_shards_equal_the_packed_ones(n_ctx, model, tmp
             np.testing.assert_array_equal(got, want)
         assert ds.counted(j) == int(np.count_nonzero(ref.labels[j] != -1))
     with pytest.raises(InputError, match="more than a window"):
-        shard_windows(tmp_path / "s", model.vocab, 48, truncate=False)
+        shard_windows(tmp_path / "s", model.vocab, 128, truncate=False)
 
 
 def run(tool: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
