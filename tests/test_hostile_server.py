@@ -310,7 +310,7 @@ def test_lora_scale_flags_out_of_range_are_one_error(files, capsys, adapter_file
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--temp", "-1"], "--temp -1.0: Input should be greater than or equal to 0"),
+    (["--temp", "nan"], "--temp must be a finite number"),
     (["--presence-penalty", "3"], "--presence-penalty 3.0: Input should be less than or equal to 2"),
     (["--dynatemp-exp", "-1"], "--dynatemp-exp -1.0: Input should be greater than or equal to 0"),
     (["-l", "5+1000"], "-l 5+1000: a bias must be from -100 to 100, or -inf"),
