@@ -363,17 +363,19 @@ def test_a_request_its_sampler_cannot_serve_fails_alone(model):
 
 
 def test_logprobs_of_logits_that_overflow_are_still_json(model, adapter_dir):
-    """An adapter at a scale past any bound (a Python caller's, not a request's) makes the
-    logits NaN: the log-probabilities become float32's lowest (llama-server's value for a
-    probability of 0), never a NaN that no JSON can carry."""
+    """An adapter whose weights overflow (scales are bounded, a file's values are not) makes
+    the logits NaN: the log-probabilities become float32's lowest (llama-server's value for
+    a probability of 0), never a NaN that no JSON can carry."""
     from llamapy.generate import sampler_chain
     from llamapy.server.engine import LOWEST_LOGPROB, Engine, Job, TokenOut
     adapter = LoraAdapter.load(adapter_dir / "a1.gguf", model)
-    engine = Engine(llamapy.Context(model, n_ctx=64, n_threads=1), [adapter], [1e38])
+    for _, b in adapter.tensors.values():
+        b.array()[...] = 1e38
+    engine = Engine(llamapy.Context(model, n_ctx=64, n_threads=1), [adapter], [1.0])
     engine.start()
     try:
         job = Job(tokens=model.vocab.tokenize(GOLDEN_PROMPT, add_special=True), max_tokens=2, stop=(),
-                  chain=sampler_chain(model.vocab.n_tokens, temperature=0), lora=(1e38,), emit=None, n_probs=3)
+                  chain=sampler_chain(model.vocab.n_tokens, temperature=0), lora=(1.0,), emit=None, n_probs=3)
         (events,) = _run_jobs(engine, [job])
     finally:
         engine.stop()
