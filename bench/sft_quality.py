@@ -114,9 +114,11 @@ def make_task(seed: int, n: int) -> list[dict[str, str]]:
     return out
 
 
-def write_task(out: Path, seed: int) -> dict[str, list[dict[str, str]]]:
+def write_task(out: Path, seed: int, n_train: int = N_TRAIN) -> dict[str, list[dict[str, str]]]:
+    """The task's files in `out`: the held-out and validation questions are the same whatever
+    `n_train` (the first `n_train` of the N_TRAIN training questions are written)."""
     records = make_task(seed, N_TRAIN + N_TEST + N_VALID)
-    splits = {"train": records[:N_TRAIN], "test": records[N_TRAIN:N_TRAIN + N_TEST],
+    splits = {"train": records[:n_train], "test": records[N_TRAIN:N_TRAIN + N_TEST],
               "valid": records[N_TRAIN + N_TEST:]}
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in splits.items():
@@ -205,11 +207,13 @@ def main() -> None:
     ap.add_argument("--adapter", type=Path, default=None, help="score this adapter instead of training one")
     ap.add_argument("--show", type=int, default=5, help="print this many held-out answers of each model")
     ap.add_argument("--data-only", action="store_true", help="write train/valid/test.jsonl to --out and stop")
+    ap.add_argument("--n-train", type=int, default=N_TRAIN, choices=range(1, N_TRAIN + 1), metavar=f"1..{N_TRAIN}",
+                    help="with --data-only: write only the first N training questions")
     args = ap.parse_args()
     args.out = args.out.resolve()  # llamapy-finetune runs from the checkout's root
     if args.data_only:
-        write_task(args.out, args.task_seed)
-        print(f"wrote {args.out}/train.jsonl ({N_TRAIN}), valid.jsonl ({N_VALID}), test.jsonl ({N_TEST})")
+        write_task(args.out, args.task_seed, args.n_train)
+        print(f"wrote {args.out}/train.jsonl ({args.n_train}), valid.jsonl ({N_VALID}), test.jsonl ({N_TEST})")
         return
 
     import llamapy
