@@ -2,6 +2,7 @@
 
     python bench/server_bench.py --llama-server /path/to/llama-server [--model GGUF]
                                  [--clients 1 4 16] [--tokens 128] [--rounds 2] [-np 4] [-t 2]
+    python bench/server_bench.py --base /tmp/base ...   # this checkout against another (A/B)
 
 Both servers are started the same way (`-m MODEL -np 4 -c 4096 -t 2`), one at a time, in
 alternating rounds (A B A B ...) so that a change in the machine's load hits both. For each
@@ -34,9 +35,11 @@ NAMES = ("Lily", "Tom", "Ben", "Sue", "Max", "Amy", "Tim", "Sam", "Anna", "Jack"
 class Running:
     """A server process on a port, stopped at the end."""
 
-    def __init__(self, argv: list[str], port: int, ready: str) -> None:
+    def __init__(self, argv: list[str], port: int, ready: str, cwd: Path | None = None) -> None:
         self.port = port
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env = None if cwd is None else {**os.environ, "PYTHONPATH": str(cwd)}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                     env=env)
         self.log: list[str] = []
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -106,7 +109,9 @@ def scenario(port: int, clients: int, tokens: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
+    other = ap.add_mutually_exclusive_group(required=True)
+    other.add_argument("--llama-server", help="llama.cpp's llama-server binary")
+    other.add_argument("--base", type=Path, help="another llamapy checkout (an earlier commit's worktree)")
     ap.add_argument("--model", help="GGUF model (default: Gemma 3 270M Q4_K_M from its package)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--tokens", type=int, default=128)
@@ -119,11 +124,14 @@ def main() -> None:
         from llamapy.defaults import default_model_path
         args.model = str(default_model_path(lambda _: None))
     common = ["-m", args.model, "-np", str(args.np), "-c", str(args.c), "-t", str(args.t)]
+    ours = [sys.executable, "-m", "llamapy.cli.server", *common]
+    other = "base" if args.base else "llama.cpp"
     servers = {
-        "llamapy": lambda port: Running([sys.executable, "-m", "llamapy.cli.server", *common, "--port", str(port)],
-                                        port, r"listening on"),
-        "llama.cpp": lambda port: Running([args.llama_server, *common, "--port", str(port), "--no-webui"],
-                                          port, r"server is listening|listening on"),
+        "llamapy": lambda port: Running([*ours, "--port", str(port)], port, r"listening on", cwd=REPO),
+        other: (lambda port: Running([*ours, "--port", str(port)], port, r"listening on", cwd=args.base.resolve()))
+        if args.base else
+        (lambda port: Running([args.llama_server, *common, "--port", str(port), "--no-webui"], port,
+                              r"server is listening|listening on")),
     }
     flags = " ".join(sorted({f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
                              if f in Path("/proc/cpuinfo").read_text()}))
@@ -145,10 +153,10 @@ def main() -> None:
                           flush=True)
             finally:
                 server.stop()
-    print("\n| clients | llama-server tokens/s | llamapy tokens/s | ratio | llama-server TTFT ms | llamapy TTFT ms |")
+    print(f"\n| clients | {other} tokens/s | llamapy tokens/s | ratio | {other} TTFT ms | llamapy TTFT ms |")
     print("|---:|---:|---:|---:|---:|---:|")
     for clients in args.clients:
-        a = [r for r in results[("llama.cpp", clients)]]
+        a = [r for r in results[(other, clients)]]
         b = [r for r in results[("llamapy", clients)]]
         a_tps, b_tps = max(x for x, _ in a), max(x for x, _ in b)
         a_ttft, b_ttft = min(y for _, y in a), min(y for _, y in b)
