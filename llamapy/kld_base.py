@@ -114,7 +114,7 @@ def write_base_log_probs(path: str | os.PathLike, tokens: np.ndarray, n_ctx: int
         out.write(np.asarray(tokens[:n_chunk * n_ctx], dtype="<i4").tobytes())
         result.append(run(BaseLogProbsWriter(out, n_vocab)))
 
-    replace_atomically(path, write, "the base log-probabilities")
+    replace_atomically(path, write, "the base log-probabilities", validate=BaseLogProbs.open)  # read back as read
     return result[0]
 
 

@@ -566,6 +566,7 @@ def write_token_shards(inputs: Sequence[Path], out_dir: Path, vocab, *, workers:
             f.write(index.model_dump_json(indent=1))
             f.flush()
             os.fsync(f.fileno())
+        TokenShards.open(tmp, vocab)  # read back as training will read it (digests, ids) before it is named
         os.replace(tmp, out_dir)
         tmp = None
     except OSError as e:
