@@ -42,6 +42,8 @@ from .context import Context
 from .errors import InputError
 from .model import Model, load_model
 from .sampling import DEFAULT_SEED, SamplerChain, default_chain
+from .sampling.grammar import Grammar
+from .sampling.grammar_sampler import GrammarChain, GrammarTrigger, constrain
 
 if TYPE_CHECKING:
     from .chat import ChatTemplate
@@ -78,15 +80,35 @@ class SamplingOptions(TypedDict, total=False):
     dynatemp_exp: float
     seed: int  # < 0: DEFAULT_SEED
     logit_bias: dict[int, float]  # token id -> bias added to its logit (-inf: never sampled)
+    grammar: str | Grammar  # GBNF text (llama.cpp's grammars/*.gbnf format) or a compiled Grammar
+    json_schema: dict | str  # a JSON schema (or its JSON text): the output is JSON that conforms
+    grammar_lazy: bool  # constrain only from a trigger on
+    grammar_triggers: list[str | GrammarTrigger]  # a lazy grammar's triggers (a str: a word)
 
 
-def sampler_chain(n_vocab: int, sampler: SamplerChain | None = None, **options: Unpack[SamplingOptions]) -> SamplerChain:
+GRAMMAR_OPTIONS = ("grammar", "json_schema", "grammar_lazy", "grammar_triggers")
+
+
+def sampler_chain(vocab, sampler: SamplerChain | None = None, **options: Unpack[SamplingOptions]) -> SamplerChain:
     """`sampler` itself, or llama.cpp's default chain (penalties, top-k, typical, top-p,
-    min-p, temperature, dist) with llama.cpp's defaults for the options not given."""
+    min-p, temperature, dist) with llama.cpp's defaults for the options not given; with
+    `grammar` or `json_schema`, constrained by it (llama.cpp's common_sampler). `vocab`: the
+    model's Vocab (a grammar needs it), or only the vocabulary's size."""
     unknown = set(options) - set(SamplingOptions.__annotations__)
     if unknown:
         raise TypeError(f"unknown sampling option(s) {', '.join(sorted(unknown))} "
                         f"(known: {', '.join(SamplingOptions.__annotations__)})")
+    constraint = {k: options.pop(k) for k in GRAMMAR_OPTIONS if k in options}  # type: ignore[misc]
+    n_vocab = vocab if isinstance(vocab, int) else vocab.n_tokens
+    chain = _unconstrained_chain(n_vocab, sampler, options)
+    if not constraint:
+        return chain
+    if isinstance(vocab, int):
+        raise TypeError("a grammar or JSON schema needs the model's vocabulary: pass model.vocab, not its size")
+    return constrain(chain, vocab, **constraint)
+
+
+def _unconstrained_chain(n_vocab: int, sampler: SamplerChain | None, options: dict) -> SamplerChain:
     if sampler is not None:
         if options:
             raise TypeError(f"give a sampler chain or sampling options ({', '.join(options)}), not both")
@@ -181,6 +203,7 @@ class TextRun:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.pending = ""  # decoded, held back: it may be the start of a stop string
         self.stopped = False  # a stop string was found: nothing more is released
+        self.stop_word: str | None = None  # the stop string that ended the run
         self.tokens: list[int] = []
         self.text: list[str] = []
         self.finish_reason: str | None = "length" if max_tokens == 0 else None
@@ -207,8 +230,9 @@ class TextRun:
             return ""
         if self.stops:
             text, self.pending = self.pending + text, ""
-            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
+            found = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+            if found:
+                cut, self.stop_word = min(found, key=lambda f: f[0])  # the first of the earliest
                 self.stopped, self.finish_reason, text = True, "stop", text[:cut]
             elif not final:
                 held = _held(text, self.stops)
@@ -301,7 +325,7 @@ class Generator:
         """Sample with `sampler`, or llama.cpp's default chain made from `sampling`; with
         `backend_sampling` the chain's leading samplers run inside the model graph (the
         CLI's -bs; same tokens). Takes effect from the next feed."""
-        self.chain = sampler_chain(self.vocab.n_tokens, sampler, **sampling)
+        self.chain = sampler_chain(self.vocab, sampler, **sampling)
         self.ctx.set_sampler(0, self.chain if backend_sampling else None)
         if backend_sampling or self._backend_sampling:
             self._fed = False  # what the graph sampled last was for the previous chain: feed again
@@ -385,6 +409,8 @@ class Generator:
         if logprobs is not None and logprobs < 0:
             raise InputError(f"logprobs must be >= 0 (the number of top alternatives), not {logprobs}")
         self._fed = False
+        if isinstance(self.chain, GrammarChain):
+            self.chain.constraint.reset()  # each run is one text of the grammar (a chat's every answer)
         run = TextRun(self.vocab, max_tokens, stop_list(stop), special)
         self.tokens, self.finish_reason, self.context_full = run.tokens, None, False
         return self._stream(run, self._run_id, logprobs)
@@ -617,7 +643,7 @@ def generate_batch(model: ModelLike, prompts: Sequence[Prompt], max_tokens: int 
         group = tokenized[first:first + n_seq]
         ctx.memory_clear()
         runs = [TextRun(vocab, max_tokens, stops) for _ in group]
-        chains = [sampler_chain(vocab.n_tokens, **sampling) for _ in group]
+        chains = [sampler_chain(vocab, **sampling) for _ in group]
         ends = np.cumsum([len(t) for t in group])
         output = np.zeros(ends[-1], bool)
         output[ends - 1] = True

@@ -255,7 +255,6 @@ def test_a_full_queue_answers_503_and_the_rest_complete(stories_path):
     ({"prompt": "word " * 400}, None, "exceeds the available context size"),
     ({"prompt": [1, 99999]}, None, "token ids must be in"),
     ({"prompt": GOLDEN_PROMPT, "logit_bias": {"999999": 1}}, None, "not in the vocabulary"),
-    ({"prompt": GOLDEN_PROMPT, "grammar": "root ::= \"a\""}, None, "grammar is not supported"),
 ])
 def test_bad_requests_get_an_openai_error_and_the_server_goes_on(server, body, raw, fragment):
     status, reply = server.request("POST", "/v1/completions", body, raw=raw)

@@ -22,6 +22,9 @@ from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
 from llamapy.generate import Generator, sampler_chain, token_text
 from llamapy.samples import unescape
+from llamapy.sampling.grammar_parser import GrammarError
+from llamapy.sampling.grammar_sampler import constrain
+from llamapy.sampling.json_schema_grammar import json_schema_to_grammar
 from llamapy.text_input import check_text
 
 from . import flags as F
@@ -95,7 +98,9 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
         repeat_penalty: F.RepeatPenalty = 1.0, repeat_last_n: F.RepeatLastN = 64,
         frequency_penalty: F.FrequencyPenalty = 0.0, presence_penalty: F.PresencePenalty = 0.0,
         dynatemp_range: F.DynatempRange = 0.0, dynatemp_exp: F.DynatempExp = 1.0, seed: F.Seed = -1,
-        logit_bias: F.LogitBias = None, ignore_eos: F.IgnoreEos = False, backend_sampling: F.BackendSampling = False,
+        logit_bias: F.LogitBias = None, ignore_eos: F.IgnoreEos = False, grammar: F.GrammarText = None,
+        grammar_file: F.GrammarFile = None, json_schema: F.JsonSchema = None, json_schema_file: F.JsonSchemaFile = None,
+        backend_sampling: F.BackendSampling = False,
         lora: F.Lora = None, lora_scaled: F.LoraScaled = None, display_prompt: DisplayPrompt = True,
         verbose_prompt: VerbosePrompt = False, reverse_prompt: ReversePrompt = None, special: Special = False,
         conversation: Conversation = False, chat: SingleTurn = False, system_prompt: SystemPrompt = None,
@@ -128,6 +133,10 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
     if repeat_penalty <= 0:
         raise InputError(f"--repeat-penalty must be > 0 (1.0: off), not {repeat_penalty:g}")
     adapter_list(lora, lora_scaled)  # a bad --lora-scaled is refused before the model is read
+    constraint = read_constraint(grammar, grammar_file, json_schema, json_schema_file)
+    if constraint is not None and backend_sampling:
+        warn("backend sampling is not compatible with a grammar: the chain samples on the CPU (as llama.cpp)")
+        backend_sampling = False
     seed = random_seed() if seed == -1 else seed
     m = load_model(model or default_model_path(log))
     if ctx_size > m.hparams.n_ctx_train:
@@ -149,6 +158,12 @@ def run(model: F.OptionalModel = None, prompt: F.Prompt = "", file: F.PromptFile
                           typical_p=typical_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                           frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                           dynatemp_range=dynatemp_range, dynatemp_exp=dynatemp_exp, logit_bias=bias)
+    if constraint is not None:
+        where, text = constraint
+        try:
+            chain = constrain(chain, vocab, grammar=text)
+        except GrammarError as e:
+            raise InputError(f"{where}: {str(e).removeprefix('grammar: ')}") from None
     log(f"model: {m.path.name}: {m.describe()}")
     log(f"sampler chain: {chain!r}{' (in the graph: ' + str(chain.backend_prefix()) + ' samplers)' if backend_sampling else ''}")
     gen = Generator(ctx, chain, backend_sampling=backend_sampling, lora=adapters)
@@ -171,6 +186,27 @@ class Output:
     verbose_prompt: bool = False
     special: bool = False
     stop: tuple[str, ...] = ()
+
+
+def read_constraint(grammar: str | None, grammar_file: Path | None, json_schema: str | None,
+                    json_schema_file: Path | None) -> tuple[str, str] | None:
+    """(the flag that gave it, GBNF text) of --grammar, --grammar-file, -j or -jf (a schema is
+    converted here, as llama.cpp converts it while reading its flags), or None."""
+    given = [(name, value) for name, value in (("--grammar", grammar), ("--grammar-file", grammar_file),
+                                               ("-j", json_schema), ("-jf", json_schema_file)) if value is not None]
+    if len(given) > 1:
+        raise InputError(f"give one grammar or JSON schema, not {' and '.join(name for name, _ in given)}")
+    if not given:
+        return None
+    name, value = given[0]
+    where = name if isinstance(value, str) else f"{name} {value}"
+    text = value if isinstance(value, str) else read_text(value, "grammar" if name == "--grammar-file" else "JSON schema")
+    if name in ("-j", "-jf"):
+        try:
+            text = json_schema_to_grammar(text, warn=warn)
+        except GrammarError as e:
+            raise InputError(f"{where}: {e}") from None
+    return (where, text) if text else None
 
 
 def parse_logit_bias(items: list[str] | None, vocab) -> dict[int, float]:

@@ -74,6 +74,17 @@ LogitBias = Annotated[Optional[list[str]], flag("-l", "--logit-bias", metavar="T
                                                      "(repeatable)")]
 IgnoreEos = Annotated[bool, flag("--ignore-eos", group=SAMPLING, show_default=False,
                                  help="do not stop at the end-of-generation token")]
+GrammarText = Annotated[Optional[str], flag("--grammar", metavar="GRAMMAR", group=SAMPLING, show_default=False,
+                                            help="BNF-like grammar (GBNF) the text must follow, e.g. "
+                                                 "'root ::= (\"yes\" | \"no\")' (see llama.cpp's grammars/ folder)")]
+GrammarFile = Annotated[Optional[Path], flag("--grammar-file", metavar="FNAME", group=SAMPLING, show_default=False,
+                                             path="read", help="read the grammar from this file")]
+JsonSchema = Annotated[Optional[str], flag("-j", "--json-schema", metavar="SCHEMA", group=SAMPLING, show_default=False,
+                                           help="JSON schema the text must conform to (https://json-schema.org/), "
+                                                "e.g. '{\"type\": \"object\"}' for any JSON object")]
+JsonSchemaFile = Annotated[Optional[Path], flag("-jf", "--json-schema-file", metavar="FILE", group=SAMPLING,
+                                                show_default=False, path="read",
+                                                help="read the JSON schema from this file")]
 BackendSampling = Annotated[bool, flag("-bs", "--backend-sampling", env="LLAMA_ARG_BACKEND_SAMPLING",
                                        group=SAMPLING, show_default=False,
                                        help="run the sampler chain inside the model graph (same tokens)")]
