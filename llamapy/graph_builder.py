@@ -36,6 +36,7 @@ class GraphShape(NamedTuple):
     n_kv: tuple[int, ...]  # cells attention spans, per KV cache
     n_outputs: int
     samplers: tuple = ()  # per output row: the backend signature of its sampler chain, or None
+    embeddings: bool = False  # the normed last hidden states leave the graph too (llama.cpp's t_embd)
 
 
 class _AttentionInput:
@@ -188,6 +189,7 @@ class GraphBuilder:
         if shape.n_outputs < shape.n_tokens:
             self.inp_out_ids = c.new_tensor_1d(GGMLType.I32, shape.n_outputs, "inp_out_ids").set_input()
         self.logits: Tensor | None = None
+        self.embd: Tensor | None = None  # the output layer's input: [n_embd, n_outputs]
         self.boundaries: list[Tensor] = []  # the residual stream between layers (gradient checkpoints)
         self.head: tuple[Tensor, Tensor] | None = None  # (output weight, its input) when the loss takes the layer
 
@@ -221,6 +223,10 @@ class GraphBuilder:
     def output_array(self) -> np.ndarray:
         """The logits as the last compute left them (a view of the compute buffer)."""
         return self.views(self.logits, flat=False)
+
+    def embd_array(self) -> np.ndarray:
+        """The embeddings as the last compute left them: [n_outputs, n_embd] (a view)."""
+        return self.views(self.embd, flat=False).reshape(self.shape.n_outputs, -1)
 
     # ---- common blocks ------------------------------------------------------------------
     def layer_boundary(self, x: Tensor) -> Tensor:
@@ -293,7 +299,19 @@ class GraphBuilder:
         if not self.logits_out:
             self.head = (weight, cur)
             return None
+        self.hidden_states(cur)
         return self.finish(gg.mul_mat(self.ctx, weight, cur))
+
+    def hidden_states(self, cur: Tensor) -> Tensor:
+        """Record `cur`, the output layer's input (the last hidden states after the output
+        norm), as the embeddings; they leave the graph when the shape asks for embeddings (an
+        architecture building its own logits calls this before `finish`)."""
+        self.embd = cur
+        if self.shape.embeddings:
+            cur.set_name("result_norm")
+            cur.set_output()
+            self.graph.visit(cur)
+        return cur
 
     def finish(self, logits: Tensor) -> Tensor:
         logits.set_name("result_output")

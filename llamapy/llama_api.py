@@ -12,8 +12,12 @@ shapes: OpenAI's `text_completion` / `chat.completion` objects, their stream chu
 counts and logprobs. The KV cache keeps the longest common prefix between calls, as
 llama-cpp-python's does. Arguments that only steer a GPU (`n_gpu_layers`, `main_gpu`,
 `offload_kqv`, ...) are accepted and change nothing; features llamapy does not have
-(grammars, fill-in-the-middle, mirostat, speculative drafts, embeddings) are refused by name
-with a TypeError or ValueError, never ignored.
+(grammars, fill-in-the-middle, mirostat, speculative drafts) are refused by name with a
+TypeError or ValueError, never ignored.
+
+With `embedding=True`, `embed` and `create_embedding` give the model's embeddings as
+llama-cpp-python does: its last hidden states after the output norm, one per token (pooling
+none, a generative model's own) or pooled per text (`pooling_type`: llama.cpp's numbers).
 """
 from __future__ import annotations
 
@@ -26,13 +30,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .batch import Batch
 from .chat import NAMED_TEMPLATES, ChatTemplate
 from .context import Context
 from .errors import InputError
 from .generate import Generator, Piece, stop_list
 from .model import load_model
+from .pooling import POOLING_IDS, UNSPECIFIED as POOLING_UNSPECIFIED, Pooling
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "no seed given"
+POOLING_NUMBERS = {pooling: number for number, pooling in POOLING_IDS.items()}
 
 # llama-cpp-python's chat_format names for llama.cpp's built-in templates
 CHAT_FORMATS = {"chatml": "chatml", "llama-3": "llama3", "gemma": "gemma", "phi3": "phi3",
@@ -41,17 +48,16 @@ CHAT_FORMATS = {"chatml": "chatml", "llama-3": "llama3", "gemma": "gemma", "phi3
 # Llama() arguments that place work on GPUs or tune memory mapping: nothing to do on a CPU runtime
 _NO_EFFECT = {"n_gpu_layers", "split_mode", "main_gpu", "tensor_split", "use_mmap", "use_mlock", "offload_kqv",
               "op_offload", "swa_full", "numa", "no_perf", "last_n_tokens_size", "n_threads_batch", "flash_attn",
-              "rpc_servers", "vocab_only", "logits_all", "kv_overrides", "rope_scaling_type", "pooling_type",
-              "attention_type", "type_k", "type_v", "lora_base"}
+              "rpc_servers", "vocab_only", "logits_all", "kv_overrides", "rope_scaling_type", "attention_type", "type_k", "type_v", "lora_base"}
 # ... and the ones that ask for what llamapy does not do
 _REFUSED = {"chat_handler": "custom chat handlers", "draft_model": "speculative decoding",
             "tokenizer": "tokenizer overrides", "spm_infill": "fill-in-the-middle",
-            "embedding": "embeddings", "rope_freq_base": "RoPE overrides", "rope_freq_scale": "RoPE overrides",
+            "rope_freq_base": "RoPE overrides", "rope_freq_scale": "RoPE overrides",
             "yarn_ext_factor": "YaRN overrides", "yarn_attn_factor": "YaRN overrides",
             "yarn_beta_fast": "YaRN overrides", "yarn_beta_slow": "YaRN overrides", "yarn_orig_ctx": "YaRN overrides"}
 # defaults of the refused ones: a program that passes the default asks for nothing missing
 _REFUSED_DEFAULTS = {"chat_handler": None, "draft_model": None, "tokenizer": None, "spm_infill": False,
-                     "embedding": False, "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0,
+                     "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0,
                      "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0}
 
 
@@ -82,7 +88,8 @@ class Llama:
     def __init__(self, model_path: str | os.PathLike, *, seed: int = LLAMA_DEFAULT_SEED, n_ctx: int = 512,
                  n_batch: int = 512, n_ubatch: int = 512, n_threads: int | None = None,
                  lora_path: str | os.PathLike | None = None, lora_scale: float = 1.0, chat_format: str | None = None,
-                 verbose: bool = True, **kwargs: Any) -> None:
+                 embedding: bool = False, pooling_type: int = POOLING_UNSPECIFIED, verbose: bool = True,
+                 **kwargs: Any) -> None:
         for name, value in kwargs.items():
             if name in _REFUSED:
                 if value != _REFUSED_DEFAULTS[name]:
@@ -97,8 +104,14 @@ class Llama:
                                          if isinstance(value := self._model.file.get(key), (str, int, float, bool))}
         self._seed = seed
         self._n_ctx = n_ctx or self._model.hparams.n_ctx_train
-        self._gen = Generator(Context(self._model, n_ctx=self._n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
-                                      n_threads=n_threads))
+        try:
+            context = Context(self._model, n_ctx=self._n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
+                              pooling_type=pooling_type)
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        self._gen = Generator(context)
+        self._embedding = embedding
+        self.n_batch = context.n_batch
         self._lora = [(str(lora_path), float(lora_scale))] if lora_path else []
         if self._lora:
             self._gen.set_lora(self._lora)
@@ -131,6 +144,10 @@ class Llama:
 
     def token_eos(self) -> int:
         return -1 if self._model.vocab.eos_id is None else self._model.vocab.eos_id
+
+    def pooling_type(self) -> int:
+        """llama.cpp's number of the context's pooling type (0 none, 1 mean, 2 cls, 3 last)."""
+        return POOLING_NUMBERS[self._gen.ctx.pooling_type]
 
     # -- tokens ----------------------------------------------------------------------------
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -256,6 +273,49 @@ class Llama:
                              "logprobs": _chat_logprobs(choice["logprobs"]), "finish_reason": choice["finish_reason"]}],
                 "usage": completion["usage"]}
 
+    # -- embeddings --------------------------------------------------------------------------
+    def embed(self, input: str | list[str], normalize: bool = False, truncate: bool = True,
+              return_count: bool = False) -> Any:
+        """The embeddings of a text (or of each of a list of texts): a vector per token with
+        pooling none, else one per text; `normalize`: to unit Euclidean length; `truncate`:
+        a text's tokens past n_batch dropped (else refused). With `return_count`, also the
+        number of tokens read."""
+        if not self._embedding:
+            raise RuntimeError("Llama model must be created with embedding=True to call this method")
+        texts = [input] if isinstance(input, str) else list(input)
+        ctx, pooled = self._gen.ctx, self._gen.ctx.pooling_type is not Pooling.NONE
+        data: list = []
+        total = 0
+        ctx.set_embeddings(True)
+        try:
+            for text in texts:
+                tokens = self.tokenize(text.encode("utf-8"))
+                if truncate:
+                    tokens = tokens[:self.n_batch]
+                if len(tokens) > self.n_batch:
+                    raise ValueError(f"Requested tokens ({len(tokens)}) exceed batch size of {self.n_batch}")
+                total += len(tokens)
+                ctx.memory_clear()
+                ctx.decode(Batch.from_tokens(tokens, all_outputs=True))
+                if pooled:
+                    data.append(_vector(ctx.get_embeddings_seq(0), normalize))
+                else:
+                    data.append([_vector(row, normalize) for row in ctx.get_embeddings()])
+        finally:
+            ctx.set_embeddings(False)
+            self.reset()
+        output = data[0] if isinstance(input, str) else data
+        return (output, total) if return_count else output
+
+    def create_embedding(self, input: str | list[str], model: str | None = None) -> dict:
+        """OpenAI's embeddings object for a text or a list of texts."""
+        embeddings, total = self.embed(input, return_count=True)
+        if isinstance(input, str):
+            embeddings = [embeddings]
+        return {"object": "list", "data": [{"object": "embedding", "embedding": e, "index": i}
+                                           for i, e in enumerate(embeddings)],
+                "model": model or self.model_path, "usage": {"prompt_tokens": total, "total_tokens": total}}
+
     def close(self) -> None:
         """Free the context's memory (the model stays memory-mapped until collected)."""
         self._gen.ctx.memory_clear()
@@ -351,3 +411,15 @@ def _chat_chunks(chunks: Iterator[dict]) -> Iterator[dict]:
                                     "delta": {"content": choice["text"]} if choice["finish_reason"] is None else {},
                                     "logprobs": _chat_logprobs(choice["logprobs"]),
                                     "finish_reason": choice["finish_reason"]}]}
+
+
+def _vector(values, normalize: bool) -> list[float]:
+    """An embedding as llama-cpp-python returns it: a list of floats, with `normalize` of unit
+    Euclidean length (a zero vector as it is)."""
+    import numpy as np
+    v = np.asarray(values, dtype=np.float32)
+    if normalize:
+        norm = float(np.linalg.norm(v))
+        if norm != 0.0:
+            return [float(x) / norm for x in v]
+    return [float(x) for x in v]

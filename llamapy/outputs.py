@@ -1,5 +1,7 @@
-"""What the last decode produced: its output tokens' logits, in batch order, and what a
-graph sampled for tokens whose sequence has a sampler chain in the graph.
+"""What the last decode produced: its output tokens' logits, in batch order, what a graph
+sampled for tokens whose sequence has a sampler chain in the graph, and, in a context that
+computes embeddings, each output token's embedding (the normed last hidden state) and each
+sequence's pooled one (llama.cpp's embd and embd_seq).
 
 The logits are gathered into a buffer the context keeps, or, for a batch computed as one
 ubatch in batch order, read in place from the compute buffer (valid until the next
@@ -24,11 +26,15 @@ class Outputs:
         self._in_place = False
         self._logits = self._buffer  # where the rows are: the buffer or the compute buffer
         self._sampled: dict[int, object] = {}  # batch index -> SampledRow
+        self._embd = np.empty((0, 0), dtype=np.float32)  # output row -> embedding (embeddings on)
+        self._embd_seq: dict[int, np.ndarray] = {}  # sequence -> pooled embedding (pooling on)
+        self._has_embd = False
 
     # ---- filled by decode ----------------------------------------------------------------
-    def start(self, output: np.ndarray, in_place: bool) -> None:
+    def start(self, output: np.ndarray, in_place: bool, n_embd: int = 0) -> None:
         """A new batch whose tokens with `output` set give a row; with `in_place`, its
-        single ubatch's rows will be read where the graph left them."""
+        single ubatch's rows will be read where the graph left them; with `n_embd`, each
+        row has an embedding of that size too."""
         self._row = np.empty(len(output), dtype=np.int64)
         self._n = output_rows(output, self._row)
         self._in_place = in_place
@@ -36,6 +42,10 @@ class Outputs:
             self._buffer = np.empty((self._n, self.n_vocab), dtype=np.float32)
         self._logits = self._buffer
         self._sampled = {}
+        self._has_embd = n_embd > 0
+        self._embd_seq = {}
+        if self._has_embd and (self._embd.shape[0] < self._n or self._embd.shape[1] != n_embd):
+            self._embd = np.empty((max(self._n, self._embd.shape[0]), n_embd), dtype=np.float32)
 
     def place(self, batch_idx: np.ndarray, output: np.ndarray | None, logits: np.ndarray) -> None:
         """The logits of batch tokens batch_idx[output] (output None: all of batch_idx), one
@@ -44,6 +54,15 @@ class Outputs:
             self._logits = logits
         else:
             self._buffer[self._row[batch_idx if output is None else batch_idx[output]]] = logits
+
+    def place_embeddings(self, batch_idx: np.ndarray, embd: np.ndarray) -> None:
+        """The embeddings of batch tokens batch_idx (all outputs), one row each."""
+        self._embd[self._row[batch_idx]] = embd
+
+    def set_pooled(self, seq: int, vector: np.ndarray) -> None:
+        """A sequence's pooled embedding (a later ubatch of the same sequence replaces it, as
+        llama.cpp's embd_seq)."""
+        self._embd_seq[seq] = vector
 
     def record_sampled(self, i: int, sampled) -> None:
         """What the graph sampled for batch token i (its logits never leave the graph)."""
@@ -71,6 +90,28 @@ class Outputs:
             return None
         return self._sampled.get(i % len(self._row) if i < 0 else i)
 
+    def embeddings(self) -> np.ndarray:
+        """[n_outputs, n_embd]: every output token's embedding, in batch order."""
+        self._need_embeddings()
+        return self._embd[: self._n]
+
+    def embeddings_ith(self, i: int) -> np.ndarray:
+        self._need_embeddings()
+        row = self._row[i]
+        if row < 0:
+            raise InputError(f"token {i} of the last batch has no output")
+        return self._embd[row]
+
+    def embeddings_seq(self, seq: int) -> np.ndarray | None:
+        """The pooled embedding of sequence `seq` in the last batch (None: not in it)."""
+        self._need_embeddings()
+        return self._embd_seq.get(seq)
+
+    def _need_embeddings(self) -> None:
+        if not self._has_embd:
+            raise InputError("no embeddings: the last decode ran without them (Context(..., embeddings=True) or "
+                             "set_embeddings(True))")
+
     # ---- state ---------------------------------------------------------------------------------
     def to_state(self) -> tuple[np.ndarray, np.ndarray]:
         """(batch index -> row, -1 if none; the rows): what a saved context keeps. Refused when
@@ -90,6 +131,8 @@ class Outputs:
         self._in_place = False
         self._logits = self._buffer
         self._sampled = {}
+        self._has_embd = False
+        self._embd_seq = {}
 
 
 @njit(cache=True)

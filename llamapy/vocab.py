@@ -388,6 +388,7 @@ class Vocab:
         self.sep_id: int | None = None
         self.pad_id: int | None = None
         self.mask_id: int | None = None
+        self.fim_ids: dict[str, int | None] = {}  # fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep (None: none)
         self.add_bos = False
         self.add_eos = False
         self.add_sep = False
@@ -432,6 +433,7 @@ class Vocab:
         vocab._eog_ids = vocab._end_of_generation_ids(ids)
         vocab.bos_id, vocab.eos_id, vocab.eot_id, vocab.eom_id = ids["bos"], ids["eos"], ids["eot"], ids["eom"]
         vocab.unk_id, vocab.sep_id, vocab.pad_id, vocab.mask_id = ids["unk"], ids["sep"], ids["pad"], ids["mask"]
+        vocab.fim_ids = {name: ids[name] for name in ("fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")}
         vocab._check_add_special()
         vocab._special_ids = vocab._special_token_cache()
         vocab._set_strip_attrs(_scalar(reader, "general.name", str, ""), pre_name)

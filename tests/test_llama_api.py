@@ -111,8 +111,8 @@ def test_what_llamapy_lacks_is_refused_by_name(llm, kwargs, message):
 
 def test_constructor_arguments(stories_path):
     Llama(model_path=str(stories_path), n_ctx=64, n_gpu_layers=-1, use_mmap=True, verbose=False)  # no effect on a CPU
-    with pytest.raises(ValueError, match="embeddings"):
-        Llama(model_path=str(stories_path), embedding=True, verbose=False)
+    with pytest.raises(ValueError, match="fill-in-the-middle"):
+        Llama(model_path=str(stories_path), spm_infill=True, verbose=False)
     with pytest.raises(TypeError, match="n_ctxx"):
         Llama(model_path=str(stories_path), n_ctxx=64, verbose=False)
     with pytest.raises(ValueError, match="chat_format"):

@@ -1,6 +1,7 @@
-"""llamapy-server: a GGUF model (and its LoRA adapters) behind llama-server's OpenAI-compatible
-HTTP API, on uvicorn. `-np N` slots share one Context (n_ctx / N cells each) and decode
-together (llamapy/server/engine.py); the endpoints are in llamapy/server/app.py."""
+"""llamapy-server: a GGUF model (and its LoRA adapters) behind llama-server's HTTP API (its
+native endpoints and OpenAI's), on uvicorn. `-np N` slots share one Context (n_ctx / N cells
+each) and decode together (llamapy/server/engine.py); the endpoints are in
+llamapy/server/app.py. Each request leaves a line on the log."""
 from __future__ import annotations
 
 import sys
@@ -57,6 +58,18 @@ MaxBody = Annotated[int, flag("--max-body", metavar="BYTES", group=SERVER, min=1
 LoraMax = Annotated[int, flag("--lora-max", metavar="N", group=SERVER, min=1, max=1024,
                               help="adapters loaded at most, the command line's included (past it, "
                                    "POST /lora-adapters/load answers 409)")]
+Embedding = Annotated[bool, flag("--embedding", "--embeddings", env="LLAMA_ARG_EMBEDDINGS", group=SERVER,
+                                 show_default=False, help="serve /embedding and /v1/embeddings (the model's last "
+                                                          "hidden states, pooled with --pooling)")]
+PoolingFlag = Annotated[Optional[str], flag("--pooling", metavar="{none,mean,cls,last}", env="LLAMA_ARG_POOLING",
+                                            group=SERVER, show_default=False,
+                                            help="how a prompt's token embeddings become one (default: the model's, "
+                                                 "none for generative models)")]
+EmbdNormalize = Annotated[int, flag("--embd-normalize", metavar="N", group=SERVER, min=-1, max=64,
+                                    help="normalization of pooled embeddings: -1 none, 0 max absolute int16, "
+                                         "1 taxicab, 2 Euclidean, >2 p-norm")]
+SpmInfill = Annotated[bool, flag("--spm-infill", group=SERVER, show_default=False,
+                                 help="/infill's prompt in suffix/prefix/middle order (for models trained so)")]
 LoraInitWithoutApply = Annotated[bool, flag("--lora-init-without-apply", group=SERVER, show_default=False,
                                             help="load the adapters at scale 0 (set them with POST /lora-adapters)")]
 
@@ -76,8 +89,9 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
         frequency_penalty: F.FrequencyPenalty = 0.0, presence_penalty: F.PresencePenalty = 0.0,
         dynatemp_range: F.DynatempRange = 0.0, dynatemp_exp: F.DynatempExp = 1.0, logit_bias: F.LogitBias = None,
         ignore_eos: F.IgnoreEos = False, max_body: MaxBody = DEFAULT_MAX_BODY,
-        lora_max: LoraMax = DEFAULT_MAX_ADAPTERS) -> None:
-    """Serve MODEL over HTTP with llama-server's OpenAI-compatible API (/v1/chat/completions, ...).
+        lora_max: LoraMax = DEFAULT_MAX_ADAPTERS, embedding: Embedding = False, pooling: PoolingFlag = None,
+        embd_normalize: EmbdNormalize = 2, spm_infill: SpmInfill = False) -> None:
+    """Serve MODEL over HTTP with llama-server's API (/completion, /v1/chat/completions, ...).
     The sampling flags are the defaults of requests that do not set their own."""
     try:
         import uvicorn
@@ -128,17 +142,19 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
     check_server_bias(bias)
     ctx = Context(m, n_ctx=n_ctx, n_batch=batch_size, n_ubatch=ubatch_size, n_seq_max=parallel,
                   n_threads=thread_count(threads), kv_unified=kv_unified, flash_attn=flash_attn != "off",
-                  type_k=type_k, type_v=type_v)
+                  type_k=type_k, type_v=type_v, pooling_type=pooling)
     pairs = load_adapters(m, lora, lora_scaled)
     engine = Engine(ctx, [a for a, _ in pairs], [0.0 if lora_init_without_apply else s for _, s in pairs],
                     max_queue=queue_size, slot_similarity=slot_prompt_similarity)
     template = chat_template_for(m, chat_template)
     server = Server(engine, template, alias or Path(path).name, Adapters(engine, paths, lora_dir, lora_max), defaults,
-                    bias)
-    app = create_app(server, api_key=api_key, metrics=metrics, slots=slots, max_body=max_body)
+                    bias, embedding=embedding, n_batch=batch_size, embd_normalize=embd_normalize,
+                    spm_infill=spm_infill)
+    app = create_app(server, api_key=api_key, metrics=metrics, slots=slots, max_body=max_body, log=log)
     freeze_startup_objects()
     log(f"model loaded in {time.perf_counter() - t0:.2f} s: {parallel} slot{'s' if parallel > 1 else ''} of "
-        f"{engine.n_ctx_slot} tokens, {ctx.backend.n_threads} threads")
+        f"{engine.n_ctx_slot} tokens, {ctx.backend.n_threads} threads"
+        + (f"; embeddings with pooling {ctx.pooling_type.value}" if embedding else ""))
     engine.start()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=3)
     web = uvicorn.Server(config)

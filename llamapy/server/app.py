@@ -1,14 +1,21 @@
 """llamapy-server's HTTP side: llama-server's endpoints on FastAPI, driving the Engine.
 
-Endpoints (llama-server's names and fields): /health, /v1/models, /v1/chat/completions and
-/v1/completions (also without /v1; `stream` as server-sent events), /tokenize, /detokenize,
+Endpoints (llama-server's names and fields): /health, /props, /v1/models,
+/v1/chat/completions and /v1/completions (OpenAI's; also /chat/completions), /completion and
+/completions (llama-server's native completion), /infill (fill-in-the-middle), /apply-template,
+/embedding, /embeddings and /v1/embeddings (with --embedding), /tokenize, /detokenize,
 /slots, /metrics (with --metrics), /lora-adapters (GET, POST to set the default scales) and
 /lora-adapters/load (a new adapter from under --lora-dir while serving).
+
+Every completion endpoint is a small handler over one path: the request becomes one job per
+prompt (`Server.submit`), whose events the endpoint's shape turns into a stream or a whole
+answer (completion_path.py; the shapes in openai_shapes.py and native_shapes.py).
 
 Every error is OpenAI's error object {"error": {"code", "message", "type"}}. With an API key,
 every endpoint but /health answers 401 without it (`Authorization: Bearer KEY`, or
 `X-Api-Key`). A body past --max-body is a 413 (gate.py). A client that disconnects cancels its
-job: the engine frees its slot at its next step.
+jobs: the engine frees their slots at its next step. Each request leaves one line on the log
+(access_log.py).
 
 The event loop only moves bytes: parsing a body, tokenizing, rendering a chat, building a
 sampler chain and rendering a large answer run in worker threads (bodies.py, `Server.prepare`),
@@ -17,27 +24,35 @@ so one client's 16 MB prompt never keeps /health or another client's stream wait
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llamapy.errors import InputError, LlamapyError
-from llamapy.generate import prompt_tokens, sampler_chain, stop_list
+from llamapy.generate import sampler_chain, stop_list
+from llamapy.sampling.grammar_sampler import constrain
+from llamapy.pooling import DEFAULT_NORMALIZE, Pooling
 
+from .access_log import AccessLog, note_tokens
 from .adapters import Adapters
 from .bodies import parse_body, validation_message
-from .engine import Done, Engine, Failed, Job, QueueFull, TokenOut
+from .completion_path import Result, Shape, stream_answer, whole_answer
+from .embedding_shapes import native_embeddings, openai_embeddings
+from .engine import Done, Embedded, Engine, Failed, Job, QueueFull, TokenOut
 from .errors import ApiError, error_response
 from .gate import Gate
 from .limits import DEFAULT_MAX_BODY
+from .native_schemas import EmbeddingRequest, InfillRequest, NativeCompletionRequest
+from .native_shapes import NativeShape, generation_settings
+from .openai_shapes import ChatShape, CompletionShape
+from .prompts import PromptError, check_ids, fim_missing, infill_tokens, one_prompt, prompt_list, rendered_chat
 from .render import json_list_response
+from .sampler_order import ordered_chain
 from .schemas import (
     ChatRequest,
     CompletionRequest,
@@ -47,7 +62,7 @@ from .schemas import (
     Sampling,
     TokenizeRequest,
 )
-
+from .status import props, slot_states
 
 # characters of a long prompt tokenized first to see whether it can fit (_refuse_surely_too_long):
 # text runs at 3 to 5 characters a token, so the probe holds ~4 times a slot's context
@@ -58,10 +73,16 @@ class Server:
     """What the endpoints share: the engine, the model's chat template, the adapters."""
 
     def __init__(self, engine: Engine, template, alias: str, adapters: Adapters,
-                 defaults: dict | None = None, logit_bias: dict[int, float] | None = None) -> None:
+                 defaults: dict | None = None, logit_bias: dict[int, float] | None = None,
+                 embedding: bool = False, n_batch: int | None = None, embd_normalize: int = DEFAULT_NORMALIZE,
+                 spm_infill: bool = False) -> None:
         self.engine, self.template, self.alias, self.adapters = engine, template, alias, adapters
         self.defaults = dict(defaults or {})  # request field -> the command line's value, for requests without it
         self.logit_bias = dict(logit_bias or {})
+        self.embedding = embedding  # --embedding: the embedding endpoints serve
+        self.embd_normalize = embd_normalize  # --embd-normalize: for requests without their own
+        self.spm_infill = spm_infill  # --spm-infill: /infill's prompt suffix first
+        self.n_batch = n_batch or engine.ctx.n_batch  # -b, as llama-server's infill prompt reads it
         self.vocab = engine.vocab
         self.model_path = str(getattr(engine.ctx.model.file, "path", ""))
         self.created = int(time.time())
@@ -109,22 +130,50 @@ class Server:
             scales[entry.id] = entry.scale
         return tuple(scales)
 
-    def prepare(self, req: Sampling, tokens_of: Callable[[], list[int]], n_probs: int, emit) -> Job:
-        """The request as a job for the engine: its prompt's tokens, its limits, its own sampler
-        chain (made here, so that a request the sampler refuses fails alone, not in the loop
-        that serves everyone)."""
+    def settings(self, req: Sampling, options: dict, limit: int, lora: tuple[float, ...]) -> dict:
+        """The request's generation settings, as llama-server reports them."""
+        return generation_settings(options, seed=self.value(req, "seed"), n_predict=limit, stop=stop_list(req.stop),
+                                   stream=req.stream, n_probs=req.n_probs, min_keep=getattr(req, "min_keep", 0),
+                                   ignore_eos=bool(self.value(req, "ignore_eos")),
+                                   order=req.order() if hasattr(req, "order") else None, lora=lora,
+                                   logit_bias={t: b for t, b in options["logit_bias"].items()
+                                               if not (self.value(req, "ignore_eos") and t in self.vocab.eog_ids)})
+
+    def default_settings(self) -> dict:
+        """The settings of a request that sets nothing (/props)."""
+        req = Sampling()
+        return self.settings(req, self.sampling(req), self.defaults.get("n_predict", -1), self.engine.default_lora())
+
+    def prepare(self, req: Sampling, tokens_of: Callable[[], list[list[int]]], n_probs: int,
+                emits: Callable[[int], Callable], **job_fields) -> list[Job]:
+        """The request as one job per prompt for the engine: its prompt's tokens, its limits,
+        its own sampler chain (made here, so that a request the sampler refuses fails alone,
+        not in the loop that serves everyone)."""
         limit = self._limit(req)
         try:
-            tokens = tokens_of()
-        except InputError as e:
+            token_lists = tokens_of()
+        except (InputError, PromptError) as e:
             raise ApiError(400, str(e)) from None
-        if len(tokens) >= self.engine.n_ctx_slot:
-            raise ApiError(400, f"the request ({len(tokens)} prompt tokens) exceeds the available context size "
-                                f"({self.engine.n_ctx_slot} tokens per slot), try increasing it",
-                           "exceed_context_size_error")
-        chain = sampler_chain(self.vocab.n_tokens, **self.sampling(req))
-        return Job(tokens=tokens, max_tokens=limit, stop=stop_list(req.stop), chain=chain, lora=self.lora_of(req.lora),
-                   emit=emit, n_probs=max(n_probs, req.n_probs))
+        for tokens in token_lists:
+            if len(tokens) >= self.engine.n_ctx_slot:
+                raise ApiError(400, f"the request ({len(tokens)} prompt tokens) exceeds the available context size "
+                                    f"({self.engine.n_ctx_slot} tokens per slot), try increasing it",
+                               "exceed_context_size_error")
+        lora = self.lora_of(req.lora)
+        options = self.sampling(req)
+        settings = self.settings(req, options, limit, lora)
+        order = req.order() if hasattr(req, "order") else None
+        constraint = req.constraint()  # its grammar or JSON schema (a bad one: a 400)
+        jobs = []
+        for i, tokens in enumerate(token_lists):  # each prompt its own chain (a chain keeps state)
+            if order is None:
+                chain = sampler_chain(self.vocab.n_tokens, **options)
+            else:
+                chain = ordered_chain(self.vocab.n_tokens, order, min_keep=req.min_keep, **options)
+            chain = constrain(chain, self.vocab, **constraint)
+            jobs.append(Job(tokens=tokens, max_tokens=limit, stop=stop_list(req.stop), chain=chain, lora=lora,
+                            emit=emits(i), n_probs=max(n_probs, req.n_probs), settings=settings, **job_fields))
+        return jobs
 
     def _limit(self, req: Sampling) -> int:
         """The tokens to generate: the request's max_tokens (or the server's -n), at most a slot's context."""
@@ -137,13 +186,16 @@ class Server:
                            "exceed_context_size_error")
         return given
 
-    def completion_tokens(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            self._refuse_surely_too_long(req.prompt)
-        tokens = prompt_tokens(self.vocab, req.prompt)
-        if any(not 0 <= t < self.vocab.n_tokens for t in tokens):
-            raise ApiError(400, f"prompt: token ids must be in 0..{self.vocab.n_tokens - 1}")
-        return tokens
+    def prompts(self, prompt) -> list[list[int]]:
+        """A request's prompt(s) as token lists (prompts.py), each id in the vocabulary."""
+        texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+        for text in texts:
+            if isinstance(text, str):
+                self._refuse_surely_too_long(text)
+        token_lists = prompt_list(self.vocab, prompt)
+        for tokens in token_lists:
+            check_ids(self.vocab, tokens)
+        return token_lists
 
     def _refuse_surely_too_long(self, text: str) -> None:
         """A prompt many times a slot's context is refused from the tokens of a prefix (a 16 MB
@@ -159,12 +211,23 @@ class Server:
                                     f"{len(text)} characters) exceeds the available context size ({n_ctx} tokens per "
                                     "slot), try increasing it", "exceed_context_size_error")
 
-    def chat_tokens(self, req: ChatRequest) -> list[int]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    def messages(self, req: ChatRequest) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+
+    def chat_tokens(self, req: ChatRequest) -> list[list[int]]:
         try:
-            return list(self.template.tokenize(self.vocab, messages, add_generation_prompt=True)[0])
+            return [list(self.template.tokenize(self.vocab, self.messages(req), add_generation_prompt=True)[0])]
         except LlamapyError as e:
             raise ApiError(400, str(e)) from None
+
+    def infill_prompt(self, req: InfillRequest) -> list[list[int]]:
+        """llama-server's FIM prompt: the extra files, prefix, suffix and the prompt's tokens."""
+        prompt = one_prompt(self.vocab, req.prompt, add_special=False)
+        tokens = infill_tokens(self.vocab, req.input_prefix, req.input_suffix,
+                               [c.model_dump() for c in req.input_extra], prompt, self.n_batch,
+                               self.defaults.get("n_predict", -1), self.engine.n_ctx_slot, self.spm_infill)
+        check_ids(self.vocab, tokens)
+        return [tokens]
 
     def piece(self, token: int) -> bytes:
         piece = self._piece_cache.get(token)
@@ -172,79 +235,133 @@ class Server:
             piece = self._piece_cache[token] = self.vocab.token_to_piece(token, True)
         return piece
 
-    # ---- running a job -------------------------------------------------------------------------
-    async def events(self, request: Request, job: Job, queue: asyncio.Queue) -> AsyncIterator:
-        """The job's events as they come; a client gone cancels it (checked while waiting)."""
-        checked = time.monotonic()
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    event = None
-                if time.monotonic() - checked >= 0.25:  # also while tokens keep coming
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        return
-                if event is None:
-                    continue
-                yield event
-                if isinstance(event, (Done, Failed)):
-                    return
-        finally:
-            job.cancelled.set()  # a no-op once done; else the engine frees the slot at its next step
-
-    async def collect(self, request: Request, job: Job, queue: asyncio.Queue) -> tuple[list[TokenOut], Done | None]:
-        """A whole (not streamed) answer: its tokens, and how it ended (None: the client left)."""
-        outs, done = [], None
-        async for event in self.events(request, job, queue):
-            if isinstance(event, TokenOut):
-                outs.append(event)
-            elif isinstance(event, Done):
-                done = event
-            else:
-                raise ApiError(500, event.message)
-        return outs, done
-
-    async def submit(self, req: Sampling, tokens_of: Callable[[], list[int]],
-                     n_probs: int) -> tuple[Job, asyncio.Queue]:
-        """Prepare the request's job in a worker thread and queue it; its events come in the queue."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)  # noqa: E731
-        job = await asyncio.to_thread(self.prepare, req, tokens_of, n_probs, emit)
-        try:
-            self.engine.submit(job)
-        except QueueFull as e:
-            raise ApiError(503, f"server busy: {e}; retry later") from None
-        except InputError as e:
-            raise ApiError(400, str(e), "exceed_context_size_error" if "context size" in str(e) else None) from None
-        return job, queue
-
-    # ---- OpenAI's shapes -----------------------------------------------------------------------
-    def usage(self, done: Done) -> dict:
-        return {"prompt_tokens": done.n_prompt, "completion_tokens": done.n_generated,
-                "total_tokens": done.n_prompt + done.n_generated,
-                "prompt_tokens_details": {"cached_tokens": done.n_cached}}
-
-    def timings(self, done: Done) -> dict:
-        """llama-server's `timings` object."""
-        n_new = done.n_prompt - done.n_cached
-        return {"cache_n": done.n_cached, "prompt_n": n_new, "prompt_ms": done.t_prompt * 1e3,
-                "prompt_per_second": n_new / done.t_prompt if done.t_prompt else 0.0,
-                "predicted_n": done.n_generated, "predicted_ms": done.t_generate * 1e3,
-                "predicted_per_second": done.n_generated / done.t_generate if done.t_generate else 0.0}
-
     def chat_logprob(self, out: TokenOut) -> dict:
         def entry(token: int, logprob: float) -> dict:
             piece = self.piece(token)
             return {"id": token, "token": piece.decode("utf-8", "replace"), "bytes": list(piece), "logprob": logprob}
         return {**entry(out.token, out.logprob), "top_logprobs": [entry(t, lp) for t, lp in out.top or []]}
 
+    # ---- running jobs --------------------------------------------------------------------------
+    async def submit(self, req: Sampling, tokens_of: Callable[[], list[list[int]]], n_probs: int,
+                     **job_fields) -> tuple[list[Job], asyncio.Queue]:
+        """Prepare the request's jobs in a worker thread and queue them; their events come in
+        one queue as (prompt index, event)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emits(index: int):
+            return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+        jobs = await asyncio.to_thread(self.prepare, req, tokens_of, n_probs, emits, **job_fields)
+        self.queue_jobs(jobs)
+        return jobs, queue
+
+    def queue_jobs(self, jobs: list[Job]) -> None:
+        for i, job in enumerate(jobs):
+            try:
+                self.engine.submit(job)
+            except (QueueFull, InputError) as e:
+                for queued in jobs[:i]:
+                    queued.cancelled.set()
+                if isinstance(e, QueueFull):
+                    raise ApiError(503, f"server busy: {e}; retry later") from None
+                raise ApiError(400, str(e), "exceed_context_size_error" if "context size" in str(e) else None) from None
+
+    async def events(self, request: Request, jobs: list[Job], queue: asyncio.Queue) -> AsyncIterator:
+        """The jobs' (index, event)s as they come, until each has ended; a client gone cancels
+        them (checked while waiting). Their tokens go to the request's log line."""
+        checked = time.monotonic()
+        running = len(jobs)
+        try:
+            while running:
+                try:
+                    index, event = await asyncio.wait_for(queue.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    index, event = None, None
+                if time.monotonic() - checked >= 0.25:  # also while tokens keep coming
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return
+                if event is None:
+                    continue
+                if isinstance(event, Done):
+                    note_tokens(request, event.n_prompt, event.n_decoded, event.n_cached)
+                elif isinstance(event, Embedded):
+                    note_tokens(request, event.n_tokens)
+                yield index, event
+                if isinstance(event, Failed):
+                    return
+                if isinstance(event, (Done, Embedded)):
+                    running -= 1
+        finally:
+            for job in jobs:
+                job.cancelled.set()  # a no-op once done; else the engine frees the slot at its next step
+
+    async def collect(self, request: Request, jobs: list[Job], queue: asyncio.Queue) -> list | None:
+        """The jobs' whole answers (Result, or Embedded for embedding jobs), in prompt order;
+        None when the client left."""
+        results: list = [Result() for _ in jobs]
+        ended = 0
+        async for index, event in self.events(request, jobs, queue):
+            if isinstance(event, TokenOut):
+                results[index].outs.append(event)
+            elif isinstance(event, Done):
+                results[index].done = event
+                ended += 1
+            elif isinstance(event, Embedded):
+                results[index] = event
+                ended += 1
+            else:
+                raise ApiError(event.code, event.message)
+        return results if ended == len(jobs) else None
+
+    async def complete(self, request: Request, req: Sampling, tokens_of: Callable[[], list[list[int]]],
+                       n_probs: int, shape_of: Callable[[list[Job]], Shape], **job_fields) -> Response:
+        """The completion path: the request's jobs, answered in the endpoint's shape."""
+        jobs, queue = await self.submit(req, tokens_of, n_probs, **job_fields)
+        shape = shape_of(jobs)
+        if req.stream:
+            return stream_answer(self.events(request, jobs, queue), shape)
+        return whole_answer(await self.collect(request, jobs, queue), shape)
+
+    async def embed(self, request: Request, req: EmbeddingRequest) -> list[Embedded] | None:
+        """The embeddings of the request's input(s), one embedding job each."""
+        prompt = req.input if "input" in req.model_fields_set else req.content
+
+        def prepare(emits) -> list[Job]:
+            try:
+                token_lists = self.prompts(prompt)
+            except (InputError, PromptError) as e:
+                raise ApiError(400, str(e).replace('"prompt"', '"input"')) from None
+            for tokens in token_lists:
+                self._check_embeddable(tokens)
+            normalize = self.embd_normalize if req.embd_normalize is None else req.embd_normalize
+            return [Job(tokens=t, max_tokens=0, stop=(), chain=None, lora=self.engine.default_lora(), emit=emits(i),
+                        embed=True, embd_normalize=normalize) for i, t in enumerate(token_lists)]
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        jobs = await asyncio.to_thread(
+            prepare, lambda i: lambda event: loop.call_soon_threadsafe(queue.put_nowait, (i, event)))
+        self.queue_jobs(jobs)
+        return await self.collect(request, jobs, queue)
+
+    def _check_embeddable(self, tokens: list[int]) -> None:
+        """llama-server's limits: a prompt's embeddings come from one decode of it whole."""
+        ctx = self.engine.ctx
+        if not tokens:
+            raise ApiError(400, "Input content cannot be empty")
+        if len(tokens) > self.engine.n_ctx_slot:
+            raise ApiError(400, f"input ({len(tokens)} tokens) is larger than the max context size "
+                                f"({self.engine.n_ctx_slot} tokens). skipping", "exceed_context_size_error")
+        limit = ctx.n_batch if ctx.pooling_type is Pooling.LAST else ctx.n_ubatch
+        if len(tokens) > limit:
+            raise ApiError(400, f"input ({len(tokens)} tokens) is too large to process. increase the physical batch "
+                                f"size (current batch size: {limit})")
+
 
 def create_app(server: Server, api_key: str | None = None, metrics: bool = False, slots: bool = True,
-               max_body: int = DEFAULT_MAX_BODY) -> Gate:
-    """The ASGI application serving `server`'s model (bodies up to `max_body` bytes)."""
+               max_body: int = DEFAULT_MAX_BODY, log: Callable[[str], None] | None = None):
+    """The ASGI application serving `server`'s model (bodies up to `max_body` bytes; with
+    `log`, a line per request)."""
     app = FastAPI(title="llamapy-server", docs_url=None, redoc_url=None)
     engine = server.engine
 
@@ -274,15 +391,8 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
         return {"status": "ok"}
 
     @app.get("/props")
-    async def props():
-        """llama-server's GET /props: what a client reads to set itself up."""
-        d = server.defaults
-        return {"default_generation_settings": {"n_ctx": engine.n_ctx_slot, "params": {
-                    "n_predict": d.get("n_predict", -1), "temperature": d.get("temperature", 0.8),
-                    "top_k": d.get("top_k", 40), "top_p": d.get("top_p", 0.95), "min_p": d.get("min_p", 0.05),
-                    "repeat_penalty": d.get("repeat_penalty", 1.0), "seed": d.get("seed") or -1}},
-                "total_slots": len(engine.slots), "model_alias": server.alias, "model_path": server.model_path,
-                "chat_template": server.template.source, "build_info": f"llamapy {llamapy_version()}"}
+    async def get_props():
+        return await asyncio.to_thread(props, server, slots, metrics, llamapy_version())
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -293,90 +403,84 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
             "meta": {"n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd,
                      "n_ctx_slot": engine.n_ctx_slot, "n_slots": len(engine.slots)}}]}
 
+    # ---- completions: small handlers over Server.complete --------------------------------------
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
         req: ChatRequest = await parse_body(request, ChatRequest)
         n_probs = max(1, req.top_logprobs or 0) if req.logprobs else 0
-        job, queue = await server.submit(req, lambda: server.chat_tokens(req), n_probs)
-        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        head = {"id": ident, "created": created, "model": req.model or server.alias}
-        if req.stream:
-            async def chunks() -> AsyncIterator[str]:
-                def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None, **more) -> str:
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish,
-                              "logprobs": {"content": logprobs} if logprobs else None}
-                    return _sse({**head, "object": "chat.completion.chunk", "choices": [choice], **more})
-                yield chunk({"role": "assistant", "content": None})
-                async for event in server.events(request, job, queue):
-                    if isinstance(event, TokenOut):
-                        logprobs = [server.chat_logprob(event)] if event.logprob is not None else None
-                        if event.text or logprobs:
-                            yield chunk({"content": event.text}, logprobs=logprobs)
-                    elif isinstance(event, Done):
-                        yield chunk({}, event.finish_reason, timings=server.timings(event))
-                        if req.include_usage():
-                            yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
-                                        "usage": server.usage(event)})
-                    else:
-                        yield _sse({"error": {"code": 500, "message": event.message, "type": "server_error"}})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(chunks(), media_type="text/event-stream")
-        outs, done = await server.collect(request, job, queue)
-        if done is None:
-            return PlainTextResponse("", status_code=499)  # the client is gone
-        logprobs = [server.chat_logprob(o) for o in outs if o.logprob is not None]
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                  "finish_reason": done.finish_reason, "logprobs": {"content": logprobs} if req.logprobs else None}
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": server.usage(done),
-                "timings": server.timings(done)}
+        model = req.model or server.alias
+        return await server.complete(request, req, lambda: server.chat_tokens(req), n_probs,
+                                     lambda jobs: ChatShape(server, model, req.logprobs, req.include_usage()))
 
     @app.post("/v1/completions")
-    @app.post("/completions")
     async def completions(request: Request):
         req: CompletionRequest = await parse_body(request, CompletionRequest)
         n_probs = max(1, req.logprobs) if req.logprobs is not None else 0
-        job, queue = await server.submit(req, lambda: server.completion_tokens(req), n_probs)
-        ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        head = {"id": ident, "created": created, "model": req.model or server.alias, "object": "text_completion"}
+        model = req.model or server.alias
+        return await server.complete(request, req, lambda: server.prompts(req.prompt), n_probs,
+                                     lambda jobs: CompletionShape(server, model, req.logprobs, req.include_usage()))
 
-        def logprobs_of(outs: list[TokenOut], offset: int) -> dict | None:
-            if req.logprobs is None:
-                return None
-            pieces = [server.piece(o.token).decode("utf-8", "replace") for o in outs]
-            offsets = list(itertools.accumulate([offset] + [len(p) for p in pieces[:-1]])) if pieces else []
-            return {"tokens": pieces, "token_logprobs": [o.logprob for o in outs],
-                    "top_logprobs": [{server.piece(t).decode("utf-8", "replace"): lp for t, lp in o.top or []}
-                                     for o in outs],
-                    "text_offset": offsets}
+    def native_shape(req: NativeCompletionRequest):
+        def shape(jobs: list[Job]) -> NativeShape:
+            return NativeShape(server, jobs, jobs[0].settings, model=server.alias, return_tokens=req.return_tokens,
+                               n_probs=req.n_probs, response_fields=req.response_fields, stream=req.stream)
+        return shape
 
-        if req.stream:
-            async def chunks() -> AsyncIterator[str]:
-                offset = 0
-                async for event in server.events(request, job, queue):
-                    if isinstance(event, TokenOut):
-                        if event.text or event.logprob is not None:
-                            outs = [event] if event.logprob is not None and event.token is not None else []
-                            yield _sse({**head, "choices": [{"index": 0, "text": event.text, "finish_reason": None,
-                                                             "logprobs": logprobs_of(outs, offset)}]})
-                            offset += len(event.text)
-                    elif isinstance(event, Done):
-                        yield _sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
-                                                         "logprobs": None}], "timings": server.timings(event)})
-                        if req.include_usage():
-                            yield _sse({**head, "choices": [], "usage": server.usage(event)})
-                    else:
-                        yield _sse({"error": {"code": 500, "message": event.message, "type": "server_error"}})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(chunks(), media_type="text/event-stream")
-        outs, done = await server.collect(request, job, queue)
-        if done is None:
+    @app.post("/completion")
+    @app.post("/completions")
+    async def completion(request: Request):
+        req: NativeCompletionRequest = await parse_body(request, NativeCompletionRequest)
+        return await server.complete(request, req, lambda: server.prompts(req.prompt), 0, native_shape(req),
+                                     cache_prompt=req.cache_prompt, id_slot=req.id_slot)
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        missing = fim_missing(server.vocab)
+        if missing:
+            raise ApiError(501, f"Infill is not supported by this model: {missing}")
+        req: InfillRequest = await parse_body(request, InfillRequest)
+        return await server.complete(request, req, lambda: server.infill_prompt(req), 0, native_shape(req),
+                                     cache_prompt=req.cache_prompt, id_slot=req.id_slot)
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request):
+        req: ChatRequest = await parse_body(request, ChatRequest)
+
+        def render() -> dict:
+            try:
+                return {"prompt": rendered_chat(server.template, server.vocab, server.messages(req))}
+            except LlamapyError as e:
+                raise ApiError(400, str(e)) from None
+        return await asyncio.to_thread(render)
+
+    # ---- embeddings -------------------------------------------------------------------------
+    def embeddings_served() -> None:
+        if not server.embedding:
+            raise ApiError(501, "This server does not support embeddings. Start it with `--embeddings`")
+
+    @app.post("/embedding")
+    @app.post("/embeddings")
+    async def embedding(request: Request):
+        embeddings_served()
+        req: EmbeddingRequest = await parse_body(request, EmbeddingRequest)
+        results = await server.embed(request, req)
+        return PlainTextResponse("", status_code=499) if results is None else native_embeddings(results)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_openai(request: Request):
+        embeddings_served()
+        if engine.ctx.pooling_type is Pooling.NONE:
+            raise ApiError(400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        req: EmbeddingRequest = await parse_body(request, EmbeddingRequest)
+        results = await server.embed(request, req)
+        if results is None:
             return PlainTextResponse("", status_code=499)
-        scored = [o for o in outs if o.logprob is not None and o.token is not None]
-        choice = {"index": 0, "text": "".join(o.text for o in outs), "finish_reason": done.finish_reason,
-                  "logprobs": logprobs_of(scored, 0)}
-        return {**head, "choices": [choice], "usage": server.usage(done), "timings": server.timings(done)}
+        if "input" not in req.model_fields_set:  # llama-server: "content" is its own field, answered its way
+            return native_embeddings(results)
+        return openai_embeddings(results, req.model or server.alias, req.encoding_format == "base64")
 
+    # ---- tokens ------------------------------------------------------------------------------
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req: TokenizeRequest = await parse_body(request, TokenizeRequest)
@@ -399,14 +503,12 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
             return JSONResponse({"content": b"".join(server.piece(t) for t in req.tokens).decode("utf-8", "replace")})
         return await asyncio.to_thread(answer)
 
+    # ---- the server's state ---------------------------------------------------------------------
     @app.get("/slots")
     async def get_slots():
         if not slots:
             raise ApiError(501, "This server does not support slots endpoint. Start it without `--no-slots`")
-        return [{"id": s.id, "n_ctx": engine.n_ctx_slot, "is_processing": s.busy, "n_cached": len(s.cached),
-                 "n_cells": engine.cells_used(s), "id_task": s.job.id if s.job else -1,
-                 "lora": [{"id": i, "scale": x} for i, x in enumerate(s.lora)]}
-                for s in engine.slots]
+        return slot_states(engine)
 
     @app.get("/metrics")
     async def get_metrics():
@@ -449,14 +551,10 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
         req: LoadLora = await parse_body(request, LoadLora)
         return await server.adapters.load(req.path, req.scale)
 
-    return Gate(app, api_key, max_body)
+    gate = Gate(app, api_key, max_body)
+    return AccessLog(gate, log) if log is not None else gate
 
 
 def llamapy_version() -> str:
     import llamapy
     return llamapy.__version__
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-

@@ -10,7 +10,13 @@ llama-server's slots without --kv-unified). A step of the loop:
    admitted at step k generates from step k+1 on, a finished one stops taking a row),
    one batch per set of LoRA scales, and samples each slot's next token from its row;
 3. decodes up to `n_batch` prompt tokens of the slots still reading their prompts (a long
-   prompt takes several steps, between which the other slots keep generating).
+   prompt takes several steps, between which the other slots keep generating); an embedding
+   job's prompt is decoded whole in one step, with the Context's embeddings on, and its
+   embeddings (per token, or pooled and normalized) end the job.
+
+A job may ask for one slot (`id_slot`: it waits until that one is free) and not to reuse a
+slot's cache (`cache_prompt` false); an embedding job never reuses one (llama-server's
+stateless tasks).
 
 Jobs come from the HTTP threads through `submit`, and their results go back through each
 job's `emit` callback (the app turns them into asyncio queue items). A job's text follows
@@ -33,6 +39,7 @@ from llamapy.batch import Batch
 from llamapy.context import Context
 from llamapy.errors import InputError
 from llamapy.generate import TextRun
+from llamapy.pooling import Pooling, normalize
 
 # what a log-probability that is not a number becomes: JSON has no -inf (llama-server's choice:
 # float's lowest for a probability of 0)
@@ -45,30 +52,50 @@ class QueueFull(Exception):
 
 @dataclass
 class TokenOut:
-    """One generated token as the client sees it: its text (maybe held back and released with
-    a later token), and with n_probs its log-probability and the most likely alternatives."""
-    token: int | None
+    """One sampled token as the client sees it: its text (maybe held back and released with
+    a later token), and with n_probs its log-probability and the most likely alternatives.
+    `eog`: an end-of-generation token (no text); `complete`: its text ends on a whole UTF-8
+    character (llama-server reports a token cut inside one with the token that completes it)."""
+    token: int
     text: str
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    eog: bool = False
+    complete: bool = True
 
 
 @dataclass
 class Done:
-    finish_reason: str
+    finish_reason: str   # OpenAI's: "stop" or "length"
     n_prompt: int        # prompt tokens
     n_cached: int        # of them, found in the slot's cache (not decoded again)
-    n_generated: int
+    n_generated: int     # tokens of the text (an end-of-generation token is not one)
     t_prompt: float      # seconds from admission to the first token
     t_generate: float    # seconds from the first token to the end
+    n_decoded: int = 0   # tokens sampled, an end-of-generation token included (llama-server's n_decoded)
+    stop_type: str = "limit"   # llama-server's: "eos", "word" or "limit"
+    stopping_word: str = ""
+    tokens_cached: int = 0     # tokens the slot's cache holds at the end
+    id_slot: int = -1
+    truncated: bool = False    # ended because the slot's context was full
+
+
+@dataclass
+class Embedded:
+    """An embedding job's result: one vector per prompt token (pooling none) or one pooled,
+    normalized vector."""
+    vectors: list[np.ndarray]
+    n_tokens: int
+    id_slot: int
 
 
 @dataclass
 class Failed:
     message: str
+    code: int = 500
 
 
-Event = TokenOut | Done | Failed
+Event = TokenOut | Done | Embedded | Failed
 
 
 @dataclass
@@ -82,6 +109,12 @@ class Job:
     emit: Callable[[Event], None]
     n_probs: int = 0
     special: bool = False
+    cache_prompt: bool = True          # reuse the slot's cached prefix
+    id_slot: int = -1                  # the slot to run in (-1: the engine's choice)
+    embed: bool = False                # an embedding job: its prompt's embeddings, nothing generated
+    embd_normalize: int = 2            # how a pooled embedding is normalized (llamapy.pooling.normalize)
+    settings: dict = field(default_factory=dict)  # its generation settings, as /slots reports them
+    slot: int = -1                     # the slot it runs in, once admitted
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: int = 0
 
@@ -101,6 +134,10 @@ class Slot:
     t_first: float = 0.0
     n_decoded: int = 0                               # tokens this slot decoded (all jobs)
     t_used: float = 0.0                              # when its last job was admitted
+    n_sampled: int = 0                               # tokens its job sampled (an end of generation included)
+    truncated: bool = False                          # its job ran out of cells
+    has_new_line: bool = False                       # its job's text has a newline
+    last_job: Job | None = None                      # the job it runs or ran last
 
     @property
     def busy(self) -> bool:
@@ -156,7 +193,9 @@ class Engine:
         that leaves no room to generate in a slot)."""
         if not job.tokens:
             raise InputError("the prompt is empty and the model adds no BOS: nothing to continue")
-        if len(job.tokens) >= self.n_ctx_slot:
+        if not -1 <= job.id_slot < len(self.slots):
+            raise InputError(f"id_slot {job.id_slot}: this server has slots 0..{len(self.slots) - 1} (-1: any)")
+        if len(job.tokens) >= self.n_ctx_slot + job.embed:  # an embedding needs no cell to generate into
             raise InputError(f"the request ({len(job.tokens)} prompt tokens) exceeds the available context size "
                              f"({self.n_ctx_slot} tokens per slot), try increasing it")
         with self._wake:
@@ -203,12 +242,16 @@ class Engine:
             jobs = [j for j in self._waiting if not j.cancelled.is_set()]
             self._waiting.clear()
             free = [s for s in self.slots if not s.busy]
-            while jobs and free:
-                job = jobs.pop(0)
-                slot = self._slot_for(job, free)
+            waiting = []
+            for job in jobs:
+                candidates = free if job.id_slot < 0 else [s for s in free if s.id == job.id_slot]
+                if not candidates:  # its slot is busy (or all are): it waits, in its place in the queue
+                    waiting.append(job)
+                    continue
+                slot = self._slot_for(job, candidates)
                 free.remove(slot)
                 self._start(slot, job)
-            self._waiting.extend(jobs)
+            self._waiting.extend(waiting)
 
     def _slot_for(self, job: Job, free: list[Slot]) -> Slot:
         """llama-server's choice: the free slot whose cache holds the longest prefix of the
@@ -221,8 +264,8 @@ class Engine:
 
     def _reusable(self, slot: Slot, job: Job) -> int:
         """How many of the job's prompt tokens the slot's cache holds (at most all but the last,
-        whose logits are needed)."""
-        if slot.lora != job.lora:
+        whose logits are needed); none for a job that asks not to reuse or for embeddings."""
+        if slot.lora != job.lora or not job.cache_prompt or job.embed:
             return 0
         n, cached, tokens = 0, slot.cached, job.tokens
         limit = min(len(cached), len(tokens) - 1)
@@ -239,9 +282,11 @@ class Engine:
         slot.run = TextRun(self.vocab, job.max_tokens, job.stop, job.special)
         slot.chain = job.chain
         slot.t_admit, slot.t_first = time.perf_counter(), 0.0
+        slot.n_sampled, slot.truncated, slot.has_new_line = 0, False, False
+        slot.last_job, job.slot = job, slot.id
         slot.t_used = slot.t_admit
         self.metrics.requests += 1
-        if job.max_tokens == 0:
+        if job.max_tokens == 0 and not job.embed:
             self._finish(slot, "length")
 
     def _set_adapters(self, scales: tuple[float, ...]) -> None:
@@ -276,6 +321,10 @@ class Engine:
                 return
             if not slot.busy or slot.n_read >= len(slot.job.tokens):
                 continue
+            if slot.job.embed:
+                if len(slot.job.tokens) <= budget:  # whole, or at a later step
+                    budget -= self._embed(slot)
+                continue
             tokens = slot.job.tokens
             chunk = tokens[slot.n_read:slot.n_read + budget]
             last = slot.n_read + len(chunk) == len(tokens)
@@ -295,6 +344,35 @@ class Engine:
             budget -= len(chunk)
             if last:
                 self._sample(slot, len(chunk) - 1)
+
+    def _embed(self, slot: Slot) -> int:
+        """Decode an embedding job's whole prompt with embeddings on and end the job with
+        them; returns the tokens decoded."""
+        job, tokens = slot.job, slot.job.tokens
+        if job.cancelled.is_set():
+            self._finish(slot, "cancelled")
+            return 0
+        self._set_adapters(slot.lora)
+        t0 = time.perf_counter()
+        self.ctx.set_embeddings(True)
+        try:
+            self.ctx.decode(Batch(np.array(tokens), np.arange(len(tokens)), np.full(len(tokens), slot.id),
+                                  np.ones(len(tokens), bool)))
+        finally:
+            self.ctx.set_embeddings(False)
+        self.metrics.prompt_seconds += time.perf_counter() - t0
+        self.metrics.prompt_tokens += len(tokens)
+        self.metrics.n_decode += 1
+        self.metrics.n_busy_slots += 1
+        slot.cached = list(tokens)
+        slot.n_read = slot.n_decoded = len(tokens)
+        if self.ctx.pooling_type is Pooling.NONE:
+            vectors = [self.ctx.get_embeddings_ith(i).copy() for i in range(len(tokens))]
+        else:
+            vectors = [normalize(self.ctx.get_embeddings_seq(slot.id), job.embd_normalize)]
+        job.emit(Embedded(vectors, len(tokens), slot.id))
+        slot.job, slot.run, slot.chain, slot.pending = None, None, None, None
+        return len(tokens)
 
     def _sample(self, slot: Slot, row: int) -> None:
         """The slot's next token from the last decode's row, handed to its job."""
@@ -321,14 +399,17 @@ class Engine:
             logprob, top = _finite(logp[token]), [(int(t), _finite(logp[t])) for t in best]
         if not slot.t_first:
             slot.t_first = time.perf_counter()
+        slot.n_sampled += 1
         text = run.push(token)
         if run.finish_reason is None and len(slot.cached) + 1 >= self.n_ctx_slot:
             text += run.end("length")  # no cell left for the token just sampled
+            slot.truncated = True
+        slot.has_new_line |= "\n" in text
         eog = self.vocab.is_eog(token)
         if not eog:
             self.metrics.predicted_tokens += 1
-        if text or not eog or job.n_probs:
-            job.emit(TokenOut(None if eog else token, text, logprob, top))
+        complete = not run.decoder.getstate()[0]  # no bytes of a character left waiting
+        job.emit(TokenOut(int(token), text, logprob, top, eog, complete))
         if run.finish_reason is not None:
             self._finish(slot, run.finish_reason)
         else:
@@ -341,7 +422,10 @@ class Engine:
         if reason == "cancelled":
             job.emit(Failed("cancelled"))
         else:
-            job.emit(Done(reason, len(job.tokens), slot.n_cached, len(run.tokens), t_first - slot.t_admit, now - t_first))
+            stop_type = "limit" if reason == "length" else "word" if run.stop_word is not None else "eos"
+            job.emit(Done(reason, len(job.tokens), slot.n_cached, len(run.tokens), t_first - slot.t_admit,
+                          now - t_first, slot.n_sampled, stop_type, run.stop_word or "", len(slot.cached), slot.id,
+                          slot.truncated))
         slot.job, slot.run, slot.chain, slot.pending = None, None, None, None
         if slot.n_read < len(job.tokens):  # cancelled while reading its prompt: the cache holds a part
             slot.cached = slot.cached[:slot.n_read]

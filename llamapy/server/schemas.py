@@ -3,7 +3,9 @@
 Fields a client may send that change nothing here (`user`, `n: 1`, `stream_options` without
 usage, ...) are accepted and ignored, as llama-server does; a known field of the wrong type
 or out of its range is a 400 naming it; features this server does not have (several
-choices, tools, grammars) are refused by name rather than silently ignored.
+choices, tools) are refused by name rather than silently ignored. A grammar (`grammar`, GBNF)
+or a JSON schema (`json_schema`, `response_format` json_object / json_schema) constrains the
+text as in llama-server, a lazy one (`grammar_lazy`) from one of its `grammar_triggers` on.
 
 Every number has a range, so that no request can make the sampler overflow or hold the decode
 loop (which serves every client) for long; where OpenAI documents one it is OpenAI's:
@@ -27,14 +29,18 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from llamapy.errors import InputError
 from llamapy.lora import LORA_SCALE_RULE, check_lora_scale
+from llamapy.sampling.grammar_parser import GrammarError
+from llamapy.sampling.grammar_sampler import GrammarTrigger
+from llamapy.sampling.json_schema_grammar import json_schema_to_grammar
 
 INT32_MAX = 2**31 - 1
 LOGIT_BIAS_LIMIT = 100.0
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024
+MAX_GRAMMAR_CHARS = 1 << 20
 NAME_MAX, PATH_MAX = 255, 4096  # POSIX's limits on a file name's bytes and a path's
 
 
@@ -54,6 +60,17 @@ class LoraScale(BaseModel):
 
 
 Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+TRIGGER_TYPES = {0: "token", 1: "word", 2: "pattern", 3: "pattern_full"}  # llama-server's numbers
+
+
+def _trigger(value: Any) -> Any:
+    """llama-server's {"type": 0..3, "value": ..., "token": ...}, or the type by its name."""
+    if isinstance(value, dict) and isinstance(value.get("type"), int) and not isinstance(value["type"], bool):
+        value = {**value, "type": TRIGGER_TYPES.get(value["type"], value["type"])}
+    return value
+
+
+GrammarTriggerField = Annotated[GrammarTrigger, BeforeValidator(_trigger)]
 
 
 class Sampling(BaseModel):
@@ -85,9 +102,11 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
     lora: Optional[list[LoraScale]] = None
     tools: Optional[list[Any]] = None
-    grammar: Optional[str] = None
+    grammar: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     json_schema: Optional[dict[str, Any]] = None
     response_format: Optional[dict[str, Any]] = None
+    grammar_lazy: bool = False
+    grammar_triggers: Optional[list[Union[str, GrammarTriggerField]]] = Field(None, max_length=MAX_STOPS)
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +136,7 @@ class Sampling(BaseModel):
             raise ValueError(BIAS_FORMS)
         return [(key, _bias_value(bias)) for key, bias in pairs]
 
-    @field_validator("tools", "grammar", "json_schema")
+    @field_validator("tools")
     @classmethod
     def _unsupported(cls, value, info):
         if value:
@@ -126,10 +145,40 @@ class Sampling(BaseModel):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value):
-        if value and value.get("type", "text") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported by llamapy-server")
+    def _response_format(cls, value):
+        kind = (value or {}).get("type") or "text"
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f'type must be one of "text", "json_object" or "json_schema", not {kind!r}')
         return value
+
+    def constraint(self) -> dict:
+        """The request's grammar as sampler_chain's options: `grammar` (GBNF), or the grammar of
+        its JSON schema (`json_schema`, or response_format json_object / json_schema), as
+        llama-server reads them; an empty schema is any object. A bad schema is a 400."""
+        schema = self.json_schema
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_object":
+            if "schema" in fmt or not schema:
+                schema = fmt.get("schema") or {}
+        elif fmt.get("type") == "json_schema":
+            wrapper = fmt.get("json_schema")
+            schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
+            schema = {} if schema is None else schema
+        if schema is not None and self.grammar:
+            raise InputError("give a grammar or a JSON schema (json_schema, response_format), not both")
+        options: dict = {}
+        if schema is not None:
+            if schema == {}:
+                schema = {"type": "object"}
+            try:
+                options["grammar"] = json_schema_to_grammar(schema)
+            except GrammarError as e:
+                raise InputError(f"json_schema: {e}") from None
+        elif self.grammar:
+            options["grammar"] = self.grammar
+        if self.grammar_lazy or self.grammar_triggers:
+            options.update(grammar_lazy=self.grammar_lazy, grammar_triggers=self.grammar_triggers or [])
+        return options
 
     def limit(self) -> int | None:
         """max_tokens, max_completion_tokens or n_predict (-1: until the end or a full slot;
