@@ -14,6 +14,7 @@ from .model import Model, load_model
 
 if TYPE_CHECKING:
     from .context import Context
+    from .evaluation import evaluate
     from .from_scratch import new_model
     from .generate import Completion, chat_completion, generate
     from .llama_api import Llama
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from .save import save_model_to_file
 
 __all__ = ["__version__", "Batch", "Completion", "Context", "Llama", "LlamapyError", "Model", "QuantizeParams",
-           "chat_completion", "generate", "load_model", "new_model", "quantize_model", "save_model_to_file"]
+           "chat_completion", "evaluate", "generate", "load_model", "new_model", "quantize_model", "save_model_to_file"]
 
 # What runs a model (Context, generation, training) loads numba's compiled kernels: imported
 # when first used, so `import llamapy` and the tools that only read and write GGUF files
@@ -29,7 +30,7 @@ __all__ = ["__version__", "Batch", "Completion", "Context", "Llama", "LlamapyErr
 # shadows the module of that name (`from llamapy.generate import Generator` finds the module).
 _LAZY = {"Context": ".context", "new_model": ".from_scratch", "chat_completion": ".generate", "generate": ".generate",
          "Completion": ".generate", "Llama": ".llama_api", "QuantizeParams": ".quantize", "quantize_model": ".quantize",
-         "save_model_to_file": ".save"}
+         "save_model_to_file": ".save", "evaluate": ".evaluation"}
 
 
 class _Package(types.ModuleType):

@@ -21,6 +21,9 @@ class Batch:
     pos: np.ndarray | None = None     # int32 [n]; None: continue each sequence where it ended
     seq_id: np.ndarray | None = None  # int32 [n]; None: all sequence 0
     output: np.ndarray | None = None  # bool [n]; None: only the last token
+    # uint64 [n]: bit s set when sequence s shares the token's cell too (llama_batch's further
+    # seq ids: a prompt several sequences continue, decoded once); None: seq_id's alone
+    seq_shared: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32).reshape(-1)
@@ -37,7 +40,9 @@ class Batch:
                 self.output[-1] = True
         else:
             self.output = np.ascontiguousarray(self.output, dtype=bool).reshape(-1)
-        for name in ("pos", "seq_id", "output"):
+        if self.seq_shared is not None:
+            self.seq_shared = np.ascontiguousarray(self.seq_shared, dtype=np.uint64).reshape(-1)
+        for name in ("pos", "seq_id", "output", "seq_shared"):
             arr = getattr(self, name)
             if arr is not None and len(arr) != n:
                 raise InputError(f"batch has {n} tokens but {len(arr)} {name} entries")
@@ -79,6 +84,7 @@ class UBatch:
     n_seq_tokens: int
     n_seqs: int
     stream0: int
+    seq_shared: np.ndarray | None = None  # Batch.seq_shared's bits of these tokens
 
     @property
     def n_tokens(self) -> int:
@@ -90,8 +96,9 @@ class UBatch:
 
 
 def _take(batch: Batch, idx: np.ndarray, n_seq_tokens: int, n_seqs: int, stream0: int) -> UBatch:
+    shared = None if batch.seq_shared is None else batch.seq_shared[idx]
     return UBatch(batch.tokens[idx], batch.pos[idx], batch.seq_id[idx], batch.output[idx], idx,
-                  n_seq_tokens, n_seqs, stream0)
+                  n_seq_tokens, n_seqs, stream0, shared)
 
 
 def split_simple(batch: Batch, n_ubatch: int) -> list[UBatch]:
@@ -100,8 +107,9 @@ def split_simple(batch: Batch, n_ubatch: int) -> list[UBatch]:
     for start in range(0, len(batch), n_ubatch):
         stop = min(start + n_ubatch, len(batch))
         run = slice(start, stop)  # views, not copies: a run is contiguous
+        shared = None if batch.seq_shared is None else batch.seq_shared[run]
         out.append(UBatch(batch.tokens[run], batch.pos[run], batch.seq_id[run], batch.output[run],
-                          np.arange(start, stop), stop - start, 1, 0))
+                          np.arange(start, stop), stop - start, 1, 0, shared))
     return out
 
 

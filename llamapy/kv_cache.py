@@ -105,8 +105,12 @@ class KVCache:
         return n
 
     def apply(self, ub: UBatch, rows: np.ndarray) -> None:
-        """The ubatch's tokens take cells `rows` (the K written there is roped at its position already)."""
+        """The ubatch's tokens take cells `rows` (the K written there is roped at its position already);
+        a token's cell is seen by its sequence and those of its `seq_shared` bits."""
         place_tokens(self.pos, self.seqs, self.shift, rows, ub.pos, ub.seq_id)
+        if ub.seq_shared is not None:
+            streams, cells = np.divmod(rows, self.kv_size)
+            self.seqs[streams, cells] |= ub.seq_shared
 
     def place(self, rows: np.ndarray, pos: np.ndarray, seqs, shift: np.ndarray | None = None) -> None:
         """Cells `rows` (global row indices) now hold positions `pos`, seen by the sequences

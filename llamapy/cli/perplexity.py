@@ -1,5 +1,6 @@
-"""llamapy-perplexity: llama.cpp's perplexity tool (same method, flags, defaults and output), and
-its KL divergence of a model from a base model (--kl-divergence-base, --kl-divergence)."""
+"""llamapy-perplexity: llama.cpp's perplexity tool (same method, flags, defaults and output), its
+KL divergence of a model from a base model (--kl-divergence-base, --kl-divergence), and its
+task scores (--hellaswag, --winogrande, --multiple-choice: llamapy.evaluation)."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 from llamapy.errors import InputError
+from llamapy.evaluation import TaskSet, evaluation_context, load_tasks
 from llamapy.kl_divergence import KLDivergenceResult, kl_divergence
 from llamapy.kld_base import BaseLogProbs
 from llamapy.model import Model, load_model
@@ -20,6 +22,7 @@ from .args import PERPLEXITY, Tool, flag
 from .common import (adapter_list, freeze_startup_objects, kv_cache_types, load_adapters, log, paths, read_text,
                      thread_count, warn)
 from .kld_report import TABLE_HEADER, chunk_line, statistics
+from . import task_scores
 
 tool = Tool("llamapy-perplexity", llama_cpp=["perplexity"])
 
@@ -41,6 +44,30 @@ KlDivergenceBase = Annotated[Optional[Path], flag("--kl-divergence-base", "--sav
                                                        "token there (llama-perplexity's format); with "
                                                        "--kl-divergence: the base model's, to compare with")]
 
+BinaryFile = Annotated[Optional[Path], flag("-bf", "--binary-file", metavar="FNAME", group=PERPLEXITY,
+                                            show_default=False, path="read",
+                                            help="as -f, byte for byte (the multiple-choice tasks' binary file)")]
+Hellaswag = Annotated[bool, flag("--hellaswag", group=PERPLEXITY, show_default=False,
+                                 help="compute the HellaSwag score (acc_norm) over random tasks from the file given "
+                                      "with -f (6 lines a task)")]
+HellaswagTasks = Annotated[int, flag("--hellaswag-tasks", metavar="N", group=PERPLEXITY, min=0,
+                                     help="number of tasks to use when computing the HellaSwag score")]
+Winogrande = Annotated[bool, flag("--winogrande", group=PERPLEXITY, show_default=False,
+                                  help="compute the Winogrande score over the tasks of the CSV file given with -f")]
+WinograndeTasks = Annotated[int, flag("--winogrande-tasks", metavar="N", group=PERPLEXITY, min=0,
+                                      help="number of random tasks to use when computing the Winogrande score "
+                                           "(0: all)")]
+MultipleChoice = Annotated[bool, flag("--multiple-choice", group=PERPLEXITY, show_default=False,
+                                      help="compute the multiple-choice score (ARC, MMLU, TruthfulQA) over the tasks "
+                                           "of the binary file given with -bf (or -f)")]
+MultipleChoiceTasks = Annotated[int, flag("--multiple-choice-tasks", metavar="N", group=PERPLEXITY, min=0,
+                                          help="number of random tasks to use when computing the multiple-choice "
+                                               "score (0: all)")]
+Parallel = Annotated[int, flag("-np", "--parallel", metavar="N", env="LLAMA_ARG_N_PARALLEL", group=PERPLEXITY,
+                               min=1, max=64,
+                               help="sequences decoded together by the task scores (at least 4: a task's choices; "
+                                    "each sequence gets -c tokens); perplexity takes -b / -c")]
+
 
 @tool.command
 def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Escape = False,
@@ -48,10 +75,27 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
         chunks: Chunks = -1, threads: F.Threads = None, flash_attn: F.FlashAttn = "auto",
         cache_type_k: F.CacheTypeK = "f16", cache_type_v: F.CacheTypeV = "f16",
         lora: F.Lora = None, lora_scaled: F.LoraScaled = None, kl_divergence: KlDivergence = False,
-        kl_divergence_base: KlDivergenceBase = None) -> None:
+        kl_divergence_base: KlDivergenceBase = None, binary_file: BinaryFile = None, hellaswag: Hellaswag = False,
+        hellaswag_tasks: HellaswagTasks = 400, winogrande: Winogrande = False, winogrande_tasks: WinograndeTasks = 0,
+        multiple_choice: MultipleChoice = False, multiple_choice_tasks: MultipleChoiceTasks = 0,
+        parallel: Parallel = 1) -> None:
     """Perplexity of MODEL on a text, llama.cpp's way: the text is cut into chunks of -c tokens,
     each chunk scored on its second half from an empty KV cache. With --kl-divergence, MODEL
-    against a base model over the chunks a --kl-divergence-base run saved."""
+    against a base model over the chunks a --kl-divergence-base run saved. With --hellaswag,
+    --winogrande or --multiple-choice, its score on the tasks of the file."""
+    kinds = [k for k, on in (("hellaswag", hellaswag), ("winogrande", winogrande),
+                             ("multiple-choice", multiple_choice)) if on]
+    if kinds:
+        n_tasks = {"hellaswag": hellaswag_tasks, "winogrande": winogrande_tasks,
+                   "multiple-choice": multiple_choice_tasks}
+        _tasks_run(kinds, n_tasks, file, binary_file, prompt, kl_divergence, model, ctx_size,
+                   dict(n_parallel=parallel, n_batch=batch_size, n_ubatch=ubatch_size, n_threads=thread_count(threads),
+                        flash_attn=flash_attn != "off"), flash_attn, cache_type_k, cache_type_v, lora, lora_scaled)
+        return
+    if binary_file is not None:
+        if file is not None or prompt is not None:
+            raise InputError("give the text to score with one of -f, -bf and -p")
+        file = binary_file
     base = _base_to_compare(kl_divergence_base, ctx_size) if kl_divergence else None
     if base is None:
         if (file is None) == (prompt is None):
@@ -97,6 +141,40 @@ def run(model: F.Model, file: Text = None, prompt: TextArg = None, escape: F.Esc
     log(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}")
     n_tok = result.n_chunks * n_ctx
     log(f"perplexity: {n_tok} tokens in {elapsed:.2f} s = {n_tok / elapsed:.1f} tokens/s")
+
+
+def _tasks_run(kinds: list[str], n_tasks: dict[str, int], file: Path | None, binary_file: Path | None,
+               prompt: str | None, kl_divergence: bool, model: Path, ctx_size: int, context_args: dict,
+               flash_attn: str, cache_type_k: str, cache_type_v: str, lora, lora_scaled) -> None:
+    """--hellaswag / --winogrande / --multiple-choice: the tasks are read (a bad file refused)
+    before the model loads; then llama-perplexity's context, lines and score."""
+    if len(kinds) > 1:
+        raise InputError(f"give one of --hellaswag, --winogrande and --multiple-choice, not {' and '.join(kinds)}")
+    kind = kinds[0]
+    if kl_divergence:
+        raise InputError(f"--{kind} and --kl-divergence are two different runs: give one")
+    if sum(x is not None for x in (file, binary_file, prompt)) != 1:
+        raise InputError(f"give the {kind} tasks with -f FNAME (or -bf FNAME, -p TEXT)")
+    if ctx_size <= 0:
+        raise InputError("the task scores need -c above 0 (the tokens of each sequence)")
+    if flash_attn not in ("on", "off", "auto"):
+        raise InputError(f"-fa must be on, off or auto, not {flash_attn!r}")
+    type_k, type_v = kv_cache_types(cache_type_k, cache_type_v)
+    adapter_list(lora, lora_scaled)
+    source = prompt.encode("utf-8", errors="surrogateescape") if prompt is not None else (file or binary_file)
+    task_set: TaskSet = load_tasks(source, kind, n_tasks[kind], on_warning=warn, binary_file=binary_file is not None)
+    t_load = time.perf_counter()
+    m = load_model(model)
+    freeze_startup_objects()
+    log(f"model: {m.path.name}: {m.describe()} (loaded in {time.perf_counter() - t_load:.2f} s)")
+    n_ctx = max(4, context_args["n_parallel"]) * ctx_size
+    if n_ctx > m.hparams.n_ctx_train:
+        warn(f"the model was trained on only {m.hparams.n_ctx_train} context tokens ({n_ctx} specified)")
+    ctx = evaluation_context(m, ctx_size, adapters=load_adapters(m, lora, lora_scaled), type_k=type_k, type_v=type_v,
+                             **context_args)
+    start = time.perf_counter()
+    task_scores.score(ctx, task_set)
+    log(f"{kind}: {len(task_set.tasks)} tasks in {time.perf_counter() - start:.2f} s")
 
 
 def _base_to_compare(path: Path | None, ctx_size: int) -> BaseLogProbs:
