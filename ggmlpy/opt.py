@@ -525,7 +525,9 @@ class OptContext:
         self._last_graph = self.static
         self._step_losses: list[tuple[float, int]] = []  # (loss, datapoints counted) per evaluation
         self._last_good: list[np.ndarray] | None = None
-        self.last_grad_norm = math.nan  # before clipping, of the last step (with grad_clip)
+        self.last_grad_norm = math.nan  # before clipping, of the last step (with grad_clip or track_grad_norm)
+        self.track_grad_norm = False  # compute last_grad_norm at every step, clipping or not (a watched run)
+        self.last_step_params: AdamW | SGD | None = None  # the hyper-parameters the last step used
         self.reduce_seconds = 0.0  # time spent summing gradients over the ranks
 
     # -- the static graph (ggml_opt_fit's model) --------------------------------------------------
@@ -662,7 +664,11 @@ class OptContext:
             self.reduce_seconds += time.perf_counter() - t0
         if p.grad_clip is not None:
             self.last_grad_norm = self.optimizer.clip_grad_norm(p.grad_clip)
-        self.optimizer.step(p.get_opt_pars() if p.get_opt_pars else None)
+        elif self.track_grad_norm:
+            self.last_grad_norm = self.optimizer.grad_norm()
+        pars = p.get_opt_pars() if p.get_opt_pars else None
+        self.optimizer.step(pars)
+        self.last_step_params = pars or self.optimizer.hparams
         if result is not None and losses:
             result.steps.append(_weighted_mean(*zip(*losses)))
         self._step_losses = []

@@ -4,9 +4,15 @@
 cells for each, builds (or reuses) the ubatch's graph, computes it and gathers the
 requested logits. Graphs are cached by shape, so a run of equal-shaped ubatches
 (perplexity, generation) plans memory and prepares kernels once.
+
+With embeddings on (`embeddings=True` or `set_embeddings`), as llama.cpp's: every token of a
+batch is an output, and each also gives its embedding (the last hidden state after the
+output norm; `get_embeddings_ith`), and with a pooling type other than NONE each sequence
+of a ubatch its pooled one (`get_embeddings_seq`; llamapy/pooling.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import numpy as np
@@ -21,6 +27,7 @@ from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVMemory
 from .model import Model
 from .outputs import Outputs
+from .pooling import Pooling, pool, pooling_of
 from .train_params import TrainParams
 
 MAX_CACHED_GRAPHS = 8
@@ -57,7 +64,8 @@ class Context:
     def __init__(self, model: Model, n_ctx: int = 0, n_batch: int = 2048, n_ubatch: int = 512,
                  n_seq_max: int = 1, n_threads: int | None = None, kv_unified: bool | None = None,
                  type_k: GGMLType = GGMLType.F16, type_v: GGMLType = GGMLType.F16,
-                 flash_attn: bool = True) -> None:
+                 flash_attn: bool = True, embeddings: bool = False,
+                 pooling_type: Pooling | str | int | None = None) -> None:
         hp = model.hparams
         self.model = model
         self.flash_attn = flash_attn
@@ -82,6 +90,8 @@ class Context:
         self._shift_graphs: dict[int, tuple] = {}  # cache index -> (graph, positions input, allocator)
         self.trainer = None  # set by opt_init
         self.adapters: list[tuple[object, float]] = []  # (LoraAdapter, scale), applied in every graph
+        self.embeddings = bool(embeddings)
+        self.pooling_type = pooling_of(pooling_type, model)  # None/-1: the model's (llama.cpp's rule)
 
     @property
     def n_vocab(self) -> int:
@@ -90,10 +100,17 @@ class Context:
     def set_n_threads(self, n_threads: int) -> None:
         self.backend.set_n_threads(n_threads)
 
+    def set_embeddings(self, enabled: bool) -> None:
+        """Compute embeddings in the next decodes (llama_set_embeddings): every token is then
+        an output. Graphs of both kinds stay cached."""
+        self.embeddings = bool(enabled)
+
     # ---- decoding ------------------------------------------------------------------------
     def decode(self, batch: Batch) -> None:
         """Compute a batch; afterwards `get_logits()` holds the outputs it asked for."""
         batch = self._validate(batch)
+        if self.embeddings and not batch.output.all():  # llama.cpp: with embeddings, every token is an output
+            batch = dataclasses.replace(batch, output=np.ones(len(batch), dtype=bool))
         if self.kv.has_shift:
             self._apply_k_shift()
         ubatches = split_simple(batch, self.n_ubatch) if self.kv.unified else split_equal(batch, self.n_ubatch)
@@ -102,14 +119,15 @@ class Context:
         # cache's split keeps the batch order)
         in_place = (len(ubatches) == 1 and not self._samplers
                     and (self.kv.unified or bool(np.all(ubatches[0].idx == np.arange(len(batch))))))
-        self.outputs.start(batch.output, in_place)
+        self.outputs.start(batch.output, in_place, self.model.hparams.n_embd if self.embeddings else 0)
         for ub, rows in zip(ubatches, slots):
             for cache, r in zip(self.kv.caches, rows):
                 cache.apply(ub, r)
             n_kv = tuple(cache.n_kv(ub) for cache in self.kv.caches)
             chains = self._row_chains(ub)
             sigs = () if chains is None else tuple(None if c is None else c.backend_signature() for c in chains)
-            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, n_kv, ub.n_outputs, sigs)
+            shape = GraphShape(ub.n_tokens, ub.n_seq_tokens, ub.n_seqs, ub.stream0, n_kv, ub.n_outputs, sigs,
+                               self.embeddings)
             builder = self._graph(shape, chains)
             builder.set_inputs(ub, rows)
             if chains is not None:
@@ -119,6 +137,21 @@ class Context:
             self.backend.compute(builder.graph)
             if ub.n_outputs:
                 self._collect_outputs(ub, builder, chains)
+                if self.embeddings:
+                    self._collect_embeddings(ub, builder)
+
+    def _collect_embeddings(self, ub, builder: GraphBuilder) -> None:
+        """Every token's embedding, and with pooling each sequence's pooled over its tokens of
+        this ubatch (a later ubatch of the sequence replaces it, as llama.cpp's embd_seq)."""
+        if builder.embd is None:
+            raise InputError(f"{self.model.hparams.arch}: this architecture's graph gives no embeddings")
+        embd = builder.embd_array()
+        self.outputs.place_embeddings(ub.idx, embd)
+        if self.pooling_type is Pooling.NONE:
+            return
+        for seq in np.unique(ub.seq_id):
+            mine = ub.seq_id == seq
+            self.outputs.set_pooled(int(seq), pool(embd[mine], ub.pos[mine], self.pooling_type))
 
     def _collect_outputs(self, ub, builder: GraphBuilder, chains: list | None) -> None:
         """Logits of the ubatch's output rows, and what the graph sampled for rows with a
@@ -234,8 +267,13 @@ class Context:
             raise InputError(f"decode: token ids must be in [0, {self.n_vocab})")
         if not all_within(batch.seq_id, self.n_seq_max):
             raise InputError(f"decode: sequence ids must be in [0, {self.n_seq_max})")
+        if batch.seq_shared is not None:
+            if not self.kv.unified:
+                raise InputError("decode: tokens shared by several sequences need a unified KV cache")
+            if int(np.bitwise_or.reduce(batch.seq_shared)) >> self.n_seq_max:
+                raise InputError(f"decode: sequence ids must be in [0, {self.n_seq_max})")
         if batch.pos is None:
-            batch = Batch(batch.tokens, np.empty(n, dtype=np.int32), batch.seq_id, batch.output)
+            batch = Batch(batch.tokens, np.empty(n, dtype=np.int32), batch.seq_id, batch.output, batch.seq_shared)
             for s in np.unique(batch.seq_id):
                 sel = np.flatnonzero(batch.seq_id == s)
                 batch.pos[sel] = self.kv.seq_pos_max(int(s)) + 1 + np.arange(len(sel))
@@ -273,6 +311,22 @@ class Context:
     def get_logits_ith(self, i: int) -> np.ndarray:
         """Logits of batch token i (negative i counts from the end)."""
         return self.outputs.logits_ith(i)
+
+    def get_embeddings(self) -> np.ndarray:
+        """Embeddings of the last decode's tokens, in batch order: [n_tokens, n_embd]."""
+        return self.outputs.embeddings()
+
+    def get_embeddings_ith(self, i: int) -> np.ndarray:
+        """The embedding of batch token i of the last decode (negative i counts from the end)."""
+        return self.outputs.embeddings_ith(i)
+
+    def get_embeddings_seq(self, seq: int) -> np.ndarray | None:
+        """Sequence `seq`'s pooled embedding from the last decode (None when it had no token
+        there); InputError with pooling NONE, where only per-token embeddings exist."""
+        if self.pooling_type is Pooling.NONE:
+            raise InputError("get_embeddings_seq: pooling is none (one embedding per token): use get_embeddings_ith, "
+                             "or a pooling type (mean, cls, last)")
+        return self.outputs.embeddings_seq(seq)
 
     # ---- memory (llama_memory_*) --------------------------------------------------------------
     def memory_clear(self) -> None:
@@ -403,7 +457,8 @@ class Context:
                 silent: bool = False, stream=None, on_epoch=None, seed: int | None = None,
                 checkpoint=None, save_every: int | None = None, resume=None, force_resume: bool = False,
                 comm=None, val_data=None, eval_every: int | None = None,
-                progress_interval: float | None = None) -> list[EpochResult]:
+                progress_interval: float | None = None, on_step=None, on_eval=None, metrics=None, plot=None,
+                save_best=None, eval_tasks=None) -> list[EpochResult]:
         """Train for `epochs` epochs (default: the schedule's) on the first 1 - val_split of the
         windows, evaluating on the rest after each; prints ggml's progress lines unless silent.
 
@@ -419,8 +474,17 @@ class Context:
         Progress lines go to `stream` (stderr): redrawn in place on a terminal, else one line
         every `progress_interval` seconds (default 10, or $GGMLPY_PROGRESS_INTERVAL) and each
         pass's last line.
+
+        As it runs (docs/finetune.md, "Watching a run"): `on_step(record)` after every optimizer
+        step and `on_eval(record)` after every validation (llamapy.metrics' StepRecord and
+        EvalRecord, `.to_dict()`); `metrics`: a JSONL file of those records (a resumed run keeps
+        the records up to its checkpoint and appends); `plot`: a PNG of the loss curves redrawn
+        at every validation; `save_best`: a file keeping the model (the adapter when a LoRA
+        trains) of the lowest validation loss so far; `eval_tasks(ctx) -> {name: score}`:
+        scores added to each validation's record. Over several ranks only rank 0 does these.
         """
         from .fit import FitOptions, fit
+        from .fit_watch import WatchOptions
         if self.trainer is None or params is not None:
             self.opt_init(params, comm)
         elif comm is not None and self.trainer.opt.params.comm is not comm:
@@ -428,7 +492,9 @@ class Context:
         return fit(self.trainer, dataset, FitOptions(
             epochs=epochs, val_split=val_split, seed=seed, val_data=val_data, eval_every=eval_every,
             checkpoint=checkpoint, save_every=save_every, resume=resume, force_resume=force_resume,
-            silent=silent, stream=stream, progress_interval=progress_interval, on_epoch=on_epoch))
+            silent=silent, stream=stream, progress_interval=progress_interval, on_epoch=on_epoch,
+            watch=WatchOptions(metrics=metrics, plot=plot, save_best=save_best, eval_tasks=eval_tasks, on_step=on_step,
+                               on_eval=on_eval)))
 
     def opt_evaluate(self, dataset) -> Result:
         """The loss and accuracy of the trained model on every window of `dataset` (a test

@@ -3,6 +3,9 @@ reads top to bottom (`FitRun.fit`): epoch -> optimizer step (each window forward
 backward through the Trainer, gradients summed over the ranks, the step) -> validation
 -> checkpoint.
 
+After every optimizer step and every validation a record goes to the run's FitWatch (the
+metrics file, the caller's hooks, the plot, the best model so far: fit_watch.py).
+
 A checkpoint is written every `save_every` optimizer steps, at each epoch's end and on a
 requested stop, so an interrupted run loses at most the work since the last one. A first
 Ctrl-C while checkpointing asks the run to stop after the step in progress (the weights
@@ -49,6 +52,7 @@ from .dataset import join_windows
 from .distributed import (RanksFailed, Setting, abort_job, any_rank, check_ranks_agree, check_same_weights,
                           describe_error, weights_digest)
 from .errors import InputError, TrainingInterrupted
+from .fit_watch import FitWatch, WatchOptions, check_watch, fractional_epoch
 from .resume import load_checkpoint_into, resume_position, save_checkpoint_of
 
 
@@ -69,6 +73,7 @@ class FitOptions:
     stream: TextIO | None              # progress and notes; stderr when None
     progress_interval: float | None
     on_epoch: Callable[[EpochResult], None] | None
+    watch: WatchOptions                # metrics records, their hooks, the plot, the best model
 
 
 def fit(trainer, dataset: Dataset, options: FitOptions) -> list[EpochResult]:
@@ -95,7 +100,9 @@ class FitRun:
         self.epoch = 0                                 # the epoch being trained (progress lines)
         self.evals: list[tuple[int, Result]] = []      # this epoch's validations every eval_every steps
         self.start, self.start_result = FitPosition(), None
+        self.resumed = False                           # from a checkpoint's position
         self.stop = _StopRequest()
+        self.watch: FitWatch | None = None             # rank 0's records (fit_watch.py)
         error = None  # a rank's failure while setting up: said at the check below, where every rank stops
         try:
             self._set_up(dataset)
@@ -136,6 +143,9 @@ class FitRun:
         if o.eval_every is not None and (o.eval_every <= 0 or idata_split == dataset.ndata):
             raise InputError(f"eval_every must be a positive number of optimizer steps, with validation data "
                              f"(got {o.eval_every}, {dataset.ndata - idata_split} validation windows)")
+        check_watch(o.watch, dataset.ndata - idata_split)
+        if self.comm.rank == 0:
+            self.watch = FitWatch(trainer, o.watch, self.say)
         self.dataset, self.idata_split = dataset, idata_split
         trainer.set_split(dataset, idata_split)
         run = trainer.run
@@ -145,6 +155,7 @@ class FitRun:
                 self.say(f"resume: {note}")
         if run.pending is not None:
             self.start, self.start_result = resume_position(trainer, o.force_resume)
+            self.resumed = True
             if self.start.epoch >= self.epochs:
                 raise InputError(f"{o.resume}: the checkpoint's run finished its {self.start.epoch} epoch(s): nothing "
                                  f"is left to train for {self.epochs} (more epochs train further)")
@@ -160,7 +171,8 @@ class FitRun:
         n_train, per_step, n_batches, first_val = train_batches(opt, dataset, self.idata_split)
         evals_per_window = trainer.evals_per_batch
         history = []
-        with self.stop.armed(self.options.checkpoint is not None, self.say):
+        redo_epoch_end = self.resumed and self.start.ibatch >= n_train  # its training done, not validated
+        with self.stop.armed(self.options.checkpoint is not None, self.say), self._watching(redo_epoch_end):
             for epoch in range(self.start.epoch, self.epochs):
                 resumed = epoch == self.start.epoch
                 if run.rng is not None and not (resumed and self.start.shuffled):
@@ -171,11 +183,14 @@ class FitRun:
                 progress = PassProgress(self.bar, True, opt, dataset, train, n_train * evals_per_window,
                                         self.comm.size, done=start_batch * evals_per_window)
                 for first in range(start_batch, n_train, per_step):
+                    mark = self.watch.before_step(train) if self.watch else None
                     train_step(opt, dataset, first, train, progress)  # trainer.run_batch per window, then the step
-                    self._after_step(FitPosition(epoch, first + per_step, True), train)
+                    self._after_step(FitPosition(epoch, first + per_step, True), train, mark)
                 progress.finish()
                 val = Result()
                 evaluate_batches(opt, dataset, range(first_val, n_batches), val, self.bar)
+                if self.watch:
+                    self.watch.epoch_ended(self.watch.validated(val, float(epoch + 1), end_of_epoch=True) is not None)
                 history.append(EpochResult(epoch, train, val, self.evals))
                 check_same_weights(self.comm, trainer.trained.values(), f"after epoch {epoch + 1}")
                 if self.options.on_epoch is not None:
@@ -184,12 +199,23 @@ class FitRun:
                 self._checkpoint(due=True)
         return history
 
-    def _after_step(self, position: FitPosition, train: Result) -> None:
-        """Between two optimizer steps: record the position (a checkpoint's), validate every
-        eval_every steps and checkpoint every save_every steps (the epoch's last step
-        leaves both to the epoch's end)."""
+    @contextmanager
+    def _watching(self, redo_epoch_end: bool):
+        """Rank 0's FitWatch around the loop (FitWatch.running); nothing elsewhere."""
+        if self.watch is None:
+            yield
+            return
+        with self.watch.running(redo_epoch_end):
+            yield
+
+    def _after_step(self, position: FitPosition, train: Result, mark) -> None:
+        """Between two optimizer steps: record the position (a checkpoint's) and the step,
+        validate every eval_every steps and checkpoint every save_every steps (the epoch's
+        last step leaves both to the epoch's end)."""
         run, n_steps, o = self.trainer.run, self.trainer.n_steps, self.options
         run.position, run.epoch_result = position, train
+        if self.watch:
+            self.watch.stepped(mark, train, fractional_epoch(position, run.n_train_batches))
         last_step = position.ibatch == run.n_train_batches
         if o.eval_every and n_steps % o.eval_every == 0 and not last_step:
             self._validate()
@@ -201,6 +227,9 @@ class FitRun:
         evaluate_batches(self.opt, self.dataset, range(self.idata_split, self.dataset.ndata), result)
         self.evals.append((self.trainer.n_steps, result))
         self.say(f"step {self.trainer.n_steps}: val {loss_and_accuracy(result)}")
+        if self.watch:
+            run = self.trainer.run
+            self.watch.validated(result, fractional_epoch(run.position, run.n_train_batches), end_of_epoch=False)
 
     def _checkpoint(self, due: bool) -> None:
         """Write the checkpoint (rank 0) when `due` or when any rank was asked to stop;
@@ -210,6 +239,7 @@ class FitRun:
             return
         stopping = any_rank(self.comm, self.stop.requested)
         if (due or stopping) and self.comm.rank == 0:
+            self.watch.sync()  # the records up to this checkpoint are on disk before it is
             t0 = time.perf_counter()
             save_checkpoint_of(self.trainer, path)
             self.say(f"checkpoint: {path} after {self.trainer.n_steps} steps ({time.perf_counter() - t0:.2f} s)")

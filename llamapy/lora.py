@@ -123,12 +123,14 @@ class LoraAdapter:
             tensors[base] = (_f32_copy(a, f"{base}.lora_a"), _f32_copy(b, f"{base}.lora_b"))
         return cls(alpha, tensors, arch or model.hparams.arch)
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the adapter in llama.cpp's GGUF LoRA format, atomically."""
+    def save(self, path: str | os.PathLike, metadata: dict[str, MetaValue] | None = None) -> Path:
+        """Write the adapter in llama.cpp's GGUF LoRA format, atomically; `metadata`: keys to add
+        (a best adapter's validation loss)."""
         meta = {"general.architecture": MetaValue(ValueType.STRING, None, self.arch),
                 "general.type": MetaValue(ValueType.STRING, None, "adapter"),
                 "adapter.type": MetaValue(ValueType.STRING, None, "lora"),
-                "adapter.lora.alpha": MetaValue(ValueType.FLOAT32, None, float(self.alpha))}
+                "adapter.lora.alpha": MetaValue(ValueType.FLOAT32, None, float(self.alpha)),
+                **(metadata or {})}
         tensors = [array_out(name, t.array()[0, 0]) for name, t in self.named_tensors().items()]
         return write_atomically(meta, tensors, Path(path), "LoRA adapter")
 

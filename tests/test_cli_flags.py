@@ -143,7 +143,7 @@ def test_bad_cli_invocations_are_one_line(argv, expected, stories_path, capsys):
     ("train", ["--lora-rank", "4"], "unknown flag --lora-rank"),
     ("perplexity", ["-f", "x.txt", "-p", "text"], "give the text to score with -f FILE (or -p TEXT)"),
     ("perplexity", ["--kl-divergence"], "--kl-divergence needs --kl-divergence-base FNAME"),
-    ("perplexity", ["--hellaswag"], "--hellaswag: not in llamapy-perplexity"),
+    ("perplexity", ["--ppl-stride", "256"], "--ppl-stride: not in llamapy-perplexity"),
     ("export-lora", [], "give at least one adapter"),
 ])
 def test_bad_invocations_of_every_tool_are_one_line(name, argv, expected, stories_path, capsys):

@@ -107,8 +107,8 @@ ENTRIES: list[_Entry] = [
     *refuse("CORS is not configurable: no browser origin is allowed", ("--cors-origins", 1), ("--cors-methods", 1),
             ("--cors-headers", 1), ("--cors-credentials --no-cors-credentials", 0), tools=SERVER),
     *refuse("the API is served at / and /v1 only", ("--api-prefix", 1), tools=SERVER),
-    *refuse("embeddings and reranking are not served", ("--embedding --embeddings", 0), ("--rerank --reranking", 0),
-            ("--pooling", 1), ("--embd-normalize", 1), tools=SERVER),
+    *refuse("reranking is not served (no model here has a classifier head)", ("--rerank --reranking", 0),
+            tools=SERVER),
     *refuse("tool calls, MCP servers and agents are not supported", ("--tools", 1), ("--tools-runtime", 1),
             ("--mcp-servers-config", 1), ("--mcp-servers-json", 1), ("-ag --agent -no-ag --no-agent", 0),
             tools=SERVER),
@@ -116,7 +116,6 @@ ENTRIES: list[_Entry] = [
             ("--models-autoload --no-models-autoload", 0), tools=SERVER),
     *refuse("slots are not saved to files", ("--slot-save-path", 1), ("--kv-unified-per-slot", 1), tools=SERVER),
     *refuse("POST /props is not served", ("--props", 0), tools=SERVER),
-    *refuse("infill is not served", ("--spm-infill", 0), tools=SERVER),
     *refuse("an assistant message last in a chat is answered, not continued", ("--prefill-assistant "
             "--no-prefill-assistant", 0), tools=SERVER),
     *note("prompts come as JSON strings", ("-e --escape --no-escape", 0), tools=SERVER),
@@ -168,8 +167,9 @@ ENTRIES: list[_Entry] = [
             ("--dry-multiplier", 1), ("--dry-base", 1), ("--dry-allowed-length", 1), ("--dry-penalty-last-n", 1),
             ("--dry-sequence-breaker", 1), ("--adaptive-target", 1), ("--adaptive-decay", 1), ("--mirostat", 1),
             ("--mirostat-lr", 1), ("--mirostat-ent", 1), sampling=True),
-    *refuse("grammars and JSON schemas are not supported", ("--grammar", 1), ("--grammar-file", 1),
-            ("-j --json-schema", 1), ("-jf --json-schema-file", 1), sampling=True),
+    *refuse("llamapy-server takes grammars and JSON schemas per request (\"grammar\", \"json_schema\", "
+            "\"response_format\")", ("--grammar", 1), ("--grammar-file", 1), ("-j --json-schema", 1),
+            ("-jf --json-schema-file", 1), sampling=True),
     *refuse("", ("-s --seed", 1), ("--ignore-eos", 0), ("--temp --temperature", 1), ("--top-k", 1), ("--top-p", 1),
             ("--min-p", 1), ("--typical --typical-p", 1), ("--repeat-last-n", 1), ("--repeat-penalty", 1),
             ("--presence-penalty", 1), ("--frequency-penalty", 1), ("--dynatemp-range", 1), ("--dynatemp-exp", 1),
@@ -190,13 +190,12 @@ ENTRIES: list[_Entry] = [
     *refuse("llamapy-train makes a new model: give the model whose tokenizer it takes with --vocab-model "
             "(llamapy-finetune trains an existing one)", ("-m --model", 1), tools=("finetune",)),
     # perplexity
-    *note("perplexity scores its chunks in batches of -b tokens, one sequence per chunk", ("-kvu --kv-unified -no-kvu "
-          "--no-kv-unified", 0), tools=("perplexity",)),
+    *note("the KV cache is llama-perplexity's: one stream per chunk for perplexity, one shared by the sequences of the "
+          "task scores", ("-kvu --kv-unified -no-kvu --no-kv-unified", 0), tools=("perplexity",)),
     *note("llamapy warms up by itself where it helps", ("--warmup --no-warmup", 0),
           tools=("perplexity", "completion", "cli", "server")),
-    *refuse("not in llamapy-perplexity: it computes perplexity and KL divergence over chunks", ("--hellaswag", 0),
-            ("--hellaswag-tasks", 1), ("--winogrande", 0), ("--winogrande-tasks", 1), ("--multiple-choice", 0),
-            ("--multiple-choice-tasks", 1), ("--ppl-stride", 1), ("--ppl-output-type", 1), tools=("perplexity",)),
+    *refuse("not in llamapy-perplexity: it computes perplexity over whole chunks (no strided runs, no per-token "
+            "output)", ("--ppl-stride", 1), ("--ppl-output-type", 1), tools=("perplexity",)),
     # generation and chat
     *note("llamapy stops generating when the context is full (no context shift)", ("--keep", 1),
           ("--context-shift --no-context-shift", 0), tools=GENERATING),

@@ -1,6 +1,8 @@
 """What llamapy-finetune and llamapy-train share: the optimizer, schedule and checkpoint
 flags (declared once, as typed option aliases), turning them into TrainParams, and the
-run itself: windows, Context.opt_fit with checkpoints, timing lines, saving, the plot.
+run itself: windows, Context.opt_fit with checkpoints, timing lines, saving. What a run
+reports as it goes (--metrics, --plot, --save-best, --eval-task) is the library's
+(llamapy/fit_watch.py); these flags only pass it on.
 """
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ from pydantic import ValidationError
 
 from ggmlpy.opt import loss_and_accuracy
 from ggmlpy.records import explain
-from llamapy.atomic import replace_atomically
+from llamapy.atomic import special_kind
 from llamapy.checkpoint import data_fingerprint
 from llamapy.context import Context, split_too_small, validation_windows
 from llamapy.distributed import Setting, oversubscription_warning
-from llamapy.errors import InputError, LlamapyError, TrainingInterrupted, install_hint
+from llamapy.errors import InputError, LlamapyError, TrainingInterrupted
 from llamapy.save import save_model_to_file
 from llamapy.train import TrainingDivergedError
 from llamapy.train_params import (
@@ -118,8 +120,21 @@ Truncate = Annotated[bool, flag("--truncate/--no-truncate", group=DATA,
                                 help="cut samples longer than -c (--no-truncate: refuse them)")]
 ValFile = Annotated[Optional[Path], flag("--val-file", metavar="FNAME", group=DATA, show_default=False, path="read",
                                          help="validate on this file instead of -val-split")]
-StepsPerEval = Annotated[Optional[int], flag("--steps-per-eval", metavar="N", group=DATA, show_default=False, min=1,
-                                             help="validate also every N optimizer steps")]
+EvalEvery = Annotated[Optional[int], flag("--eval-every", "--steps-per-eval", metavar="N", group=DATA, show_default=False,
+                                          min=1, help="validate also every N optimizer steps (default: at epoch ends "
+                                                      "only)")]
+EvalTask = Annotated[Optional[Path], flag("--eval-task", metavar="FNAME", group=DATA, show_default=False, path="read",
+                                          help="score this HellaSwag, Winogrande or multiple-choice task file (as "
+                                               "llamapy-perplexity does) at every validation")]
+EvalTaskCount = Annotated[Optional[int], flag("--eval-task-count", metavar="N", group=DATA, show_default=False, min=0,
+                                              help="tasks of --eval-task to score (default: llama-perplexity's, 400 "
+                                                   "HellaSwag tasks, all others)")]
+Metrics = Annotated[Optional[Path], flag("--metrics", metavar="FNAME", group=OUTPUT, show_default=False, path="append",
+                                         help="write a JSON line per optimizer step and per validation to this file "
+                                              "as they happen (a run resumed with --checkpoint-in continues it)")]
+SaveBest = Annotated[Optional[Path], flag("--save-best", metavar="FNAME", group=OUTPUT, show_default=False, path="write",
+                                          help="keep the model (the adapter when a LoRA trains) with the lowest "
+                                               "validation loss so far in this file")]
 CheckpointOut = Annotated[Optional[Path], flag("--checkpoint-out", metavar="FNAME", group=CHECKPOINTS,
                                                show_default=False, path="write",
                                                help="write a checkpoint here every --save-every steps, at each "
@@ -168,12 +183,16 @@ class TrainingArgs:
     escape: bool = flag_field(Escape, False)
     truncate: bool = flag_field(Truncate, True)
     val_file: Path | None = flag_field(ValFile, None)
-    steps_per_eval: int | None = flag_field(StepsPerEval, None)
+    eval_every: int | None = flag_field(EvalEvery, None)
+    eval_task: Path | None = flag_field(EvalTask, None)
+    eval_task_count: int | None = flag_field(EvalTaskCount, None)
     checkpoint_out: Path | None = flag_field(CheckpointOut, None)
     save_every: int | None = flag_field(SaveEvery, None)
     checkpoint_in: Path | None = flag_field(CheckpointIn, None)
     force_resume: bool = flag_field(ForceResume, False)
     plot: Path | None = flag_field(Plot, None)
+    metrics: Path | None = flag_field(Metrics, None)
+    save_best: Path | None = flag_field(SaveBest, None)
 
     def check(self) -> None:
         """What the flags' types cannot say; `--seed -1` becomes a random seed, printed. Under
@@ -200,8 +219,10 @@ class TrainingArgs:
             raise InputError(f"--checkpoint-out {self.checkpoint_out} holds the checkpoint of an earlier run, which "
                              f"this run would overwrite: resume it with --checkpoint-in {self.checkpoint_out}, or "
                              "give another path (delete the file to start over)")
-        if self.steps_per_eval is not None and self.steps_per_eval <= 0:
-            raise InputError(f"--steps-per-eval must be a positive number of optimizer steps, got {self.steps_per_eval}")
+        if self.eval_every is not None and self.eval_every <= 0:
+            raise InputError(f"--eval-every must be a positive number of optimizer steps, got {self.eval_every}")
+        if self.eval_task_count is not None and self.eval_task is None:
+            raise InputError("--eval-task-count counts the tasks of --eval-task FILE: give the file")
 
     def data_options(self, window_bos: bool) -> DataOptions:
         return DataOptions(self.ctx_size, window_bos, self.data_format, self.chat_template, self.mask_prompt,
@@ -230,8 +251,8 @@ class TrainingArgs:
 
 
 # flags each rank may set its own way: its threads and logging, and what only rank 0 writes
-RANK_LOCAL = frozenset({"threads", "output", "lora_out", "plot", "predict", "prompt",
-                        "verbose", "verbosity", "log_disable", "log_file"})
+RANK_LOCAL = frozenset({"threads", "output", "lora_out", "plot", "metrics", "save_best", "eval_task",
+                        "eval_task_count", "predict", "prompt", "verbose", "verbosity", "log_disable", "log_file"})
 # flags compared by whether they are given: files every rank reads (Context.opt_fit compares
 # their contents once read: the model, the windows, a resumed checkpoint's state; another
 # machine may mount them elsewhere) and --checkpoint-out (every rank joins its stop check)
@@ -284,8 +305,10 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
     comm = job()
     main_rank = comm.rank == 0
     if main_rank:  # only rank 0 writes
-        for path in [output] + [p for p in (args.plot, args.checkpoint_out) if p]:
+        for path in [output] + [p for p in (args.plot, args.checkpoint_out, args.save_best) if p]:
             check_writable(path)
+        if args.metrics is not None and special_kind(args.metrics) is None:  # a pipe or /dev/stdout is written to as is
+            check_writable(args.metrics)
     dataset = data.train
     if args.ctx_size > model.hparams.n_ctx_train:
         warn(f"windows of {args.ctx_size} tokens are longer than the {model.hparams.n_ctx_train} the model was "
@@ -340,14 +363,21 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         warning = oversubscription_warning(comm, n_threads)
         if warning:
             log(f"warning: {warning}")
+    eval_tasks = None
+    if args.eval_task is not None and main_rank:  # only rank 0 validates with the tasks
+        from llamapy.task_scores import TaskScores
+        eval_tasks = TaskScores(model, args.eval_task, args.eval_task_count, n_threads=n_threads)
+        log(f"eval task: {len(eval_tasks.tasks.tasks)} {eval_tasks.kind} tasks of {args.eval_task}, scored at every "
+            "validation")
     start = time.perf_counter()
     try:
         history = ctx.opt_fit(dataset, epochs=args.epochs, val_split=args.val_split,
                               seed=args.seed if args.shuffle else None,
                               checkpoint=args.checkpoint_out, save_every=args.save_every,
                               resume=args.checkpoint_in, force_resume=args.force_resume, val_data=data.val,
-                              eval_every=args.steps_per_eval, stream=progress_stream(),
-                              silent=progress_stream() is None)
+                              eval_every=args.eval_every, stream=progress_stream(),
+                              silent=progress_stream() is None, metrics=args.metrics, plot=args.plot,
+                              save_best=args.save_best, eval_tasks=eval_tasks)
     except TrainingDivergedError as e:
         if main_rank:
             where = adapter.save(output) if adapter else save_model_to_file(model, output)
@@ -381,8 +411,9 @@ def train(model, params: TrainParams, data: TrainingData, args: TrainingArgs, ou
         save_model_to_file(model, output)
         log(f"{tool}: saved the trained model to {output}")
     if args.plot:
-        plot_history(history, args.plot)
-        log(f"{tool}: wrote the loss curves to {args.plot}")
+        log(f"{tool}: the loss curves are in {args.plot} (redrawn at every validation)")
+    if args.metrics:
+        log(f"{tool}: the metrics of every step and validation are in {args.metrics}")
     return ctx
 
 
@@ -399,33 +430,3 @@ def _is_checkpoint(path: Path) -> bool:
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
-
-
-def plot_history(history, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InputError(f"--plot needs matplotlib: {install_hint('plot')}") from None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    steps, train_loss, val_x, val_loss = [], [], [], []
-    for h in history:
-        train_loss += h.train.steps
-        steps = list(range(1, len(train_loss) + 1))
-        for n, result in h.evals:  # --steps-per-eval, after optimizer step n
-            val_x.append(n)
-            val_loss.append(result.loss()[0])
-        if h.val.losses:
-            val_x.append(len(train_loss))
-            val_loss.append(h.val.loss()[0])
-    ax.plot(steps, train_loss, lw=0.8, label="train (per step)")
-    if val_loss:
-        ax.plot(val_x, val_loss, "o-", label="validation")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    replace_atomically(path, lambda out: fig.savefig(out, format="png", dpi=110), "the loss curves")
-    plt.close(fig)

@@ -16,6 +16,8 @@ from ...numba_compat import compile_count, fast_thread_setter, lean_parfor_libra
 from ...cores import FreeCores
 from .plan import Plan, Scratch
 
+SUM_SQUARES_SERIAL = 1 << 20  # elements: a serial sum of squares takes ~1 ms there
+
 
 lean_parfor_libraries()  # before any of the kernels above compiles
 # the executor switches between one thread and all around a hundred times a graph
@@ -127,8 +129,10 @@ class CpuBackend:
 
     def sum_squares(self, array: np.ndarray) -> float:
         """Sum of the squares of the elements of a contiguous F32 array, in float64 (a global
-        gradient norm over the flat gradient buffer); the same for any thread count."""
-        _set_threads(self.n_threads)
+        gradient norm over the flat gradient buffer); the same for any thread count. Below
+        SUM_SQUARES_SERIAL elements one thread sums it: waking the others costs more (ms on a
+        busy machine) than the sum."""
+        _set_threads(self.n_threads if array.size >= SUM_SQUARES_SERIAL else 1)
         return float(train_kernels.sum_sq_f64(array.reshape(-1)))
 
     def scale(self, array: np.ndarray, factor: float) -> None:
