@@ -124,6 +124,16 @@ def test_response_fields_and_slot_choice(server):
     assert {k for s in slots for k in s} >= {k for s in FIM["slots"]["answer"] for k in s}
 
 
+def test_settings_beyond_a_c_floats_range_are_null_as_llama_server_writes_them(server):
+    """A temperature of 1e39 is inf as the C float llama-server keeps: its JSON is null, and /slots
+    still answers (found by the server fuzzer: a 500 with a traceback)."""
+    status, answer = server.request("POST", "/completion", {"prompt": "Once", "n_predict": 1, "id_slot": 0,
+                                                            "temperature": 1e39})
+    assert status == 200 and answer["generation_settings"]["temperature"] is None
+    status, slots = server.request("GET", "/slots")
+    assert status == 200 and slots[0]["params"]["temperature"] is None
+
+
 def test_apply_template_props_and_the_refusals(server):
     assert ask(server, "apply_template") == (200, FIM["apply_template"]["answer"])
     status, props = server.request("GET", "/props")

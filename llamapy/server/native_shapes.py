@@ -36,8 +36,10 @@ NOT_METRICS = frozenset({"dry_sequence_breakers", "stop", "logit_bias", "grammar
 
 
 def c_float(x: float) -> float:
-    """A value as a C float holds it, printed as a double (llama-server's JSON)."""
-    return float(np.float32(x))
+    """A value as a C float holds it, printed as a double (llama-server's JSON); one beyond
+    float's range is inf, as a C cast makes it."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 def generation_settings(options: dict, *, seed: int | None, n_predict: int, stop: tuple[str, ...], stream: bool,
@@ -65,7 +67,7 @@ def generation_settings(options: dict, *, seed: int | None, n_predict: int, stop
                    "samplers": list(order if order is not None else DEFAULT_ORDER),
                    "timings_per_token": False, "post_sampling_probs": False, "backend_sampling": False,
                    "lora": [{"id": i, "scale": c_float(s)} for i, s in enumerate(lora)]})
-    return {k: c_float(v) if k in FLOAT_SETTINGS else v for k, v in values.items()}
+    return {k: _json_float(v) if k in FLOAT_SETTINGS else v for k, v in values.items()}
 
 
 def metrics_settings(settings: dict) -> dict:
@@ -74,8 +76,10 @@ def metrics_settings(settings: dict) -> dict:
 
 
 def _json_float(x: float) -> float | None:
-    """-inf (a banned token) has no JSON number: llama-server's JSON library writes null."""
-    return c_float(x) if math.isfinite(x) else None
+    """A C float as JSON: -inf (a banned token) or a setting beyond float's range has no JSON
+    number, and llama-server's JSON library writes null."""
+    value = c_float(x)
+    return value if math.isfinite(value) else None
 
 
 def nested_values(paths: list[str], answer: dict) -> dict:
