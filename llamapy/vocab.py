@@ -183,24 +183,32 @@ def _spm_model_proto(texts: list[str], scores: list[float], attrs: list[int], un
     llama.cpp's SPM merge considers every token of the vocab, whatever its type, and never
     resegments UNUSED or freezes USER_DEFINED pieces as sentencepiece would; so all
     pieces are NORMAL except byte pieces (for byte fallback) and the one UNKNOWN piece.
+    A piece is written from constant tags (field 1 bytes, field 2 float, field 3 varint) in
+    one pass: a 262,144-piece vocabulary takes a fraction of a second, not seconds.
     """
-    pieces = bytearray()
+    pack_float = struct.Struct("<f").pack
+    tag_bytes, tag_score, tag_kind = b"\x0a", b"\x15", b"\x18"
+    kinds = {k: tag_kind + _varint(k) for k in (_SP_NORMAL, _SP_UNKNOWN, _SP_BYTE)}
+    normal, short = kinds[_SP_NORMAL], [bytes((n,)) for n in range(0x80)]
+    parts: list[bytes] = []
+    append = parts.append
     has_bytes = False
     for i, (text, score, attr) in enumerate(zip(texts, scores, attrs)):
+        kind = normal
         if i == unk_id:
-            kind = _SP_UNKNOWN
+            kind = kinds[_SP_UNKNOWN]
         elif attr & ATTR_BYTE and _is_byte_piece(text):
-            kind, has_bytes = _SP_BYTE, True
-        else:
-            kind = _SP_NORMAL
-        piece = (_pb_bytes(1, text.encode("utf-8", "surrogateescape"))
-                 + _pb_float(2, float(score)) + _pb_int(3, kind))
-        pieces += _pb_bytes(1, piece)
+            kind, has_bytes = kinds[_SP_BYTE], True
+        raw = text.encode("utf-8", "surrogateescape")
+        n = len(raw)
+        piece = (tag_bytes + (short[n] if n < 0x80 else _varint(n)) + raw + tag_score + pack_float(score) + kind)
+        m = len(piece)
+        append(tag_bytes + (short[m] if m < 0x80 else _varint(m)) + piece)
     trainer = (_pb_int(3, _SP_MODEL_BPE) + _pb_int(4, len(texts)) + _pb_int(35, has_bytes)
                + _pb_int(40, unk_id) + _pb_int(41, -1) + _pb_int(42, -1) + _pb_int(43, -1))
     # The space prefix is added by Vocab.tokenize (llama.cpp adds it after special tokens too).
     normalizer = (_pb_bytes(1, b"identity") + _pb_int(3, False) + _pb_int(4, False) + _pb_int(5, True))
-    return bytes(pieces) + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+    return b"".join(parts) + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
 
 
 def _spm_encoder(texts: list[str], scores: list[float], attrs: list[int], unk_id: int
