@@ -4,7 +4,7 @@ A template is Jinja, as Hugging Face models publish it in `tokenizer.chat_templa
 GGUF files copy). It runs in a jinja2 sandbox set up as transformers sets it up (trim_blocks,
 lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, its `tojson`), with the
 variables templates expect: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
-`tools` (None). One difference: whitespace is stripped as llama.cpp's Jinja engine strips it
+`tools` (OpenAI's tool list, or None; llamapy/tool_calls reads the calls back). One difference: whitespace is stripped as llama.cpp's Jinja engine strips it
 (ASCII only), so the text is the one llama.cpp renders at inference.
 
 Templates are code from model files, rendered unattended (a training set renders thousands
@@ -189,14 +189,17 @@ class ChatTemplate:
 
     # -- rendering -------------------------------------------------------------------
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        """The conversation as the model reads it; InputError (one line) if the template fails."""
-        return self._render(messages, add_generation_prompt, self.bos_token, self.eos_token)
+    def render(self, messages: list[Message], add_generation_prompt: bool = False, tools: list | None = None) -> str:
+        """The conversation as the model reads it (with the tools it may call); InputError (one
+        line) if the template fails."""
+        return self._render(messages, add_generation_prompt, self.bos_token, self.eos_token, tools)
 
-    def _render(self, messages: list[Message], add_generation_prompt: bool, bos_token: str, eos_token: str) -> str:
+    def _render(self, messages: list[Message], add_generation_prompt: bool, bos_token: str, eos_token: str,
+                tools: list | None = None) -> str:
         try:
             return render(self._template, self.limits, {"messages": messages, "add_generation_prompt":
-                          add_generation_prompt, "bos_token": bos_token, "eos_token": eos_token, "tools": None})
+                          add_generation_prompt, "bos_token": bos_token, "eos_token": eos_token,
+                          "tools": tools or None})
         except RenderLimitExceeded as exc:
             raise InputError(f"{self.name}: rendering stopped: {exc}") from None
         except Raised as exc:
@@ -206,14 +209,14 @@ class ChatTemplate:
 
     # -- tokens and loss mask ----------------------------------------------------------
 
-    def tokenize(self, vocab: Vocab, messages: list[Message], add_generation_prompt: bool = False
-                 ) -> tuple[np.ndarray, np.ndarray]:
+    def tokenize(self, vocab: Vocab, messages: list[Message], add_generation_prompt: bool = False,
+                 tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int32) of the rendered conversation, as llama.cpp gets them, and the mask
         (bool) of the tokens to learn: the assistant turns (see the module docstring)."""
         bos, eos = self._specials(vocab)
 
         def render(msgs: list[Message], gen: bool) -> str:
-            return self._render(msgs, gen, bos, eos)
+            return self._render(msgs, gen, bos, eos, tools)
 
         text = render(messages, add_generation_prompt)
         spans = self._assistant_spans(messages, text, render)

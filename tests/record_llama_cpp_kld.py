@@ -7,11 +7,14 @@ For each case (stories260K against its Q8_0, Gemma 3 270M Q4_K_M against its Q4_
 ... --kl-divergence-base BASE` (its running estimates and final line, and the size and
 sha256 of the BASE file it wrote), then `llama-perplexity -m QUANTIZED ... --kl-divergence
 --kl-divergence-base BASE` (everything it prints on stdout: the table per chunk and the
-statistics), with the sha256 of QUANTIZED, to tests/data/llama_cpp_kld_NAME.txt. The base
-files (1.3 GB for Gemma 3) and the quantized models stay in a temporary folder.
+statistics), with the sha256 of QUANTIZED, to tests/data/llama_cpp_kld_NAME.txt; also a
+sha256 per chunk of the BASE file (its tokens and its rows), so that a test may run only the
+first chunks and still compare bytes. The base files (1.3 GB for Gemma 3) and the quantized
+models stay in a temporary folder.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import sys
@@ -20,14 +23,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import file_sha256, shared_path  # noqa: E402
+from llamapy.kld_base import HEADER_BYTES, MAGIC, file_size  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
-# name -> (quantized type, flags of the base run, flags of the KL-divergence run). stories260K
-# at -c 128 -b 128: llama.cpp's chunks one at a time (with -b 2048 it decodes 4 chunks per
-# ubatch, in other summation orders than llamapy's); Gemma 3 at its defaults, -c 512 -b 2048.
+# name -> (quantized type, flags of the base run, flags of the KL-divergence run, the chunks
+# the test runs: None for all, k for the first k). stories260K at -c 128 -b 128: llama.cpp's
+# chunks one at a time (with -b 2048 it decodes 4 chunks per ubatch, in other summation
+# orders than llamapy's); Gemma 3 at its defaults, -c 512 -b 2048, its test on 4 of the 10
+# chunks (two Gemma runs of 10 chunks were the slowest test of the suite).
 CASES = {
-    "stories260K": ("Q8_0", ["-c", "128", "-b", "128", "--chunks", "100", "-t", "2"], ["-c", "128", "-b", "128", "-t", "2"]),
-    "gemma3": ("Q4_0", ["-c", "512", "--chunks", "10", "-t", "2"], ["-t", "2"]),
+    "stories260K": ("Q8_0", ["-c", "128", "-b", "128", "--chunks", "100", "-t", "2"], ["-c", "128", "-b", "128", "-t", "2"],
+                    None),
+    "gemma3": ("Q4_0", ["-c", "512", "--chunks", "10", "-t", "2"], ["-t", "2"], 4),
 }
 ETA = re.compile(r"[\d.]+ minutes")  # the end of llama.cpp's ETA line lands on stdout
 
@@ -37,6 +44,18 @@ def model_path(name: str) -> Path:
         from llamapy.defaults import default_model_path
         return Path(default_model_path(print))
     return shared_path("models", f"{name}.gguf")
+
+
+def chunk_digests(base: Path) -> list[str]:
+    """sha256 of each chunk of a --kl-divergence-base file: its n_ctx tokens, then its rows."""
+    with open(base, "rb") as f:
+        head = f.read(HEADER_BYTES)
+        assert head[:len(MAGIC)] == MAGIC, base
+        n_ctx, n_vocab, n_chunk = (int.from_bytes(head[len(MAGIC) + 4 * i:len(MAGIC) + 4 * i + 4], "little")
+                                   for i in range(3))
+        rows_bytes = (file_size(n_ctx, n_vocab, 1) - HEADER_BYTES - 4 * n_ctx)
+        tokens = [f.read(4 * n_ctx) for _ in range(n_chunk)]
+        return [hashlib.sha256(tokens[c] + f.read(rows_bytes)).hexdigest() for c in range(n_chunk)]
 
 
 def stdout_lines(run: subprocess.CompletedProcess) -> list[str]:
@@ -57,7 +76,7 @@ def llama_perplexity(bin_dir: Path, *args: str, must_print: str) -> subprocess.C
 
 
 def record(bin_dir: Path, name: str, work: Path) -> None:
-    qtype, base_flags, kld_flags = CASES[name]
+    qtype, base_flags, kld_flags, _ = CASES[name]
     model, base, quantized = model_path(name), work / f"{name}.kld", work / f"{name}-{qtype}.gguf"
     subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(model), str(quantized), qtype],
                    capture_output=True, check=True)
@@ -68,6 +87,7 @@ def record(bin_dir: Path, name: str, work: Path) -> None:
                            str(base), must_print="Same top p")
     lines = [f"quantized {qtype} sha256: {file_sha256(quantized)}",
              f"base bytes: {base.stat().st_size}", f"base sha256: {file_sha256(base)}",
+             f"chunk sha256: {' '.join(chunk_digests(base))}",
              f"== base run: {' '.join(base_flags)}", *stdout_lines(run), final,
              f"== kld run: {' '.join(kld_flags)}", *stdout_lines(kld)]
     (DATA / f"llama_cpp_kld_{name}.txt").write_text("\n".join(lines) + "\n")

@@ -36,7 +36,8 @@ HOSTILE = [None, True, False, 0, -1, -2, 1, 3, 0.5, -0.5, 1e308, -1e308, 5e-324,
            "x", "0.5", "\u0000", "\U0001f600", [], [1], [[1, 2]], {}, {"a": 1}, "NaN", "Infinity", "-Infinity"]
 FIELDS = ["temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
           "frequency_penalty", "dynatemp_range", "dynatemp_exponent", "seed", "stop", "stream", "n", "n_probs",
-          "logit_bias", "ignore_eos", "lora", "model", "stream_options", "logprobs", "tools", "response_format"]
+          "logit_bias", "ignore_eos", "lora", "model", "stream_options", "logprobs", "tools", "response_format",
+          "tool_choice", "parallel_tool_calls"]
 LIMITS = ["max_tokens", "max_completion_tokens", "n_predict"]  # only invalid values: the runs stay short
 
 

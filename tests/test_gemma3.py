@@ -289,7 +289,7 @@ def test_gemma3_lora_window_loss_does_not_depend_on_n_ubatch(gemma3_path):
     ds = token_windows(model.vocab.tokenize(demo_corpus()[:16000]), 64)
     losses = {}
     for n_ubatch in (16, 32, 64):
-        ctx = llamapy.Context(model, n_ctx=64, n_batch=64, n_ubatch=n_ubatch, n_threads=1)
+        ctx = llamapy.Context(model, n_ctx=64, n_batch=64, n_ubatch=n_ubatch, n_threads=2)
         ctx.opt_init(TrainParams.for_model(model, lora_rank=4))
         losses[n_ubatch] = float(np.mean(ctx.trainer.window(ds.data[0], ds.labels[0], True, None)))
     assert losses[16] == pytest.approx(losses[64], rel=1e-6) and losses[32] == pytest.approx(losses[64], rel=1e-6), losses

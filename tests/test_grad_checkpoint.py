@@ -29,10 +29,12 @@ def window(stories_path, wiki_path):
     return ds.data[1], ds.labels[1]
 
 
-def window_gradients(path, window, n_ubatch: int, lora: bool, n_ctx: int = N_CTX, **checkpointing):
+def window_gradients(path, window, n_ubatch: int, lora: bool, n_ctx: int = N_CTX, n_threads: int = 1,
+                     **checkpointing):
     """The loss and the trained tensors' gradients of one window (LoRA's B made non-zero,
     so that A has a gradient too)."""
-    ctx = llamapy.Context(llamapy.load_model(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch, n_threads=1)
+    ctx = llamapy.Context(llamapy.load_model(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch,
+                          n_threads=n_threads)
     ctx.opt_init(TrainParams(lora=LoraParams(rank=4) if lora else None, **checkpointing))
     tr = ctx.trainer
     rng = np.random.default_rng(0)
@@ -154,7 +156,8 @@ def test_gemma3_lora_gradients_equal_the_plain_run(gemma3_path, wiki_path):
     ds = token_windows(model.vocab.tokenize(wiki_path.read_text()[:3000]), 64)
     window = (ds.data[0], ds.labels[0])
     for n_ubatch in (64, 32):
-        loss, plain, _ = window_gradients(gemma3_path, window, n_ubatch, True, n_ctx=64)
-        got_loss, got, _ = window_gradients(gemma3_path, window, n_ubatch, True, n_ctx=64, grad_checkpoint=True)
+        loss, plain, _ = window_gradients(gemma3_path, window, n_ubatch, True, n_ctx=64, n_threads=2)
+        got_loss, got, _ = window_gradients(gemma3_path, window, n_ubatch, True, n_ctx=64, n_threads=2,
+                                            grad_checkpoint=True)
         assert got_loss == loss
         assert max_rel_diff(got, plain) <= MAX_REL_DIFF

@@ -30,7 +30,7 @@ from llamapy.perplexity import perplexity
 
 from conftest import REPO_ROOT, file_sha256
 from ggml_reference import expf
-from record_llama_cpp_kld import CASES
+from record_llama_cpp_kld import CASES, chunk_digests
 
 F32 = np.float32
 REL = 1e-4  # acceptance: every printed figure within 1e-4 relative of llama-perplexity's
@@ -283,16 +283,19 @@ class Recorded:
     quantized_sha256: str
     base_bytes: int
     base_sha256: str
+    chunk_sha256: list[str]  # per chunk of the base file: its tokens and rows
     base_lines: list[str]  # the base run's running estimates and final line
     kld_lines: list[str]   # everything the KL-divergence run printed on stdout
 
     @classmethod
     def load(cls, name: str) -> Recorded:
         lines = (DATA / f"llama_cpp_kld_{name}.txt").read_text(encoding="utf-8").splitlines()
-        head = dict(line.split(": ", 1) for line in lines[:3])
+        base_at = next(i for i, line in enumerate(lines) if line.startswith("== base run:"))
         kld_at = next(i for i, line in enumerate(lines) if line.startswith("== kld run:"))
+        head = dict(line.split(": ", 1) for line in lines[:base_at])
         return cls(head[next(k for k in head if k.startswith("quantized"))], int(head["base bytes"]),
-                   head["base sha256"], lines[4:kld_at], lines[kld_at + 1:])
+                   head["base sha256"], head.get("chunk sha256", "").split(), lines[base_at + 1:kld_at],
+                   lines[kld_at + 1:])
 
 
 def quantize(src: Path, dst: Path, qtype: str) -> None:
@@ -323,6 +326,7 @@ def assert_same_figures(ours: list[str], theirs: list[str]) -> None:
 @dataclass
 class CaseRun:
     recorded: Recorded
+    chunks: int | None  # the first chunks of the recorded run, or None: all of them
     base: Path
     base_run: subprocess.CompletedProcess
     kld_run: subprocess.CompletedProcess
@@ -331,10 +335,14 @@ class CaseRun:
 @pytest.fixture(scope="module", params=[pytest.param("stories260K", marks=pytest.mark.slow),
                                         pytest.param("gemma3", marks=pytest.mark.slow)])
 def case_run(request, wiki_path, tmp_path_factory):
-    """A recorded case run by llamapy-perplexity: the base run writes its file, the quantized
-    model is made, the KL-divergence run reads the file. The files go when the module ends."""
+    """A recorded case run by llamapy-perplexity: the base run writes its file (of the first
+    chunks only, where the case says so), the quantized model is made, the KL-divergence run
+    reads the file. The files go when the module ends."""
     name = request.param
-    qtype, base_flags, kld_flags = CASES[name]
+    qtype, base_flags, kld_flags, chunks = CASES[name]
+    if chunks is not None:
+        at = base_flags.index("--chunks") + 1
+        base_flags = [*base_flags[:at], str(chunks), *base_flags[at + 1:]]
     model = request.getfixturevalue("gemma3_path" if name == "gemma3" else "stories_path")
     recorded = Recorded.load(name)
     work = tmp_path_factory.mktemp(f"kld-{name}")
@@ -346,7 +354,7 @@ def case_run(request, wiki_path, tmp_path_factory):
         assert file_sha256(quantized) == recorded.quantized_sha256, f"the {qtype} model is not the one llama.cpp ran"
         kld_run = run_cli("-m", str(quantized), *kld_flags, "--kl-divergence", "--kl-divergence-base", str(base))
         assert kld_run.returncode == 0, kld_run.stderr
-        yield CaseRun(recorded, base, base_run, kld_run)
+        yield CaseRun(recorded, chunks, base, base_run, kld_run)
     finally:
         base.unlink(missing_ok=True)
         quantized.unlink(missing_ok=True)
@@ -354,19 +362,36 @@ def case_run(request, wiki_path, tmp_path_factory):
 
 def test_the_base_file_is_llama_perplexitys(case_run):
     """Acceptance: the same bytes as llama-perplexity's file for the same model, text and
-    flags (so either tool reads the other's), and the base run's printed perplexities."""
-    assert case_run.base.stat().st_size == case_run.recorded.base_bytes
-    assert file_sha256(case_run.base) == case_run.recorded.base_sha256
+    flags (so either tool reads the other's), and the base run's printed perplexities; on the
+    first chunks only, the same bytes chunk by chunk and the same running estimates."""
     final = re.search(r"Final estimate: PPL = .*", case_run.base_run.stderr).group(0)
-    assert_same_figures([case_run.base_run.stdout.strip(), final], case_run.recorded.base_lines)
+    recorded = case_run.recorded
+    if case_run.chunks is None:
+        assert case_run.base.stat().st_size == recorded.base_bytes
+        assert file_sha256(case_run.base) == recorded.base_sha256
+        assert_same_figures([case_run.base_run.stdout.strip(), final], recorded.base_lines)
+        return
+    k = case_run.chunks
+    assert chunk_digests(case_run.base) == recorded.chunk_sha256[:k]
+    running = recorded.base_lines[0].split(",")[:k]
+    assert_same_figures([case_run.base_run.stdout.strip()], [",".join(running) + ","])
+    assert_same_figures([final.split(" +/- ")[0]], [f"Final estimate: PPL = {running[-1].split(']')[1]}"])
 
 
 def test_the_kl_divergence_figures_are_llama_perplexitys(case_run):
     """Acceptance: every figure of the KL-divergence run (its table per chunk, the perplexity,
     KL-divergence and token-probability statistics) as llama-perplexity prints it, to 1e-4
-    (Gemma 3: its Q4_K_M quantized again to Q4_0, against its own base file)."""
+    (Gemma 3: its Q4_K_M quantized again to Q4_0, against its own base file); on the first
+    chunks only, the table's rows of those chunks, and the statistics' lines by their names."""
     ours = [line.rstrip() for line in case_run.kld_run.stdout.splitlines() if line.strip()]
-    assert_same_figures(ours, case_run.recorded.kld_lines)
+    theirs = case_run.recorded.kld_lines
+    if case_run.chunks is None:
+        assert_same_figures(ours, theirs)
+        return
+    k = case_run.chunks
+    assert_same_figures(ours[:k + 1], theirs[:k + 1])
+    n_recorded_chunks = len(case_run.recorded.chunk_sha256)
+    assert [NUMBER.split(line) for line in ours[k + 1:]] == [NUMBER.split(line) for line in theirs[n_recorded_chunks + 1:]]
 
 
 # ---- the command line ---------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def test_gemma3_fused_output_layer_equals_the_logits_graph(gemma3_path, wiki_pat
         else:
             monkeypatch.undo()
         model = llamapy.load_model(gemma3_path)
-        ctx = llamapy.Context(model, n_ctx=128, n_batch=128, n_ubatch=128, n_threads=1)
+        ctx = llamapy.Context(model, n_ctx=128, n_batch=128, n_ubatch=128, n_threads=2)
         ctx.opt_init(TrainParams.for_model(model, backward_bf16=bf16))
         ds = token_windows(model.vocab.tokenize(wiki_path.read_text()[:2000]), 128)
         result = gg.opt.Result()

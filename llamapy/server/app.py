@@ -27,6 +27,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import cached_property
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +38,8 @@ from llamapy.errors import InputError, LlamapyError
 from llamapy.generate import sampler_chain, stop_list
 from llamapy.sampling.grammar_sampler import constrain
 from llamapy.pooling import DEFAULT_NORMALIZE, Pooling
+from llamapy.tool_calls import Tool, ToolSyntax, ToolUse, syntax_for, template_messages
+from llamapy.tool_calls.messages import writes_object_arguments
 
 from .access_log import AccessLog, note_tokens
 from .adapters import Adapters
@@ -212,11 +215,38 @@ class Server:
                                     "slot), try increasing it", "exceed_context_size_error")
 
     def messages(self, req: ChatRequest) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        """The request's messages as the template reads them (tool calls' arguments as the
+        template takes them: tool_calls/messages.py)."""
+        messages = [m.for_template() for m in req.messages]
+        if any("tool_calls" in m for m in messages):
+            messages = template_messages(messages, self.object_arguments)
+        return messages
+
+    @cached_property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How the chat template has its model call tools (None: it takes no tools)."""
+        return syntax_for(self.template.source)
+
+    @cached_property
+    def object_arguments(self) -> bool:
+        return writes_object_arguments(self.template)
+
+    def resolve_tools(self, req: ChatRequest) -> None:
+        """The request's tools and tool_choice against the template's call syntax (a 400 if
+        they do not fit)."""
+        try:
+            tools = [Tool.model_validate(t) for t in req.tools or []]
+            req.use_tools(ToolUse.of(tools, req.tool_choice, req.parallel_tool_calls, self.tool_syntax,
+                                     self.template.name))
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+        except ValueError as e:  # pydantic's, on a tool of the wrong shape
+            raise ApiError(400, "tools: " + " ".join(str(e).split())) from None
 
     def chat_tokens(self, req: ChatRequest) -> list[list[int]]:
         try:
-            return [list(self.template.tokenize(self.vocab, self.messages(req), add_generation_prompt=True)[0])]
+            return [list(self.template.tokenize(self.vocab, self.messages(req), add_generation_prompt=True,
+                                                tools=req.tools)[0])]
         except LlamapyError as e:
             raise ApiError(400, str(e)) from None
 
@@ -408,10 +438,12 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
         req: ChatRequest = await parse_body(request, ChatRequest)
+        server.resolve_tools(req)
         n_probs = max(1, req.top_logprobs or 0) if req.logprobs else 0
         model = req.model or server.alias
         return await server.complete(request, req, lambda: server.chat_tokens(req), n_probs,
-                                     lambda jobs: ChatShape(server, model, req.logprobs, req.include_usage()))
+                                     lambda jobs: ChatShape(server, model, req.logprobs, req.include_usage(),
+                                                            req.tool_use))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -449,7 +481,7 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
 
         def render() -> dict:
             try:
-                return {"prompt": rendered_chat(server.template, server.vocab, server.messages(req))}
+                return {"prompt": rendered_chat(server.template, server.vocab, server.messages(req), req.tools)}
             except LlamapyError as e:
                 raise ApiError(400, str(e)) from None
         return await asyncio.to_thread(render)

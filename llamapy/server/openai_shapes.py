@@ -1,11 +1,14 @@
 """OpenAI's answer shapes for the completion path: chat completions and text completions,
 whole or as stream chunks, with OpenAI's `usage` and llama-server's `timings` (its extra
-field in both)."""
+field in both). A chat with tools answers with `tool_calls` (streamed: the words as they
+come, each call whole once the reply has ended) and finish_reason "tool_calls"."""
 from __future__ import annotations
 
 import itertools
 import secrets
 import time
+
+from llamapy.tool_calls import CallStream, ToolUse
 
 from .completion_path import DONE_LINE, Result
 from .engine import Done, TokenOut
@@ -37,9 +40,11 @@ class ChatShape:
     """/v1/chat/completions: `chat.completion` objects, or their chunks (the role first)."""
     done_line = DONE_LINE
 
-    def __init__(self, server, model: str, logprobs: bool, include_usage: bool) -> None:
+    def __init__(self, server, model: str, logprobs: bool, include_usage: bool, tools: ToolUse | None = None) -> None:
         self.server, self.logprobs, self.include_usage = server, logprobs, include_usage
         self.head_fields = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": model}
+        self.syntax = tools.syntax if tools is not None else None
+        self.calls = CallStream(self.syntax) if self.syntax is not None else None
 
     def _chunk(self, delta: dict, finish: str | None = None, logprobs: list | None = None, **more) -> dict:
         choice = {"index": 0, "delta": delta, "finish_reason": finish,
@@ -51,10 +56,19 @@ class ChatShape:
 
     def chunk(self, index: int, out: TokenOut) -> dict | None:
         logprobs = [self.server.chat_logprob(out)] if out.logprob is not None and not out.eog else None
-        return self._chunk({"content": out.text}, logprobs=logprobs) if out.text or logprobs else None
+        text = out.text if self.calls is None else self.calls.feed(out.text)
+        return self._chunk({"content": text}, logprobs=logprobs) if text or logprobs else None
 
     def tail(self, index: int, done: Done) -> list[dict]:
-        chunks = [self._chunk({}, done.finish_reason, timings=timings(done))]
+        chunks, finish = [], done.finish_reason
+        if self.calls is not None:
+            reply = self.calls.finish()
+            if reply.content:
+                chunks.append(self._chunk({"content": reply.content}))
+            for i, call in enumerate(reply.calls):
+                chunks.append(self._chunk({"tool_calls": [{"index": i, **call.openai()}]}))
+            finish = "tool_calls" if reply.calls else finish
+        chunks.append(self._chunk({}, finish, timings=timings(done)))
         if self.include_usage:
             chunks.append({**self.head_fields, "object": "chat.completion.chunk", "choices": [], "usage": usage(done)})
         return chunks
@@ -62,8 +76,15 @@ class ChatShape:
     def whole(self, results: list[Result]) -> dict:
         outs, done = results[0].outs, results[0].done
         logprobs = [self.server.chat_logprob(o) for o in outs if o.logprob is not None and not o.eog]
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                  "finish_reason": done.finish_reason, "logprobs": {"content": logprobs} if self.logprobs else None}
+        text = "".join(o.text for o in outs)
+        message, finish = {"role": "assistant", "content": text}, done.finish_reason
+        reply = self.syntax.parse(text) if self.syntax is not None else None
+        if reply is not None and reply.calls:
+            message = {"role": "assistant", "content": reply.content.strip() or None,
+                       "tool_calls": [call.openai() for call in reply.calls]}
+            finish = "tool_calls"
+        choice = {"index": 0, "message": message, "finish_reason": finish,
+                  "logprobs": {"content": logprobs} if self.logprobs else None}
         return {**self.head_fields, "object": "chat.completion", "choices": [choice], "usage": usage(done),
                 "timings": timings(done)}
 

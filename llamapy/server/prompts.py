@@ -120,11 +120,11 @@ def infill_tokens(vocab, prefix: str | list, suffix: str | list, extra: list[dic
 
 
 # ---- chat templates -----------------------------------------------------------------------------------
-def rendered_chat(template, vocab, messages: list[dict]) -> str:
+def rendered_chat(template, vocab, messages: list[dict], tools: list | None = None) -> str:
     """The conversation as llama-server's /apply-template gives it: the template's text with
-    the generation prompt, less a BOS (EOS) text the tokenizer adds as a token itself
-    (common_chat_template_direct_apply)."""
-    text = template.render(messages, add_generation_prompt=True)
+    the generation prompt (and the tools), less a BOS (EOS) text the tokenizer adds as a token
+    itself (common_chat_template_direct_apply)."""
+    text = template.render(messages, add_generation_prompt=True, tools=tools)
     bos, eos = template.bos_token, template.eos_token
     start, end = 0, len(text)
     if vocab.add_bos and bos and text.startswith(bos):

@@ -3,9 +3,11 @@
 Fields a client may send that change nothing here (`user`, `n: 1`, `stream_options` without
 usage, ...) are accepted and ignored, as llama-server does; a known field of the wrong type
 or out of its range is a 400 naming it; features this server does not have (several
-choices, tools) are refused by name rather than silently ignored. A grammar (`grammar`, GBNF)
+choices) are refused by name rather than silently ignored. A grammar (`grammar`, GBNF)
 or a JSON schema (`json_schema`, `response_format` json_object / json_schema) constrains the
 text as in llama-server, a lazy one (`grammar_lazy`) from one of its `grammar_triggers` on.
+A chat's `tools` (with `tool_choice`, `parallel_tool_calls`) are llamapy/tool_calls' to render,
+constrain and parse; the messages carry OpenAI's `tool_calls` and `tool_call_id`.
 
 Every number has a range, so that no request can make the sampler overflow or hold the decode
 loop (which serves every client) for long; where OpenAI documents one it is OpenAI's:
@@ -29,19 +31,21 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator
 
 from llamapy.errors import InputError
 from llamapy.lora import LORA_SCALE_RULE, check_lora_scale
 from llamapy.sampling.grammar_parser import GrammarError
 from llamapy.sampling.grammar_sampler import GrammarTrigger
 from llamapy.sampling.json_schema_grammar import json_schema_to_grammar
+from llamapy.tool_calls import ToolChoice, ToolUse
 
 INT32_MAX = 2**31 - 1
 LOGIT_BIAS_LIMIT = 100.0
 MAX_STOPS, MAX_STOP_CHARS = 64, 1024
 MAX_GRAMMAR_CHARS = 1 << 20
 NAME_MAX, PATH_MAX = 255, 4096  # POSIX's limits on a file name's bytes and a path's
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools (and here on a message's calls)
 
 
 def _lora_scale(value: float) -> float:
@@ -101,7 +105,6 @@ class Sampling(BaseModel):
     logit_bias: Optional[list[tuple[Union[int, str], float]]] = None
     ignore_eos: bool = False
     lora: Optional[list[LoraScale]] = None
-    tools: Optional[list[Any]] = None
     grammar: Optional[str] = Field(None, max_length=MAX_GRAMMAR_CHARS)
     json_schema: Optional[dict[str, Any]] = None
     response_format: Optional[dict[str, Any]] = None
@@ -135,13 +138,6 @@ class Sampling(BaseModel):
         else:
             raise ValueError(BIAS_FORMS)
         return [(key, _bias_value(bias)) for key, bias in pairs]
-
-    @field_validator("tools")
-    @classmethod
-    def _unsupported(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is not supported by llamapy-server")
-        return value
 
     @field_validator("response_format")
     @classmethod
@@ -218,11 +214,28 @@ class ContentPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    name: str = Field(max_length=1024)
+    arguments: Union[str, dict[str, Any]] = ""
+
+
+class CallIn(BaseModel):
+    """An earlier reply's tool call, as OpenAI's API sends it back."""
+    model_config = ConfigDict(extra="ignore")
+
+    id: Optional[str] = Field(None, max_length=1024)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[CallIn]] = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: Optional[str] = Field(None, max_length=1024)
+    name: Optional[str] = Field(None, max_length=1024)
 
     def text(self) -> str:
         if self.content is None:
@@ -231,11 +244,44 @@ class Message(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as a template reads it: role (developer is system), content, and the
+        tool fields it has."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = Field(None, max_length=MAX_TOOLS)  # as given: the template writes them
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+    _tool_use: Optional[ToolUse] = PrivateAttr(None)  # set by the server from the template's call syntax
+
+    def use_tools(self, use: ToolUse | None) -> None:
+        self._tool_use = use
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools, when a call may or must come (None: plain text)."""
+        use = self._tool_use
+        return use if use is not None and use.mode != "none" else None
+
+    def constraint(self) -> dict:
+        """The tools' grammar when calls may come (with a grammar or JSON schema too: a 400)."""
+        given = super().constraint()
+        if self.tool_use is None:
+            return given
+        if given.get("grammar"):
+            raise InputError("give tools or a grammar / JSON schema (grammar, json_schema, response_format), not both")
+        return self.tool_use.constraint()
 
 
 class CompletionRequest(Sampling):
