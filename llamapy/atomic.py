@@ -16,6 +16,7 @@ rename. A symbolic link is judged by what it points to; the rename replaces the 
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -42,6 +43,23 @@ def special_kind(path: str | os.PathLike) -> str | None:
     if stat.S_ISREG(mode):
         return None
     return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def open_to_append(path: str | os.PathLike) -> int:
+    """A descriptor appending to `path` (created when new, never truncated or renamed over: a
+    log, a metrics file, a FIFO or /dev/stdout alike). The open does not block, so a FIFO
+    that no process reads is an OSError (ENXIO: `append_failure` words it), not a hang; the
+    writes then block as usual, and the reader sees the end only when this descriptor closes."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def append_failure(e: OSError) -> str:
+    """Why a path could not be opened or written to append, in a user's words."""
+    if e.errno == errno.ENXIO:
+        return "no process reads it (a FIFO or socket needs a reader)"
+    return e.strerror or str(e)
 
 
 def refuse_special(dest: Path, what: str) -> None:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .atomic import replace_atomically, special_kind
+from .atomic import append_failure, open_to_append, replace_atomically, special_kind
 from .errors import InputError, SaveError
 
 
@@ -121,9 +121,9 @@ class MetricsFile:
         self.path = Path(path)
         self.kept = kept
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = open_to_append(self.path)
         except OSError as e:
-            raise SaveError(f"cannot write the metrics to {self.path}: {e.strerror or e}") from None
+            raise SaveError(f"cannot write the metrics to {self.path}: {append_failure(e)}") from None
         self._regular = special_kind(self.path) is None
 
     @classmethod

@@ -229,3 +229,38 @@ def test_task_scores_at_every_validation(stories_path, texts, tmp_path):
     with pytest.raises(InputError, match="not a HellaSwag file"):
         ctx.opt_fit(windows(ctx, texts[0][:300]), epochs=1, val_data=windows(ctx, texts[1][:200]), silent=True,
                     eval_tasks=bad, on_step=lambda record: pytest.fail("trained with a bad task file"))
+
+
+def test_a_fifo_nobody_reads_is_refused_and_a_reader_sees_the_end_only_at_the_end(tmp_path, stories_path, texts):
+    """--metrics on a FIFO: with no reader, one line and no hang (the open does not block);
+    with one, it gets every record, and end of file only when the run closes the file."""
+    import select
+    import time
+    from llamapy.errors import SaveError
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(SaveError, match="no process reads it"):
+        MetricsFile.create(fifo)
+    assert time.monotonic() - started < 5
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        out = MetricsFile.create(fifo)
+        record = StepRecord(step=1, epoch=0.5, tokens=64, loss=2.5, accuracy=0.5, lr=1e-3, grad_norm=1.0,
+                            tokens_per_s=100.0, elapsed=0.6)
+        out.write(record)
+        out.write(record)
+        assert select.select([reader], [], [], 5)[0]
+        got = os.read(reader, 65536)
+        assert got.count(b"\n") == 2 and json.loads(got.splitlines()[0])["loss"] == 2.5
+        assert select.select([reader], [], [], 0.2)[0] == []  # no end of file while the run writes
+        out.close()
+        assert select.select([reader], [], [], 5)[0] and os.read(reader, 100) == b""  # the end, now
+    finally:
+        os.close(reader)
+    text = tmp_path / "text.txt"
+    text.write_text(texts[0])
+    run = run_finetune("-m", str(stories_path), "-f", str(text), "-c", str(N_CTX), "--epochs", "1", "-t", "1",
+                       "-o", str(tmp_path / "out.gguf"), "--metrics", str(fifo))
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write the metrics to {fifo}: no process reads it (a FIFO or socket needs a reader)")

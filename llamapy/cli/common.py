@@ -1,7 +1,6 @@
 """What every command-line front end shares: one-line errors, threads, reading text."""
 from __future__ import annotations
 
-import errno
 import gc
 import os
 import sys
@@ -9,6 +8,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from llamapy.atomic import append_failure, open_to_append
 from llamapy.errors import InputError, LlamapyError
 
 _COMM = None  # the job's communicator once a tool asked for it (several ranks under mpirun)
@@ -294,17 +294,12 @@ def _to_log_file(line: str | None) -> None:
 
 
 def _open_log_file(path: Path):
-    """`path` opened to append (created when new, never truncated or renamed over); without
-    blocking at the open, so that a FIFO that no process reads is an error, not a hang."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
-    os.set_blocking(fd, True)
-    return open(fd, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115 -- kept open for the run
+    """`path` opened to append (atomic.open_to_append: a FIFO nobody reads is an error)."""
+    return open(open_to_append(path), "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115 -- kept open
 
 
 def _log_file_reason(e: OSError) -> str:
-    if e.errno == errno.ENXIO:
-        return "no process reads it (a FIFO or socket needs a reader)"
-    return e.strerror or str(e)
+    return append_failure(e)
 
 
 def _error_to_log_file(line: str) -> None:
