@@ -179,7 +179,7 @@ def set_prec(node: Tensor, prec: Prec) -> Tensor:
     """Choose the arithmetic of a product node (Prec says which op takes which)."""
     _check(node.op in PREC_OPS, f"set_prec: {node.op.name} has no precision to set")
     _check(prec == Prec.DEFAULT or prec in PREC_OPS[node.op], f"set_prec: {node.op.name} has no {Prec(prec).name}")
-    node.op_params = (Prec(prec),)
+    node.op_params = (Prec(prec),) + tuple(node.op_params[1:])  # the op's own parameters after it stay
     return node
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .context import Context
 from . import ops as _ops
-from .ops import _check, _node, view_tensor
+from .ops import Prec, _check, _node, view_tensor
 from .tensor import Op, Tensor
 from .types import GGMLType, traits
 
@@ -49,7 +49,8 @@ LCE_FIELDS = 3
 LCE_MAX_CLASSES = 1 << 24  # an argmax stored in a float32 field is exact up to here
 
 
-def linear_cross_entropy(ctx: Context, w: Tensor, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+def linear_cross_entropy(ctx: Context, w: Tensor, x: Tensor, ids: Tensor, weights: Tensor,
+                         skip_ignored: bool = False) -> Tensor:
     """Per row r of x: the cross-entropy of the logits z_r = W x_r (row r of mul_mat(w, x))
     against the label weights[r] * onehot(ids[r]), without ever holding the logits: the
     product is computed a bounded chunk of W's rows at a time and only per-row statistics
@@ -63,6 +64,9 @@ def linear_cross_entropy(ctx: Context, w: Tensor, x: Tensor, ids: Tensor, weight
     LCE_ARGMAX = the first index of the largest logit (a float: exact below 2^24 classes).
     The loss and the log-sum-exp fields are differentiable in w and x (a z-loss may use the
     latter); the argmax is piecewise constant and passes no gradient.
+    With `skip_ignored`, a row whose id is negative is not computed at all: its three fields
+    are 0 and it passes no gradient, so a training step's masked positions (a chat's prompt,
+    padding) cost nothing in the output layer; the other rows are as without it.
     `linear_cross_entropy_loss` builds cross_entropy_loss's mean and the predictions."""
     rows = x.ne[1:] + (1,)
     _check(w.ne[2] == 1 and w.ne[3] == 1 and w.ne[0] == x.ne[0],
@@ -71,7 +75,8 @@ def linear_cross_entropy(ctx: Context, w: Tensor, x: Tensor, ids: Tensor, weight
     _check(w.ne[1] <= LCE_MAX_CLASSES, f"LINEAR_CROSS_ENTROPY: {w.ne[1]} classes, at most {LCE_MAX_CLASSES}")
     _check(ids.type == GGMLType.I32 and ids.ne == rows and weights.type == GGMLType.F32 and weights.ne == rows,
            f"LINEAR_CROSS_ENTROPY: ids (I32) and weights (F32) must have shape {rows} for input {x.ne}")
-    return _node(ctx, Op.LINEAR_CROSS_ENTROPY, GGMLType.F32, (LCE_FIELDS,) + x.ne[1:], (w, x, ids, weights))
+    return _node(ctx, Op.LINEAR_CROSS_ENTROPY, GGMLType.F32, (LCE_FIELDS,) + x.ne[1:], (w, x, ids, weights),
+                 (Prec.DEFAULT, int(skip_ignored)))  # (the product's precision: set_prec, the skip)
 
 
 def linear_cross_entropy_field(ctx: Context, rows: Tensor, field: int) -> Tensor:
@@ -81,11 +86,12 @@ def linear_cross_entropy_field(ctx: Context, rows: Tensor, field: int) -> Tensor
 
 
 def linear_cross_entropy_loss(ctx: Context, w: Tensor, x: Tensor, ids: Tensor,
-                              weights: Tensor) -> tuple[Tensor, Tensor]:
+                              weights: Tensor, skip_ignored: bool = False) -> tuple[Tensor, Tensor]:
     """(cross_entropy_loss(mul_mat(w, x), ids, weights), argmax(mul_mat(w, x))) from one
     linear_cross_entropy node: the loss summed over rows and divided by their count (a
-    1-element tensor), and each row's prediction (I32, shaped like ids)."""
-    rows = linear_cross_entropy(ctx, w, x, ids, weights)
+    1-element tensor), and each row's prediction (I32, shaped like ids; 0 for a row with a
+    negative id when `skip_ignored` leaves it out: see linear_cross_entropy)."""
+    rows = linear_cross_entropy(ctx, w, x, ids, weights, skip_ignored)
     n_rows = rows.nelements() // LCE_FIELDS
     loss = _ops.scale(ctx, _ops.sum(ctx, linear_cross_entropy_field(ctx, rows, LCE_LOSS)), 1.0 / n_rows)
     pred = _ops.cpy(ctx, linear_cross_entropy_field(ctx, rows, LCE_ARGMAX), ctx.new_tensor(GGMLType.I32, ids.ne, "pred"))

@@ -75,7 +75,8 @@ class UbatchGraph:
         self.label_ids = c.new_tensor_1d(GGMLType.I32, n_tokens, "label_ids").set_input()
         self.label_weights = c.new_tensor_1d(GGMLType.F32, n_tokens, "label_weights").set_input()
         if b.head is not None:  # the output layer, loss and predictions a chunk of the vocabulary at a time
-            loss, pred = gg.linear_cross_entropy_loss(c, *b.head, self.label_ids, self.label_weights)
+            loss, pred = gg.linear_cross_entropy_loss(c, *b.head, self.label_ids, self.label_weights,
+                                                      skip_ignored=True)  # masked positions cost nothing
         else:  # logits the architecture built itself
             loss, pred = gg.cross_entropy_loss(c, logits, self.label_ids, self.label_weights), gg.argmax(c, logits)
         loss = gg.scale(c, loss, loss_scale)

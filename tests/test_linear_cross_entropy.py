@@ -270,3 +270,49 @@ def test_a_small_output_layer_plans_no_more_than_its_classes():
     gg.compute(gg.new_graph(loss, pred), backend)
     assert linear_ce.WeightRows(w).chunk(n) == n_classes  # whole tiles of 32, no more
     assert max(b.nbytes for b in backend.scratch._buffers.values()) <= 4 * n_classes * n
+
+
+@pytest.mark.parametrize("type", [T.F32, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_ignored", [0, 5, 70, 100])
+def test_skipping_ignored_rows_changes_nothing_else(small_chunks, type, n_ignored):
+    """skip_ignored (a chat's masked prompt): the rows with a negative id are left out (the
+    rest moved to a block of 32 rows or more), theirs are 0 and pass no gradient; the loss,
+    the other rows' fields and predictions and the gradients in x and W are the plain node's:
+    rows of the same bits for quantized weights (their products round each row alone), float
+    rounding for F32 ones and for the gradient in x (BLAS sums a block of another row count
+    in another order)."""
+    rng = np.random.default_rng(int(type) + n_ignored)
+    k, n_classes, n = k_for(type), 90, 100
+    q_or_w = weight(gg.Context(), np.random.default_rng(3), type, n_classes, k)[0].array().copy()
+    x = (rng.standard_normal((n, k)) * 2.0).astype(np.float32)
+    idv = rng.integers(0, n_classes, n).astype(np.int32)
+    idv[rng.permutation(n)[:n_ignored]] = -1
+    wtv = np.where(idv >= 0, rng.uniform(0.2, 2.5, n), 0.0).astype(np.float32)
+    runs = []
+    for skip in (False, True):
+        ctx = gg.Context()
+        w = ctx.from_numpy(q_or_w.reshape(q_or_w.shape[-2:]), type)
+        if type == T.F32:
+            w.set_param()
+        xt = ctx.from_numpy(x).set_param()
+        ids, wts = ctx.from_numpy(idv.reshape(1, n), T.I32), ctx.from_numpy(wtv.reshape(1, n))
+        rows = gg.linear_cross_entropy(ctx, w, xt, ids, wts, skip_ignored=skip)
+        loss, pred = gg.linear_cross_entropy_loss(ctx, w, xt, ids, wts, skip_ignored=skip)
+        loss = gg.scale(ctx, loss, -0.75).set_loss()
+        graph = gg.new_graph(loss, pred, rows)
+        gg.build_backward_expand(ctx, graph)
+        gg.compute(graph)
+        runs.append((loss.numpy().item(), pred.numpy().reshape(-1).copy(), rows.numpy().reshape(n, 3).copy(),
+                     graph.get_grad(xt).numpy().reshape(n, k).copy(),
+                     graph.get_grad(w).numpy().copy() if type == T.F32 else None))
+    (l0, p0, r0, dx0, dw0), (l1, p1, r1, dx1, dw1) = runs
+    live = idv >= 0
+    assert l1 == pytest.approx(l0, rel=1e-6)
+    np.testing.assert_array_equal(p1[live], p0[live])
+    assert not p1[~live].any() and not r1[~live].any() and not dx1[~live].any()
+    if type != T.F32:
+        np.testing.assert_array_equal(r1[live], r0[live])
+    np.testing.assert_allclose(r1[live], r0[live], rtol=3e-6, atol=1e-6)
+    np.testing.assert_allclose(dx1, dx0, rtol=0, atol=3e-6 * np.abs(dx0).max())
+    if dw0 is not None:
+        np.testing.assert_allclose(dw1, dw0, rtol=0, atol=3e-6 * np.abs(dw0).max())

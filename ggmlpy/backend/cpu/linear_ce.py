@@ -173,13 +173,13 @@ class Chunk:
 
 
 def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray | None = None,
-           float_rows: bool = False) -> list[Chunk]:
-    """W's classes in chunks of whole tiles, their products with x (rows, K) planned on the
-    backend's scratch (one logits block and, where the product or the caller (`float_rows`)
-    reads W's rows as float32, one block of them serve every chunk), or into `logits` when
-    given (all classes in one chunk)."""
+           float_rows: bool = False, classes: int | None = None) -> list[Chunk]:
+    """W's classes in chunks of whole tiles (`classes` each, or as many as suit x's rows),
+    their products with x (rows, K) planned on the backend's scratch (one logits block and,
+    where the product or the caller (`float_rows`) reads W's rows as float32, one block of
+    them serve every chunk), or into `logits` when given (all classes in one chunk)."""
     n, k = x.shape
-    c = wr.chunk(n)
+    c = classes or wr.chunk(n)
     zbuf = scratch.get("lce logits", n * c) if logits is None else logits.reshape(-1)
     float_rows = float_rows or not wr.exact  # qexact's kernels read the packed rows
     wbuf = scratch.get("lce weight rows", c * k).reshape(c, k) if float_rows and wr.type != GGMLType.F32 else None
@@ -236,6 +236,9 @@ def _keeps_probs(wr: WeightRows, n: int) -> bool:
     return wr.m <= wr.chunk(n)
 
 
+SKIP_ROWS_STEP = 32  # skipped rows leave the rest in a block of a multiple of this many (few plans per graph)
+
+
 @KERNELS.register(Op.LINEAR_CROSS_ENTROPY, parallel=_parallel)
 def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
     w, x, ids, weights = node.src
@@ -248,35 +251,83 @@ def _linear_cross_entropy(node: Tensor, plan: Plan) -> Prepared:
     wants_dx = 1 in wants
     soft = plan.shared(_stash_key(node), (n, k)) if wants_dx else None
     probs = plan.shared(_probs_key(node), (n, wr.m)) if 0 in wants and _keeps_probs(wr, n) else None
+    skip = _skips_ignored(node)
     xr = inp.buffer(plan.scratch, rounded=True)
     bf16 = wr.quant is not None and prec_of(node) == Prec.BF16
-    todo = chunks(wr, xr, plan.scratch, probs, float_rows=wants_dx and not bf16)
-    accumulate = [c.add_softmax_rows(wr, soft, plan.scratch, bf16) for c in todo] if wants_dx else []
+    classes = wr.chunk(n)  # the same chunks whatever rows are left: each row's sums keep their order
+    planned: dict[int, tuple[list[Chunk], list[Callable]]] = {}
+
+    def planned_for(rows: int) -> tuple[list[Chunk], list[Callable]]:
+        """The products over the first `rows` rows of the buffers, planned once per count."""
+        if rows not in planned:
+            todo = chunks(wr, xr[:rows], plan.scratch, probs, float_rows=wants_dx and not bf16, classes=classes)
+            accumulate = [c.add_softmax_rows(wr, soft[:rows], plan.scratch, bf16) for c in todo] if wants_dx else []
+            planned[rows] = todo, accumulate
+        return planned[rows]
+
     m, zt, arg = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.int64)
     s, rescale = np.empty(n, np.float64), np.empty(n, np.float64)
+    block = np.empty((n, LCE_FIELDS), np.float32)
+
+    def rows_of(id_rows: np.ndarray, weight_rows: np.ndarray):
+        """The rows to compute (None: all, in place) and, when some are skipped, their ids and
+        weights moved to the front, the block's row count (whole steps) and the inputs moved too."""
+        if not skip or probs is not None:  # one chunk of few classes: nothing worth skipping
+            return None, id_rows, weight_rows, n
+        live = np.flatnonzero(id_rows >= 0)
+        rows = min(n, max(SKIP_ROWS_STEP, -(-len(live) // SKIP_ROWS_STEP) * SKIP_ROWS_STEP))
+        if rows == n:
+            return None, id_rows, weight_rows, n
+        moved = xr[live]
+        xr[:len(live)] = moved
+        xr[len(live):rows] = 0.0
+        ids_c, weights_c = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+        ids_c[:len(live)], weights_c[:len(live)] = id_rows[live], weight_rows[live]
+        return live, ids_c, weights_c, rows
 
     def run() -> None:
         id_rows, weight_rows = inp.labels()
         inp.load(xr, rounded=True)
-        m.fill(-np.inf)
-        s.fill(0.0)
-        zt.fill(0.0)
-        arg.fill(0)
+        live, ids_c, weights_c, rows = rows_of(id_rows, weight_rows)
+        todo, accumulate = planned_for(rows)
+        mm, ss, zz, aa, rr = m[:rows], s[:rows], zt[:rows], arg[:rows], rescale[:rows]
+        mm.fill(-np.inf)
+        ss.fill(0.0)
+        zz.fill(0.0)
+        aa.fill(0)
         if soft is not None:
-            soft.fill(0.0)
+            soft[:rows].fill(0.0)
         for i, c in enumerate(todo):
             c.logits(wr)
-            TK.lce_fold_chunk(c.z, c.c0, id_rows, m, s, arg, zt, rescale)
+            TK.lce_fold_chunk(c.z, c.c0, ids_c, mm, ss, aa, zz, rr)
             if soft is not None:  # z now holds exp(z - max): add its rows' share of softmax(z) W
-                TK.scale_rows_f32(soft, rescale)
+                TK.scale_rows_f32(soft[:rows], rr)
                 accumulate[i]()
-        TK.lce_finish(m, s, zt, id_rows, weight_rows, arg, out)
-        np.divide(1.0, s, out=rescale)
+        dst = out if live is None else block[:rows]
+        TK.lce_finish(mm, ss, zz, ids_c, weights_c, aa, dst)
+        np.divide(1.0, ss, out=rr)
         if soft is not None:
-            TK.scale_rows_f32(soft, rescale)
+            TK.scale_rows_f32(soft[:rows], rr)
         if probs is not None:  # the one chunk's exp(z - max) becomes softmax(z)
-            TK.scale_rows_f32(probs, rescale)
+            TK.scale_rows_f32(probs, rr)
+        if live is not None:  # each computed row back in its place, the skipped ones zero
+            out.fill(0.0)
+            out[live] = block[:len(live)]
+            if soft is not None:
+                kept = soft[:len(live)].copy()
+                soft.fill(0.0)
+                soft[live] = kept
+        elif skip:
+            ignored = id_rows < 0
+            out[ignored] = 0.0
+            if soft is not None:
+                soft[ignored] = 0.0
     return run
+
+
+def _skips_ignored(node: Tensor) -> bool:
+    """Whether a LINEAR_CROSS_ENTROPY node leaves out its rows with a negative id."""
+    return len(node.op_params) > 1 and bool(node.op_params[1])
 
 
 @KERNELS.register(Op.LINEAR_CROSS_ENTROPY_BACK, parallel=_parallel)
@@ -291,10 +342,14 @@ def _linear_cross_entropy_back(node: Tensor, plan: Plan) -> Prepared:
     a, b = np.empty(n, np.float32), np.empty(n, np.float32)
     scratch = plan.scratch
 
+    skip = _skips_ignored(rows)
+
     def coefficients() -> tuple[np.ndarray, np.ndarray]:
         id_rows, weight_rows = inp.labels()
         np.copyto(grads.reshape(gv.shape), gv)
         TK.lce_coefficients(grads, id_rows, weight_rows, a, b)
+        if skip:  # a skipped row's fields are constants: no gradient
+            a[id_rows < 0] = 0.0
         return id_rows, weight_rows
 
     if node.op_params[0] == 1:  # dx = a soft - b W[ids], soft made by the forward step
@@ -330,6 +385,8 @@ def _linear_cross_entropy_back(node: Tensor, plan: Plan) -> Prepared:
     def run_dw() -> None:
         id_rows, _ = coefficients()
         np.copyto(lse.reshape(rv.shape[:-1]), rv[..., LCE_LSE])
+        if skip:  # a skipped row's lse field is 0, not its logits' lse: exp(z - inf) keeps its row 0
+            lse[id_rows < 0] = np.inf
         inp.load(xr, rounded=True)
         inp.load(xp, rounded=False)
         for c, product in zip(todo, dw):
