@@ -28,10 +28,11 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import cached_property
+from importlib.resources import files
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llamapy.errors import InputError, LlamapyError
@@ -66,6 +67,8 @@ from .schemas import (
     TokenizeRequest,
 )
 from .status import props, slot_states
+
+CHAT_PAGE = (files("llamapy.server") / "web" / "chat.html").read_text(encoding="utf-8")
 
 # characters of a long prompt tokenized first to see whether it can fit (_refuse_surely_too_long):
 # text runs at 3 to 5 characters a token, so the probe holds ~4 times a slot's context
@@ -419,6 +422,12 @@ def create_app(server: Server, api_key: str | None = None, metrics: bool = False
     @app.get("/v1/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/")
+    @app.get("/index.html")
+    async def chat_page():
+        """The chat page (web/chat.html): served without the API key, which it asks for."""
+        return HTMLResponse(CHAT_PAGE)
 
     @app.get("/props")
     async def get_props():

@@ -13,7 +13,7 @@ import secrets
 from .errors import error_response
 from .limits import DEFAULT_MAX_BODY
 
-OPEN_PATHS = ("/health", "/v1/health")
+OPEN_PATHS = ("/health", "/v1/health", "/", "/index.html")  # the chat page asks for the key itself
 
 
 class Gate:
