@@ -12,8 +12,9 @@ shapes: OpenAI's `text_completion` / `chat.completion` objects, their stream chu
 counts and logprobs. The KV cache keeps the longest common prefix between calls, as
 llama-cpp-python's does. Arguments that only steer a GPU (`n_gpu_layers`, `main_gpu`,
 `offload_kqv`, ...) are accepted and change nothing; features llamapy does not have
-(grammars, fill-in-the-middle, mirostat, speculative drafts) are refused by name with a
-TypeError or ValueError, never ignored.
+(fill-in-the-middle, mirostat, speculative drafts) are refused by name with a TypeError or
+ValueError, never ignored. A grammar (GBNF text) or `response_format` (JSON, by a schema)
+constrains a completion; a chat's `tools` come back as OpenAI's `tool_calls` (tool_calls/).
 
 With `embedding=True`, `embed` and `create_embedding` give the model's embeddings as
 llama-cpp-python does: its last hidden states after the output norm, one per token (pooling
@@ -30,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError as PydanticError
+
 from .batch import Batch
 from .chat import NAMED_TEMPLATES, ChatTemplate
 from .context import Context
@@ -37,6 +40,8 @@ from .errors import InputError
 from .generate import Generator, Piece, stop_list
 from .model import load_model
 from .pooling import POOLING_IDS, UNSPECIFIED as POOLING_UNSPECIFIED, Pooling
+from .tool_calls import CallStream, Tool, ToolUse, syntax_for, template_messages
+from .tool_calls.messages import writes_object_arguments
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "no seed given"
 POOLING_NUMBERS = {pooling: number for number, pooling in POOLING_IDS.items()}
@@ -70,16 +75,37 @@ def _refuse_unsupported(**asked: Any) -> None:
     """A completion argument llamapy cannot honour, given other than as its default: refused."""
     if asked.get("suffix") is not None:
         raise ValueError("suffix (fill-in-the-middle) is not supported by llamapy")
-    if asked.get("grammar") is not None:
-        raise ValueError("grammar is not supported by llamapy yet")
     if asked.get("mirostat_mode", 0):
         raise ValueError("mirostat sampling is not supported by llamapy")
     if asked.get("tfs_z", 1.0) != 1.0:
         raise ValueError("tail-free sampling (tfs_z) was removed from llama.cpp; leave it at 1.0")
     if asked.get("stopping_criteria") is not None or asked.get("logits_processor") is not None:
         raise ValueError("stopping_criteria and logits_processor callbacks are not supported by llamapy")
-    if asked.get("response_format") not in (None, {"type": "text"}) or asked.get("tools") or asked.get("functions"):
-        raise ValueError("response_format, tools and functions are not supported by llamapy yet")
+    if asked.get("functions"):
+        raise ValueError("functions and function_call (OpenAI's old form) are not supported by llamapy: give tools")
+
+
+def _grammar_options(grammar: Any = None, response_format: dict | None = None) -> dict:
+    """The sampler's constraint: `grammar` (GBNF text, or llama-cpp-python's LlamaGrammar,
+    which keeps its text), or `response_format` json_object / json_schema (with its schema:
+    JSON that conforms to it)."""
+    fmt = response_format or {"type": "text"}
+    kind = fmt.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", not {kind!r}')
+    if kind != "text" and grammar is not None:
+        raise ValueError("give a grammar or a response_format, not both")
+    if kind == "json_object":
+        return {"json_schema": fmt.get("schema") or {"type": "object"}}
+    if kind == "json_schema":
+        wrapper = fmt.get("json_schema") or {}
+        return {"json_schema": wrapper.get("schema") or fmt.get("schema") or {"type": "object"}}
+    if grammar is None:
+        return {}
+    text = grammar if isinstance(grammar, str) else getattr(grammar, "_grammar", None)
+    if not isinstance(text, str):
+        raise ValueError("grammar: give the GBNF text (or llama-cpp-python's LlamaGrammar)")
+    return {"grammar": text}
 
 
 class Llama:
@@ -183,18 +209,21 @@ class Llama:
                           stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                           mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
                           stopping_criteria: Any = None, logits_processor: Any = None, grammar: Any = None,
-                          logit_bias: dict[int, float] | None = None) -> dict | Iterator[dict]:
+                          logit_bias: dict[int, float] | None = None, *,
+                          _constraint: dict | None = None) -> dict | Iterator[dict]:
         """OpenAI's text completion of `prompt` (a text, tokenized with special tokens and a
         BOS as the model wants, or token ids as given): `max_tokens` None or <= 0 runs to
         the end of the context; `stop` strings end it (not included); `echo` puts the prompt
-        in front; `logprobs=N` gives each token's log-probability and N alternatives."""
-        _refuse_unsupported(suffix=suffix, grammar=grammar, mirostat_mode=mirostat_mode, tfs_z=tfs_z,
+        in front; `logprobs=N` gives each token's log-probability and N alternatives;
+        `grammar` (GBNF) constrains the text."""
+        _refuse_unsupported(suffix=suffix, mirostat_mode=mirostat_mode, tfs_z=tfs_z,
                             stopping_criteria=stopping_criteria, logits_processor=logits_processor)
         tokens = self._prompt_tokens(prompt)
         sampling = dict(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                         repeat_penalty=repeat_penalty, logit_bias={int(k): float(v) for k, v in (logit_bias or {}).items()},
-                        seed=self._call_seed(seed))
+                        seed=self._call_seed(seed),
+                        **(_constraint if _constraint is not None else _grammar_options(grammar)))
         prompt_text = prompt if isinstance(prompt, str) else self.detokenize(tokens).decode("utf-8", "replace")
         run = _Run(self, tokens, max_tokens, stop, logprobs, echo, len(prompt_text), sampling)
         head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
@@ -250,27 +279,47 @@ class Llama:
                                top_logprobs: int | None = None) -> dict | Iterator[dict]:
         """OpenAI's chat completion of `messages` through the model's chat template (or
         `chat_format`'s), with the generation prompt: a `chat.completion` object, or with
-        `stream` its `chat.completion.chunk`s (the role first, then content deltas)."""
-        _refuse_unsupported(grammar=grammar, mirostat_mode=mirostat_mode, tfs_z=tfs_z,
-                            logits_processor=logits_processor, response_format=response_format,
-                            tools=tools or tool_choice, functions=functions or function_call)
+        `stream` its `chat.completion.chunk`s (the role first, then content deltas). `tools`
+        (with `tool_choice`) are given to the template and the model's calls come back as
+        `tool_calls` (finish_reason "tool_calls"); `grammar` or `response_format` constrain
+        the answer."""
+        _refuse_unsupported(mirostat_mode=mirostat_mode, tfs_z=tfs_z, logits_processor=logits_processor,
+                            functions=functions or function_call)
+        constraint = _grammar_options(grammar, response_format)
         try:
-            tokens, _ = self._template.tokenize(self._model.vocab, messages, add_generation_prompt=True)
-        except InputError as e:
-            raise ValueError(str(e)) from None
+            use = ToolUse.of([Tool.model_validate(t) for t in tools or []], tool_choice, False,
+                             syntax_for(self._template.source), self._template.name)
+            if use is not None and use.mode == "none":
+                use = None
+            if use is not None:
+                if constraint:
+                    raise InputError("give tools or a grammar / response_format, not both")
+                constraint = use.constraint()
+            if any(m.get("tool_calls") for m in messages):
+                messages = template_messages(messages, writes_object_arguments(self._template))
+            tokens, _ = self._template.tokenize(self._model.vocab, messages, add_generation_prompt=True, tools=tools)
+        except (InputError, PydanticError) as e:
+            raise ValueError(" ".join(str(e).split())) from None
         n_top = (top_logprobs or 0) if logprobs else None
         completion = self.create_completion([int(t) for t in tokens], max_tokens=max_tokens, temperature=temperature,
                                             top_p=top_p, min_p=min_p, typical_p=typical_p, logprobs=n_top,
                                             stop=stop, frequency_penalty=frequency_penalty,
                                             presence_penalty=presence_penalty, repeat_penalty=repeat_penalty,
-                                            top_k=top_k, stream=stream, seed=seed, model=model, logit_bias=logit_bias)
+                                            top_k=top_k, stream=stream, seed=seed, model=model, logit_bias=logit_bias,
+                                            _constraint=constraint)
         if stream:
-            return _chat_chunks(completion)
+            return _chat_chunks(completion, CallStream(use.syntax) if use is not None else None)
         choice = completion["choices"][0]
+        message, finish = {"role": "assistant", "content": choice["text"]}, choice["finish_reason"]
+        reply = use.syntax.parse(choice["text"]) if use is not None else None
+        if reply is not None and reply.calls:
+            message = {"role": "assistant", "content": reply.content.strip() or None,
+                       "tool_calls": [call.openai() for call in reply.calls]}
+            finish = "tool_calls"
         return {"id": "chat" + completion["id"], "object": "chat.completion", "created": completion["created"],
                 "model": completion["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": choice["text"]},
-                             "logprobs": _chat_logprobs(choice["logprobs"]), "finish_reason": choice["finish_reason"]}],
+                "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(choice["logprobs"]),
+                             "finish_reason": finish}],
                 "usage": completion["usage"]}
 
     # -- embeddings --------------------------------------------------------------------------
@@ -397,20 +446,32 @@ def _chat_logprobs(logprobs: dict | None) -> dict | None:
             "refusal": None}
 
 
-def _chat_chunks(chunks: Iterator[dict]) -> Iterator[dict]:
+def _chat_chunks(chunks: Iterator[dict], calls: CallStream | None = None) -> Iterator[dict]:
     """Completion chunks as chat chunks: the assistant's role first, then content deltas,
-    then an empty delta with the finish reason."""
+    then an empty delta with the finish reason; with `calls` (a chat with tools), the words
+    as they come and each call whole at the end (finish_reason "tool_calls")."""
     for i, chunk in enumerate(chunks):
         head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
                 "object": "chat.completion.chunk"}
+
+        def delta(d: dict, logprobs=None, finish: str | None = None) -> dict:
+            return {**head, "choices": [{"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}
         if i == 0:
-            yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
-                                        "finish_reason": None}]}
+            yield delta({"role": "assistant"})
         choice = chunk["choices"][0]
-        yield {**head, "choices": [{"index": 0,
-                                    "delta": {"content": choice["text"]} if choice["finish_reason"] is None else {},
-                                    "logprobs": _chat_logprobs(choice["logprobs"]),
-                                    "finish_reason": choice["finish_reason"]}]}
+        finish = choice["finish_reason"]
+        if finish is None:
+            text = choice["text"] if calls is None else calls.feed(choice["text"])
+            yield delta({"content": text}, _chat_logprobs(choice["logprobs"]))
+            continue
+        if calls is not None:
+            reply = calls.finish()
+            if reply.content:
+                yield delta({"content": reply.content})
+            for index, call in enumerate(reply.calls):
+                yield delta({"tool_calls": [{"index": index, **call.openai()}]})
+            finish = "tool_calls" if reply.calls else finish
+        yield delta({}, _chat_logprobs(choice["logprobs"]), finish)
 
 
 def _vector(values, normalize: bool) -> list[float]:

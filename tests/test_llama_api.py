@@ -3,6 +3,8 @@
 llama-cpp-python's dict shapes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import llamapy
@@ -100,7 +102,7 @@ def test_a_seed_repeats_a_sampled_completion(stories_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"grammar": object()}, "grammar"),
+    ({"grammar": object()}, "grammar: give the GBNF text"),
     ({"suffix": "x"}, "fill-in-the-middle"),
     ({"mirostat_mode": 2}, "mirostat"),
 ])
@@ -131,3 +133,41 @@ def test_generate_takes_mlx_lms_call_shape(stories_path):
     model = llamapy.load_model(stories_path)
     assert (llamapy.generate(model, model.vocab, "Once upon a time", temperature=0)
             == llamapy.generate(model, "Once upon a time", temperature=0))
+
+
+def test_a_grammar_and_a_response_format_constrain_the_text(llm):
+    """llama-cpp-python's `grammar` (GBNF text here) and `response_format` (JSON by a schema)."""
+    out = llm("Once upon a time", max_tokens=8, temperature=0, grammar='root ::= ("yes" | "no") "."')
+    assert out["choices"][0]["text"] in ("yes.", "no.")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    reply = llm.create_chat_completion([{"role": "user", "content": "Who are you?"}], max_tokens=80, temperature=0,
+                                       response_format={"type": "json_object", "schema": schema})
+    answer = json.loads(reply["choices"][0]["message"]["content"])
+    assert set(answer) == {"name", "age"} and isinstance(answer["age"], int)
+    with pytest.raises(ValueError, match="not both"):
+        llm.create_chat_completion([{"role": "user", "content": "x"}], grammar='root ::= "a"',
+                                   response_format={"type": "json_object"})
+
+
+def test_tools_come_back_as_tool_calls(stories_path):
+    """A chat with tools on a template that declares them (Qwen 2.5's, given to the Llama as a
+    model file would): a required call, whole and streamed, parsed into OpenAI's tool_calls."""
+    from llamapy.chat import ChatTemplate
+    from conftest import shared_path
+    llm = Llama(model_path=str(stories_path), n_ctx=1024, verbose=False)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    llm._template = ChatTemplate.from_file(shared_path("data", "chat_templates", "Qwen-Qwen2.5-7B-Instruct.jinja"),
+                                           llm._model.vocab)
+    ask = dict(messages=[{"role": "user", "content": "What time is it in Oslo?"}], tools=tools,
+               tool_choice="required", temperature=0, max_tokens=200)
+    choice = llm.create_chat_completion(**ask)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_time" and isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    chunks = list(llm.create_chat_completion(**ask, stream=True))
+    streamed = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert streamed[0]["function"] == call["function"] and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    with pytest.raises(ValueError, match="not one of the tools"):
+        llm.create_chat_completion(**{**ask, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
