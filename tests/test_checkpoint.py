@@ -243,7 +243,7 @@ def test_cli_run_killed_with_sigkill_resumes_bit_identical(stories_path, wiki_pa
     run = finetune_cmd(stories_path, text, out, "--checkpoint-out", str(ckpt), "--save-every", "1")
     rng = np.random.default_rng()
     kills = 0
-    for kill in range(6):  # killed at random moments (5 times), each resumed from its checkpoint
+    for kill in range(4):  # killed at random moments (3 times), each resumed from its checkpoint
         proc = subprocess.Popen(run + (["--checkpoint-in", str(ckpt)] if kill else []), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
         if kill:
@@ -257,7 +257,7 @@ def test_cli_run_killed_with_sigkill_resumes_bit_identical(stories_path, wiki_pa
             break
         assert proc.returncode == -signal.SIGKILL
         kills += 1
-    assert kills >= 3, "the run ended before it was killed three times"
+    assert kills >= 2, "the run ended before it was killed twice"
     resumed = subprocess.run(run + ["--checkpoint-in", str(ckpt)], capture_output=True, text=True, env=env,
                              cwd=REPO_ROOT)
     assert resumed.returncode == 0, resumed.stderr
