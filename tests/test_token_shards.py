@@ -137,8 +137,14 @@ def test_finetune_on_shards_writes_the_model_finetune_on_the_file_writes(kind, w
 
 
 @pytest.mark.slow
-def test_broken_shard_directories_get_one_clear_line(model, wiki_piece, tmp_path):
+def test_broken_shard_directories_get_one_clear_line(model, wiki_piece, tmp_path, capsys):
+    from test_cli_flags import run_tool
     stories = str(shared_path("models", "stories260K.gguf"))
+
+    def run(tool: str, *args: str) -> subprocess.CompletedProcess:  # in this process: ten start-ups saved
+        code, out, err = run_tool(tool, *args, capsys=capsys)
+        return subprocess.CompletedProcess([tool, *args], code, out, err)
+
     good = tmp_path / "good"
     write_token_shards([wiki_piece], good, model.vocab)
 
