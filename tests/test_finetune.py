@@ -242,7 +242,12 @@ def _one_error_line(r: subprocess.CompletedProcess, pattern: str) -> None:
     assert re.search(pattern, r.stderr.strip().splitlines()[-1]), r.stderr
 
 
-def test_finetune_cli_bad_input(stories, slice_path, tmp_path):
+def test_finetune_cli_bad_input(stories, slice_path, tmp_path, capsys):
+    from test_cli_flags import run_tool
+
+    def finetune(*args: str) -> subprocess.CompletedProcess:  # in this process: six start-ups saved
+        code, out, err = run_tool("finetune", *args, capsys=capsys)
+        return subprocess.CompletedProcess(["finetune", *args], code, out, err)
     short = tmp_path / "short.txt"
     short.write_text("Too short.")
     out = tmp_path / "out.gguf"
