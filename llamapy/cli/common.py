@@ -290,16 +290,12 @@ def _to_log_file(line: str | None) -> None:
     except OSError as e:
         path = _Log.path
         forget_log_file()
-        raise InputError(f"{LOG_FILE_FLAG} {path}: cannot write to it: {_log_file_reason(e)}") from None
+        raise InputError(f"{LOG_FILE_FLAG} {path}: cannot write to it: {append_failure(e)}") from None
 
 
 def _open_log_file(path: Path):
     """`path` opened to append (atomic.open_to_append: a FIFO nobody reads is an error)."""
     return open(open_to_append(path), "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115 -- kept open
-
-
-def _log_file_reason(e: OSError) -> str:
-    return append_failure(e)
 
 
 def _error_to_log_file(line: str) -> None:

@@ -222,17 +222,13 @@ class Server:
         template takes them: tool_calls/messages.py)."""
         messages = [m.for_template() for m in req.messages]
         if any("tool_calls" in m for m in messages):
-            messages = template_messages(messages, self.object_arguments)
+            messages = template_messages(messages, writes_object_arguments(self.template))
         return messages
 
     @cached_property
     def tool_syntax(self) -> ToolSyntax | None:
         """How the chat template has its model call tools (None: it takes no tools)."""
         return syntax_for(self.template.source)
-
-    @cached_property
-    def object_arguments(self) -> bool:
-        return writes_object_arguments(self.template)
 
     def resolve_tools(self, req: ChatRequest) -> None:
         """The request's tools and tool_choice against the template's call syntax (a 400 if

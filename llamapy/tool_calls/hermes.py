@@ -3,7 +3,7 @@ object {"name": ..., "arguments": {...}} between <tool_call> and </tool_call>, a
 words of the answer."""
 from __future__ import annotations
 
-from .syntax import ParsedReply, ToolSyntax, call_from, json_key, json_string_literal, read_json
+from .syntax import ParsedReply, ToolSyntax, call_from, read_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -12,10 +12,6 @@ class Hermes(ToolSyntax):
     name = "hermes"
     opener = OPEN
     markers = (OPEN, "tools")
-
-    def call_object(self, conv, tool, args_rule: str) -> str:
-        return (f'"{{" space {json_key("name")} {json_string_literal(tool.name)} space "," space '
-                f'{json_key("arguments")} {args_rule} space "}}"')
 
     def calls_rule(self, call: str, parallel: bool) -> str:
         block = f'"{OPEN}\\n" space {call} space "{CLOSE}"'
@@ -28,7 +24,7 @@ class Hermes(ToolSyntax):
         calls, pos = [], at
         while text.startswith(OPEN, pos):
             found = read_json(text, pos + len(OPEN))
-            call = found and call_from(found[0], "arguments")
+            call = found and call_from(found[0], self.arguments_key)
             if call is None:
                 return ParsedReply(text, [])  # not a call after all: the words stand
             calls.append(call)

@@ -2,7 +2,7 @@
 templates take one call per message)."""
 from __future__ import annotations
 
-from .syntax import ParsedReply, ToolSyntax, call_from, json_key, json_string_literal, read_json
+from .syntax import ParsedReply, ToolSyntax, call_from, read_json
 
 
 class Llama3Json(ToolSyntax):
@@ -10,6 +10,7 @@ class Llama3Json(ToolSyntax):
     opener = '{"name"'
     markers = ('"parameters": ', "<|start_header_id|>", "tools")
     parallel = False
+    arguments_key = "parameters"
 
     def call_start(self, text: str, since: int = 0) -> int:
         """A call is the whole reply: it begins at the first character that is not a space,
@@ -23,17 +24,13 @@ class Llama3Json(ToolSyntax):
     def trigger(self) -> dict:
         return {"type": "pattern_full", "value": r"\s*(\{[\s\S]*)"}
 
-    def call_object(self, conv, tool, args_rule: str) -> str:
-        return (f'"{{" space {json_key("name")} {json_string_literal(tool.name)} space "," space '
-                f'{json_key("parameters")} {args_rule} space "}}"')
-
     def calls_rule(self, call: str, parallel: bool) -> str:
         return call
 
     def parse(self, text: str) -> ParsedReply:
         at = text.find("{")
         found = read_json(text, at) if at >= 0 and not text[:at].strip() else None
-        call = found and (call_from(found[0], "parameters") or call_from(found[0], "arguments"))
+        call = found and (call_from(found[0], self.arguments_key) or call_from(found[0], "arguments"))
         if call is None:
             return ParsedReply(text, [])
         return ParsedReply(text[:at] + text[found[1]:], [call])

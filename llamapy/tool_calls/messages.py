@@ -5,6 +5,7 @@ calls tools with "" for content."""
 from __future__ import annotations
 
 import json
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
@@ -13,11 +14,19 @@ if TYPE_CHECKING:
     from ..chat import ChatTemplate
 
 NEEDLE = {"needle_argument": "needle value"}
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # template -> its answer, probed once
 
 
 def writes_object_arguments(template: ChatTemplate) -> bool:
     """Whether the template renders a call's arguments given as an object as that object's
-    JSON (llama.cpp's supports_object_arguments, found by rendering a probe conversation)."""
+    JSON (llama.cpp's supports_object_arguments, found by rendering a probe conversation once
+    per template)."""
+    if template not in _PROBED:
+        _PROBED[template] = _probe(template)
+    return _PROBED[template]
+
+
+def _probe(template: ChatTemplate) -> bool:
     probe = [{"role": "user", "content": "probe"},
              {"role": "assistant", "content": "", "tool_calls": [
                  {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": NEEDLE}}]}]

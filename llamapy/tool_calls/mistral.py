@@ -2,7 +2,7 @@
 {"name": ..., "arguments": {...}, "id": 9 letters or digits}; its templates refuse other ids."""
 from __future__ import annotations
 
-from .syntax import ParsedReply, ToolSyntax, call_from, json_key, json_string_literal, read_json
+from .syntax import ParsedReply, ToolSyntax, call_from, json_key, read_json
 
 OPEN = "[TOOL_CALLS]"
 
@@ -11,11 +11,7 @@ class Mistral(ToolSyntax):
     name = "mistral"
     opener = OPEN
     markers = (OPEN, "[AVAILABLE_TOOLS]")
-
-    def call_object(self, conv, tool, args_rule: str) -> str:
-        return (f'"{{" space {json_key("name")} {json_string_literal(tool.name)} space "," space '
-                f'{json_key("arguments")} {args_rule} space "," space {json_key("id")} '
-                '"\\"" [a-zA-Z0-9]{9} "\\"" space "}"')
+    call_tail = f' space "," space {json_key("id")} "\\"" [a-zA-Z0-9]{{9}} "\\""'
 
     def calls_rule(self, call: str, parallel: bool) -> str:
         more = f' (space "," space {call})*' if parallel else ""
@@ -26,7 +22,7 @@ class Mistral(ToolSyntax):
         found = read_json(text, at + len(OPEN)) if at >= 0 else None
         if found is None or not isinstance(found[0], list):
             return ParsedReply(text, [])
-        calls = [call_from(item, "arguments", "id") for item in found[0]]
+        calls = [call_from(item, self.arguments_key, "id") for item in found[0]]
         if not calls or any(c is None for c in calls):
             return ParsedReply(text, [])
         return ParsedReply(text[:at] + text[found[1]:], calls)

@@ -92,9 +92,13 @@ class ToolSyntax:
         """What starts the calls' grammar when a call may come but need not (a lazy grammar)."""
         return {"type": "word", "value": self.opener}
 
-    def call_object(self, conv: SchemaConverter, tool: Tool, args_rule: str) -> str:
-        """The GBNF of one call's JSON object (subclasses: its keys)."""
-        raise NotImplementedError
+    arguments_key: str = "arguments"  # the call object's key of the arguments
+    call_tail: str = ""       # GBNF of the call object's keys after the arguments (with their commas)
+
+    def call_object(self, tool: Tool, args_rule: str) -> str:
+        """The GBNF of one call's JSON object: {"name": ..., arguments_key: ARGS, then call_tail}."""
+        return (f'"{{" space {json_key("name")} {json_string_literal(tool.name)} space "," space '
+                f'{json_key(self.arguments_key)} {args_rule}{self.call_tail} space "}}"')
 
     def calls_rule(self, call: str, parallel: bool) -> str:
         """The GBNF of the reply's calls (one, or one or more), given the rule of one call."""
@@ -112,7 +116,7 @@ class ToolSyntax:
                 args = conv.visit(read_schema(tool.schema()), f"tool-{tool.name}-args")
             except GrammarError as e:
                 raise InputError(f"tools: {tool.name}'s parameters: {e}") from None
-            alternatives.append(conv.add_rule(f"tool-{tool.name}", self.call_object(conv, tool, args)))
+            alternatives.append(conv.add_rule(f"tool-{tool.name}", self.call_object(tool, args)))
         call = conv.add_rule("tool-call", " | ".join(alternatives))
         conv.add_rule("root", self.calls_rule(call, parallel))
         return conv.grammar()
