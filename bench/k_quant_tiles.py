@@ -17,7 +17,7 @@ import numpy as np
 
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu import qexact
+from ggmlpy.backend.cpu import qexact, type_table
 from ggmlpy.backend.cpu.plan import Scratch
 
 
@@ -25,7 +25,7 @@ def planned(type, n, m, k, vnni: bool):
     saved = qexact.VNNI
     qexact.VNNI = vnni
     try:
-        return qexact.plan_mul_mat(type, n, m, k)
+        return type_table.plan_mul_mat(type, n, m, k)
     finally:
         qexact.VNNI = saved
 

@@ -19,7 +19,9 @@ import numpy as np
 
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu import qdot
+from dataclasses import replace
+
+from ggmlpy.backend.cpu import type_table
 from ggmlpy.backend.cpu.plan import Scratch
 from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
 
@@ -27,14 +29,15 @@ SHAPES = {T.Q4_0: [(2048, 640)], T.Q5_K: [(640, 2048)]}
 
 
 def run(w: QuantMatrix, x: np.ndarray, out: np.ndarray, scratch: Scratch, integer: bool) -> float:
-    saved = qdot.MAX_COLUMNS
-    qdot.MAX_COLUMNS = x.shape[0] if integer else 0
+    saved = type_table.CPU_TYPES[w.type]  # the integer kernel for this many columns, or none
+    packed = replace(saved.packed, max_columns=x.shape[0]) if integer else None
+    type_table.CPU_TYPES[w.type] = replace(saved, packed=packed)
     try:
         t0 = time.perf_counter()
         mul_mat_q(w, x, out, scratch)
         return time.perf_counter() - t0
     finally:
-        qdot.MAX_COLUMNS = saved
+        type_table.CPU_TYPES[w.type] = saved
 
 
 def main() -> None:

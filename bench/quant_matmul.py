@@ -24,7 +24,7 @@ import numpy as np
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu import CpuBackend, qexact, qmatmul
+from ggmlpy.backend.cpu import CpuBackend, qmatmul, type_table
 from ggmlpy.backend.cpu.plan import Scratch
 
 
@@ -76,11 +76,11 @@ def main() -> None:
             tt, tb = _alternated_ms(lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch),
                                     lambda: qmatmul.mul_mat_qt(wm, dy, dx, scratch, bf16=True), args.reps)
             line = f"{name:6} {n:5d} {tq:10.2f} {tf:9.2f} {tq / tf:6.2f} {tt:11.2f} {tb:7.2f} {tb / tt:6.2f}"
-            if qexact.block_sums(w_type):
+            if type_table.cpu_type(w_type).packed and type_table.cpu_type(w_type).packed.block_sums:
                 out = np.empty((n, args.rows), np.float32)
-                ts, tk = _alternated_ms(lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch),
-                                        lambda: qexact.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch,
-                                                               block_sums=True), args.reps)
+                ts, tk = _alternated_ms(lambda: type_table.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch),
+                                        lambda: type_table.mul_mat(w_type, wm.buf, wm.offs, x, out, scratch,
+                                                                   block_sums=True), args.reps)
                 line += f" {tk:7.2f} {tk / ts:6.2f}"
             print(line)
 

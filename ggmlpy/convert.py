@@ -1,5 +1,9 @@
-"""Conversions between ggml's float storage types and float32 (numpy, vectorised)."""
+"""Conversions between ggml's element (non-block) storage types and float32 (numpy,
+vectorised): one codec per type, so callers never branch on a type."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,27 +22,71 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
 
 
+def _bf16_into(bits: np.ndarray, out: np.ndarray) -> None:
+    """out = the float32 values of BF16 bits, without temporaries."""
+    wide = out.view(np.uint32)
+    np.copyto(wide, bits)
+    wide <<= 16
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _as_f32(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32)
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _store_cast(dst: np.ndarray, values: np.ndarray) -> None:
+    np.copyto(dst, values, casting="unsafe")
+
+
+def _store_bf16(dst: np.ndarray, values: np.ndarray) -> None:
+    np.copyto(dst, f32_to_bf16(values).reshape(dst.shape))
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How values of one storage type become float32 and back, as ggml converts them."""
+
+    to_f32: Callable[[np.ndarray], np.ndarray]  # a view when the values are float32 already
+    to_f32_into: Callable[[np.ndarray, np.ndarray], None]  # (values, float32 out)
+    round_to: Callable[[np.ndarray], np.ndarray]  # float32 rounded through the type
+    store: Callable[[np.ndarray, np.ndarray], None]  # (typed destination, float values)
+
+
+_CAST = Codec(_as_f32, lambda v, out: np.copyto(out, v), _identity, _store_cast)  # F32, F64, integers
+CODECS: dict[GGMLType, Codec] = {
+    GGMLType.F32: Codec(_identity, lambda v, out: np.copyto(out, v), _identity, _store_cast),
+    GGMLType.F16: Codec(_as_f32, lambda v, out: np.copyto(out, v), _f16_round, _store_cast),
+    GGMLType.BF16: Codec(bf16_to_f32, _bf16_into, lambda x: bf16_to_f32(f32_to_bf16(x)), _store_bf16),
+}
+
+
+def codec(type: GGMLType) -> Codec:
+    return CODECS.get(type, _CAST)
+
+
 def to_f32(arr: np.ndarray, type: GGMLType) -> np.ndarray:
     """Values of a plain-typed array as float32 (a view when already float32)."""
-    if type == GGMLType.F32:
-        return arr
-    if type == GGMLType.BF16:
-        return bf16_to_f32(arr)
-    return arr.astype(np.float32)
+    return codec(type).to_f32(arr)
+
+
+def to_f32_into(values: np.ndarray, type: GGMLType, out: np.ndarray) -> np.ndarray:
+    """out = the float32 values of a plain-typed array, without temporaries."""
+    codec(type).to_f32_into(values, out)
+    return out
 
 
 def round_to(arr: np.ndarray, type: GGMLType) -> np.ndarray:
     """float32 values rounded through `type`, as ggml does when it converts an operand."""
-    if type == GGMLType.F16:
-        return arr.astype(np.float16).astype(np.float32)
-    if type == GGMLType.BF16:
-        return bf16_to_f32(f32_to_bf16(arr))
-    return arr
+    return codec(type).round_to(arr)
 
 
 def store(dst: np.ndarray, values: np.ndarray, type: GGMLType) -> None:
     """Write float values into a typed destination view, converting as ggml does."""
-    if type == GGMLType.BF16:
-        np.copyto(dst, f32_to_bf16(values).reshape(dst.shape))
-    else:
-        np.copyto(dst, values, casting="unsafe")
+    codec(type).store(dst, values)

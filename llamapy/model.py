@@ -7,7 +7,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ggmlpy import GGMLType, Tensor
-from ggmlpy.quants import VEC_DOT_TYPE
+from ggmlpy.backend.cpu.type_table import MATRIX_TYPES
 
 from .arch import ARCHITECTURES, Architecture
 from .arch.base import TensorSpec
@@ -92,9 +92,8 @@ def model_from(source: GGUFMetadata) -> Model:
 
 
 # Types the graph computes with: vectors (norms, biases, RoPE factors) in F32, matrices in
-# any type ggmlpy has products for (F32, F16, BF16 and the quantized types with a dot kernel).
+# any type ggmlpy has products for (MATRIX_TYPES: the CPU type table's types with a vec_dot_type).
 VECTOR_TYPES = frozenset({GGMLType.F32})
-MATRIX_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16}) | frozenset(VEC_DOT_TYPE)
 
 
 def check_tensors(source: GGUFMetadata, arch_name: str, specs: dict[str, TensorSpec]) -> None:

@@ -20,6 +20,7 @@ import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
 from ggmlpy.backend.cpu import qexact
+from ggmlpy.backend.cpu.type_table import cpu_type
 from ggmlpy.backend.cpu.plan import Scratch
 from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
 from ggmlpy.backend.cpu.simd import expf_avx512
@@ -113,7 +114,7 @@ def test_q4_k_rows_not_a_multiple_of_8_take_the_repacked_order_too(kernels, n):
     out = np.empty((n, m), F32)
     mul_mat_q(QuantMatrix.from_bytes(T.Q4_K, rows, k), x, out, Scratch())
     np.testing.assert_array_equal(out, reference(T.Q4_K, rows, x))
-    assert qexact.supports(T.Q4_0) and not qexact.supports(T.Q5_K)
+    assert cpu_type(T.Q4_0).ggml_order and not cpu_type(T.Q5_K).ggml_order
 
 
 def test_the_graph_product_uses_them():

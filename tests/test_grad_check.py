@@ -312,7 +312,7 @@ def test_lora_gradients_through_quantized_base(qtype):
     The gradients of A and B reach them through W2's quantized product (OUT_PROD from
     packed rows); finite differences evaluate the same graph in float64 on gguf's own
     dequantization of the same bytes."""
-    from ggmlpy import quants as Q
+    from ggmlpy.backend.cpu.type_table import round_activations
     from ggmlpy.quants import quantize
     t = gg.GGMLType[qtype]
     rng = np.random.default_rng(4)
@@ -328,7 +328,7 @@ def test_lora_gradients_through_quantized_base(qtype):
     # passes that rounding straight through; x starts on its grid (rounding it again changes
     # nothing), so W1's forward equals the float64 one and only W2's (whose output is not
     # differentiated further) rounds
-    x = Q.round_activations(rn(k, 3, seed=6), t)
+    x = round_activations(rn(k, 3, seed=6), t)
     a = rn(k, r, seed=7, scale=1 / 16)
     b = rn(r, k, seed=8, scale=1 / 4)
     errors = grad_check(build, [x, a, b])

@@ -12,7 +12,7 @@ import pytest
 
 import ggmlpy as gg
 from ggmlpy import GGMLType, quants
-from ggmlpy.backend.cpu import qdot, qexact
+from ggmlpy.backend.cpu.type_table import cpu_type, round_activations
 from ggmlpy.backend.cpu.plan import Scratch
 from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
 
@@ -24,7 +24,7 @@ SUPER_BLOCK_BYTES = {GGMLType.Q4_K: 144, GGMLType.Q5_K: 176}  # d, dmin: the fir
 
 def reference_f64(q: np.ndarray, m: int, k: int, x: np.ndarray, type: GGMLType) -> np.ndarray:
     w = quants.dequantize(q, type).reshape(m, k).astype(np.float64)
-    xr = quants.round_activations(np.array(x, dtype=np.float32), type).astype(np.float64)
+    xr = round_activations(np.array(x, dtype=np.float32), type).astype(np.float64)
     return xr @ w.T
 
 
@@ -49,9 +49,9 @@ def assert_equals_reference(out, q, m, k, x, type):
     once, the scales' and mins' sums kept apart until the end; the bound is one float32 step
     per step of the chain on the magnitudes of both."""
     ref = reference_f64(q, m, k, x, type)
-    xr = np.abs(quants.round_activations(np.array(x, dtype=np.float32), type).astype(np.float64))
+    xr = np.abs(round_activations(np.array(x, dtype=np.float32), type).astype(np.float64))
     spacing = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
-    if qexact.supports(type):
+    if cpu_type(type).ggml_order:
         w_scale, w_min = _scale_and_min_parts(q, m, k, type)
         steps = k // 32 + 8
         bound = spacing + steps * 2.0 ** -24 * (xr @ (w_scale + w_min).T)
@@ -64,7 +64,7 @@ def assert_equals_reference(out, q, m, k, x, type):
 
 def assert_few_column_kernel(type, n_columns=1):
     """The type has one few-column kernel on its blocks: qexact's (any column count) or qdot's."""
-    assert qexact.supports(type) != qdot.supports(type, n_columns)
+    assert cpu_type(type).plan_product(n_columns, 8, 256) is not None
 
 
 @pytest.mark.parametrize("type", BLOCKS_32 + K_QUANTS, ids=lambda t: t.name)
@@ -138,7 +138,7 @@ def test_rows_addressed_by_offset_in_a_shared_buffer():
     offs[order] = 7 + np.arange(m) * row_bytes
     x = rng.standard_normal((1, k)).astype(np.float32)
     out = np.empty((1, m), np.float32)
-    assert qdot.supports(GGMLType.Q5_K, 1)
+    assert cpu_type(GGMLType.Q5_K).plan_product(1, 8, 256) is not None
     mul_mat_q(QuantMatrix(GGMLType.Q5_K, buf, offs, k), x, out, Scratch())
     assert_equals_reference(out, q.reshape(-1), m, k, x, GGMLType.Q5_K)
 
@@ -149,7 +149,7 @@ def test_the_graph_product_of_one_token_takes_it_and_agrees_with_the_tile_path()
     wq = quants.quantize(rng.standard_normal((m, k)).astype(np.float32), GGMLType.Q5_K)
     x = rng.standard_normal((1, k)).astype(np.float32)
     results = {}
-    tile_path = qdot.MAX_COLUMNS + 1  # the tile path (dequantize + BLAS): same rounded values
+    tile_path = cpu_type(GGMLType.Q5_K).packed.max_columns + 1  # the tile path (dequantize + BLAS): same rounded values
     for n_cols in (1, tile_path):
         ctx = gg.Context()
         w = ctx.from_numpy(wq.reshape(1, 1, m, -1), GGMLType.Q5_K)

@@ -27,7 +27,7 @@ from numba import njit
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants as Q
-from ggmlpy.backend.cpu import qmatmul
+from ggmlpy.backend.cpu import qmatmul, type_table
 from ggmlpy.quants.common import f32_to_f16_bits
 from ggmlpy.types import type_from_name
 
@@ -248,10 +248,10 @@ def _activation_rows(rng, k):
 
 @pytest.mark.parametrize("type", ALL, ids=ids)
 def test_activation_rounding_matches_ggml(type):
-    """Q.round_activations against the numpy rebuild of ggml's activation quantizers."""
+    """type_table.round_activations against the numpy rebuild of ggml's activation quantizers."""
     rng = np.random.default_rng(int(type) + 3)
     x = _activation_rows(rng, 512)
-    got = Q.round_activations(x, type)
+    got = type_table.round_activations(x, type)
     ref = ref_round_activations(x, type)
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
     np.testing.assert_array_equal(x, _activation_rows(np.random.default_rng(int(type) + 3), 512))  # input kept
@@ -264,20 +264,20 @@ def test_activation_rounding_details():
     # Q8_0 (x86): ties to even (the reference roundf would give 3 and -3) with factor 127 / amax = 1
     x = np.zeros((1, 32), np.float32)
     x[0, :4] = [127, 2.5, -2.5, 3.5]
-    np.testing.assert_array_equal(Q.round_activations(x, T.Q8_0)[0, :4], [127, 2, -2, 4])
+    np.testing.assert_array_equal(type_table.round_activations(x, T.Q8_0)[0, :4], [127, 2, -2, 4])
     # Q8_0: d is stored in fp16, so values are fp16(amax / 127) * q, not amax / 127 * q
     x = np.full((1, 32), 0.3, np.float32)
     d16 = np.float32(np.float16(np.float32(0.3) / np.float32(127)))
-    assert Q.round_activations(x, T.Q5_0)[0, 0] == d16 * np.float32(127) != np.float32(0.3)
+    assert type_table.round_activations(x, T.Q5_0)[0, 0] == d16 * np.float32(127) != np.float32(0.3)
     # Q8_K: d = 1 / iscale in float32 (no fp16): the largest value comes back to float32 rounding
     x = np.full((1, 256), 0.3, np.float32)
     iscale = np.float32(-127) / np.float32(0.3)
-    assert Q.round_activations(x, T.Q4_K)[0, 0] == np.float32(np.float32(1) / iscale) * np.float32(-127)
+    assert type_table.round_activations(x, T.Q4_K)[0, 0] == np.float32(np.float32(1) / iscale) * np.float32(-127)
     # Q8_K: the same values as quantizing to Q8_K and dequantizing
     rng = np.random.default_rng(5)
     x = _activation_rows(rng, 768)
     via_blocks = ref_dequantize(Q.quantize(x, T.Q8_K), T.Q8_K)
-    np.testing.assert_array_equal(Q.round_activations(x, T.Q6_K).view(np.uint32), via_blocks.view(np.uint32))
+    np.testing.assert_array_equal(type_table.round_activations(x, T.Q6_K).view(np.uint32), via_blocks.view(np.uint32))
     # the product path uses them: a Q8_0 identity (d = 1, q = 1 on the diagonal) picks them out
     eye = np.zeros((64, 2, 34), np.uint8)
     eye[:, :, :2] = np.float16(1).reshape(1).view(np.uint8)
@@ -347,7 +347,7 @@ def test_block_sums_products(type, n):
     take the gemv kernels): one float multiply-add per block of 32, so float32 rounding only
     from the rounded activations' exact products, and each column's results the same bits
     whatever columns come with it (16 or more)."""
-    from ggmlpy.backend.cpu import qexact
+    from ggmlpy.backend.cpu import qexact, type_table
     from ggmlpy.backend.cpu.plan import Scratch
     rng = np.random.default_rng(int(type) + n)
     k, m = 160, 45  # 45 rows: a partial group of 8 and of 32
@@ -355,12 +355,12 @@ def test_block_sums_products(type, n):
     x = rng.standard_normal((n, k)).astype(np.float32)
     qm = qmatmul.QuantMatrix.from_bytes(type, q, k)
     out = np.full((n, m), np.nan, np.float32)
-    qexact.mul_mat(type, qm.buf, qm.offs, x, out, Scratch(), block_sums=True)
+    type_table.mul_mat(type, qm.buf, qm.offs, x, out, Scratch(), block_sums=True)
     xr = ref_round_activations(x, type).astype(np.float64)
     assert_product_close(out, xr @ w.T, np.abs(xr) @ np.abs(w).T, type)
     for i0 in range(0, n - qexact.Q0_GEMV_MAX_COLS, 5):  # windows of 16 columns
         part = np.empty((qexact.Q0_GEMV_MAX_COLS + 1, m), np.float32)
-        qexact.mul_mat(type, qm.buf, qm.offs, x[i0:i0 + len(part)], part, Scratch(), block_sums=True)
+        type_table.mul_mat(type, qm.buf, qm.offs, x[i0:i0 + len(part)], part, Scratch(), block_sums=True)
         np.testing.assert_array_equal(part, out[i0:i0 + len(part)])
 
 
@@ -371,7 +371,7 @@ def test_block_sums_bits(type, vnni, monkeypatch):
     run), bit for bit: per block, the exact integer sum, then acc = fma(d_w * d_x, sum, acc)
     in block order (ggml_reference.mul_mat_q0_blocks)."""
     from ggml_reference import decode_q5_0, decode_q8_0, mul_mat_q0_blocks
-    from ggmlpy.backend.cpu import qexact
+    from ggmlpy.backend.cpu import qexact, type_table
     from ggmlpy.backend.cpu.plan import Scratch
     if vnni and not qexact.VNNI:
         pytest.skip("this CPU has no AVX512-VNNI")
@@ -382,7 +382,7 @@ def test_block_sums_bits(type, vnni, monkeypatch):
     x = rng.standard_normal((n, k)).astype(np.float32) * 3
     qm = qmatmul.QuantMatrix.from_bytes(type, q, k)
     out = np.empty((n, m), np.float32)
-    qexact.mul_mat(type, qm.buf, qm.offs, x, out, Scratch(), block_sums=True)
+    type_table.mul_mat(type, qm.buf, qm.offs, x, out, Scratch(), block_sums=True)
     decode = decode_q5_0 if type == T.Q5_0 else decode_q8_0
     np.testing.assert_array_equal(out, mul_mat_q0_blocks(*decode(q.reshape(m, -1)), x))
 
@@ -562,7 +562,7 @@ def test_a_product_decides_its_kernel_when_the_plan_is_prepared(monkeypatch, n_c
     """Every MUL_MAT of a quantized matrix picks its kernel and activation layout once, when
     the plan is prepared: running the plan again consults no chooser (ggml-cpu's
     type_traits_cpu lookup is per node, not per call)."""
-    from ggmlpy.backend.cpu import qdot, qexact
+    from ggmlpy.backend.cpu import qdot, qexact, type_table
     rng = np.random.default_rng(3)
     ctx = gg.Context()
     outs = []
@@ -581,8 +581,8 @@ def test_a_product_decides_its_kernel_when_the_plan_is_prepared(monkeypatch, n_c
 
     def chooser_called(*args, **kwargs):
         raise AssertionError("a kernel was chosen while the plan ran")
-    for module, name in ((qexact, "plan_mul_mat"), (qexact, "supports"), (qdot, "supports"),
-                         (qmatmul, "plan_mul_mat_q")):
+    for module, name in ((type_table.CpuType, "plan_product"), (qexact, "plan_q0"), (qexact, "plan_q4_k"),
+                         (qexact, "plan_q6_k"), (qdot, "plan_q5_k"), (qmatmul, "plan_mul_mat_q")):
         monkeypatch.setattr(module, name, chooser_called)
     for o in outs:
         o.array()[...] = np.nan

@@ -44,37 +44,6 @@ KERNELS: dict[GGMLType, QuantKernels] = {
 }
 
 
-# ggml-cpu's vec_dot_type: the type a quantized matrix's products quantize the other
-# operand (the activations) to before the integer dot products.
-VEC_DOT_TYPE: dict[GGMLType, GGMLType] = {
-    GGMLType.Q4_0: GGMLType.Q8_0, GGMLType.Q5_0: GGMLType.Q8_0, GGMLType.Q8_0: GGMLType.Q8_0,
-    GGMLType.Q4_1: GGMLType.Q8_1, GGMLType.Q5_1: GGMLType.Q8_1,
-    GGMLType.Q2_K: GGMLType.Q8_K, GGMLType.Q3_K: GGMLType.Q8_K, GGMLType.Q4_K: GGMLType.Q8_K,
-    GGMLType.Q5_K: GGMLType.Q8_K, GGMLType.Q6_K: GGMLType.Q8_K,
-}
-_ROUND_ROWS = {GGMLType.Q8_0: _s.round_rows_q8_0, GGMLType.Q8_1: _s.round_rows_q8_0,
-               GGMLType.Q8_K: _k.round_rows_q8_k}
-
-
-def activation_rounder(type: GGMLType) -> Callable | None:
-    """The in-place kernel (x float32[:, ::1]) that rounds activation rows the way ggml-cpu
-    does before a product with a matrix of `type` (quantization to its vec_dot_type, as
-    the x86 quantizers do it, then the exact values d * q); None when ggml uses them as
-    they are."""
-    vt = VEC_DOT_TYPE.get(GGMLType(type))
-    return None if vt is None else _ROUND_ROWS[vt]
-
-
-def round_activations(x: np.ndarray, type: GGMLType) -> np.ndarray:
-    """A float32 copy of x (..., ne0) rounded as ggml rounds the activations of a product
-    with a `type` matrix (see activation_rounder)."""
-    out = np.array(x, dtype=np.float32, order="C", copy=True)
-    f = activation_rounder(type)
-    if f is not None and out.size:
-        f(out.reshape(-1, out.shape[-1]))
-    return out
-
-
 def kernels(type: GGMLType) -> QuantKernels:
     try:
         return KERNELS[GGMLType(type)]

@@ -34,13 +34,14 @@ from ... import convert
 from ...ops import Prec, prec_of
 from ...ops_train import LCE_FIELDS, LCE_LSE
 from ...tensor import Op, Tensor
-from ...types import GGMLType, traits
-from . import bf16dot, qexact
+from ...types import traits
+from . import bf16dot
 from . import train_kernels as TK
 from .gemm import GRAIN, SLICE_COLS, Matmul
 from .kernel_table import KernelTable, Prepared, require_f32
 from .plan import Plan, Scratch
 from .qmatmul import QuantMatrix, row_offsets, tile_rows
+from .type_table import cpu_type
 
 KERNELS = KernelTable()
 
@@ -56,35 +57,26 @@ def _parallel(node: Tensor) -> bool:
     return x.nelements() * w.ne[1] >= 2 * GRAIN
 
 
-def _f32_into(values: np.ndarray, type: GGMLType, out: np.ndarray) -> np.ndarray:
-    """out = the float32 values of a plain-typed array (F16, BF16 bits), without temporaries."""
-    if type == GGMLType.BF16:
-        bits = out.view(np.uint32)
-        np.copyto(bits, values)
-        bits <<= 16
-    else:
-        np.copyto(out, values)
-    return out
-
-
 class WeightRows:
     """The rows of W (one per class) as float32 blocks, a chunk at a time, and the
-    activations rounded as the unfused MUL_MAT rounds them for W's type: products over row
-    slices of W with the existing kernels, never a float copy of the whole matrix."""
+    activations rounded as the unfused MUL_MAT rounds them for W's type (its record in the
+    type table): products over row slices of W with the existing kernels, never a float
+    copy of the whole matrix."""
 
     def __init__(self, w: Tensor) -> None:
         self.type = w.type
+        self.cpu = cpu_type(w.type)
         self.k, self.m = w.ne[0], w.ne[1]
         self.quant: QuantMatrix | None = None
         self.rows: np.ndarray | None = None
-        self.exact = False  # products by qexact's kernels on the packed rows (ggml's order)
+        self.exact = self.cpu.ggml_order  # products by the table's kernels on the packed rows
         if traits(w.type).is_quantized:
             self.quant = QuantMatrix(w.type, w.buffer, row_offsets(w)[0, 0], self.k)
             self.tile = tile_rows(self.k, self.m)  # mul_mat_q's tiles
-            self.exact = qexact.supports(w.type)
         else:
             self.rows = w.array()[0, 0]  # (classes, K) in W's storage type
             self.tile = SLICE_COLS  # the float product's column tiles
+        self.f32_rows = self.rows is not None and self.rows.dtype == np.float32  # W's own rows serve as they are
 
     def chunk(self, n_rows: int) -> int:
         """Classes per chunk: whole tiles, about CHUNK_BYTES for the larger block, and no more
@@ -95,29 +87,24 @@ class WeightRows:
     def round_activations(self, x: np.ndarray) -> None:
         """x (rows, K, C-contiguous) rounded in place as ggml rounds a product's activations
         (left as it is for qexact's kernels, which quantize it themselves)."""
-        if self.exact:
-            return
-        if self.quant is not None:
-            if self.quant.round_activations is not None and x.size:
-                self.quant.round_activations(x)
-        elif self.type in (GGMLType.F16, GGMLType.BF16):
-            np.copyto(x, convert.round_to(x, self.type))
+        if not self.exact and self.cpu.round_activations is not None and x.size:
+            self.cpu.round_activations(x)
 
     def load(self, c0: int, c1: int, out: np.ndarray) -> None:
         """out = rows c0..c1 as float32 (c1 - c0, K); nothing to do when out is W's own rows (F32)."""
         if self.quant is not None:
             self.quant.dequantize_rows(c0, c1, out)
-        elif self.type != GGMLType.F32:
-            _f32_into(self.rows[c0:c1], self.type, out)
+        elif not self.f32_rows:
+            convert.to_f32_into(self.rows[c0:c1], self.type, out)
 
     def rows_at(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = row idx[i] of W as float32."""
         if self.quant is not None:
             self.quant.dequantize(self.quant.buf, self.quant.offs[idx], out)
-        elif self.type == GGMLType.F32:
+        elif self.f32_rows:
             np.take(self.rows, idx, axis=0, out=out)
         else:
-            _f32_into(self.rows[idx], self.type, out)
+            convert.to_f32_into(self.rows[idx], self.type, out)
         return out
 
     def product(self, x: np.ndarray, wc: np.ndarray, z: np.ndarray, c0: int, scratch: Scratch) -> list[Callable]:
@@ -126,7 +113,7 @@ class WeightRows:
         tile path's tiles."""
         if self.exact:
             q, offs = self.quant, self.quant.offs[c0:c0 + z.shape[1]]
-            exact = qexact.plan_mul_mat(q.type, x.shape[0], offs.shape[0], self.k, block_sums=True)
+            exact = self.cpu.plan_product(x.shape[0], offs.shape[0], self.k, block_sums=True)
             return [lambda: exact(q.buf, offs, x, z, scratch)]
         if self.quant is None:
             return [Matmul(x, wc.T, z)]
@@ -182,11 +169,11 @@ def chunks(wr: WeightRows, x: np.ndarray, scratch: Scratch, logits: np.ndarray |
     c = classes or wr.chunk(n)
     zbuf = scratch.get("lce logits", n * c) if logits is None else logits.reshape(-1)
     float_rows = float_rows or not wr.exact  # qexact's kernels read the packed rows
-    wbuf = scratch.get("lce weight rows", c * k).reshape(c, k) if float_rows and wr.type != GGMLType.F32 else None
+    wbuf = scratch.get("lce weight rows", c * k).reshape(c, k) if float_rows and not wr.f32_rows else None
     out = []
     for c0 in range(0, wr.m, c):
         c1 = min(wr.m, c0 + c)
-        w = None if not float_rows else wr.rows[c0:c1] if wr.type == GGMLType.F32 else wbuf[:c1 - c0]
+        w = None if not float_rows else wr.rows[c0:c1] if wr.f32_rows else wbuf[:c1 - c0]
         z = zbuf[:n * (c1 - c0)].reshape(n, c1 - c0)
         out.append(Chunk(c0, c1, w, z, wr.product(x, w, z, c0, scratch)))
     return out

@@ -16,12 +16,13 @@ scale-and-min terms), rounded once to float32, for any thread count (rows are in
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numba import njit, prange
 
 from ...quants.common import F32, QK_K, f16_to_f32
 from ...quants.kquants import scale_min_k4
-from ...types import GGMLType
 from .qexact import ROWS, quantize_q8_k
 
 QK = 32
@@ -76,16 +77,13 @@ def dot_rows(buf, offs, xq, xd, xs, out):
             out[n, m] = F32(_row_q5_k(buf, offs[m], xq[n], xd[n], xs[n]))
 
 
-def supports(type: GGMLType, n_columns: int) -> bool:
-    """Whether a product with `n_columns` activation columns takes the integer path."""
-    return type == GGMLType.Q5_K and 0 < n_columns <= MAX_COLUMNS
-
-
-def mul_mat_dot(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:
-    """out (N, M) = x~ (N, K) @ W^T for a few columns N (see the module docstring)."""
-    n, k = x.shape
-    xq = scratch.get("act_q", n * k)
-    xd = scratch.get("act_d", n * (k // QK_K))
-    xs = scratch.get("act_sums", n * (k // QK))
-    quantize_q8_k(np.ascontiguousarray(x), ROWS, xq, xd, xs)  # the integers, scales and sums per 32
-    dot_rows(buf, offs, xq.reshape(n, k), xd.reshape(n, k // QK_K), xs.reshape(n, k // QK), out)
+def plan_q5_k(n: int, m: int, k: int, block_sums: bool = False) -> Callable:
+    """out (N, M) = x~ (N, K) @ W^T for a few columns N (see the module docstring), planned:
+    the type table (type_table.py) gives it products of up to MAX_COLUMNS columns."""
+    def run(buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch) -> None:
+        xq = scratch.get("act_q", n * k)
+        xd = scratch.get("act_d", n * (k // QK_K))
+        xs = scratch.get("act_sums", n * (k // QK))
+        quantize_q8_k(np.ascontiguousarray(x), ROWS, xq, xd, xs)  # the integers, scales and sums per 32
+        dot_rows(buf, offs, xq.reshape(n, k), xd.reshape(n, k // QK_K), xs.reshape(n, k // QK), out)
+    return run

@@ -35,6 +35,7 @@ a call, groups of 4 columns in the gemm's order).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,11 +75,11 @@ from ...llvmir.vnni import (
 from ...quants.common import F32, QK_K, f16_to_f32
 from ...quants.kquants import activation_q8_k, activation_superblock_scale, scale_min_k4
 from ...quants.simple import activation_block_scale, activation_q8_0
-from ...types import GGMLType
 from .simd import hsum8
 
 QK = 32
-Q4_0_BYTES = 18          # bytes of a block: f16 d, then the elements (Q8_0's are 34, Q5_0's 22)
+Q4_0_BYTES = 18          # bytes of a block: f16 d, then the elements
+Q5_0_BYTES = 22
 Q8_0_BYTES = 34
 ROW_GROUP = 32           # matrix rows a task unpacks (then multiplied with every column tile)
 Q0_GEMV_MAX_COLS = 15    # up to this many columns, Q0 products run over tiles of 16 matrix rows
@@ -776,55 +777,44 @@ def _q8_k_input(n: int, k: int, layout: int, group: int = 0) -> Activations:
     return quantize
 
 
-# ---- dispatch --------------------------------------------------------------------------------------
-Q0_BLOCK_BYTES = {GGMLType.Q4_0: Q4_0_BYTES, GGMLType.Q5_0: 22, GGMLType.Q8_0: Q8_0_BYTES}
-Q0_BIAS = {GGMLType.Q4_0: 8, GGMLType.Q5_0: 16, GGMLType.Q8_0: 128}  # stored bits = integer + bias
-
-
-def supports(type: GGMLType) -> bool:
-    """Whether products with a `type` matrix follow ggml's order here. (For Q4_K, ggml repacks
-    only matrices whose rows are a multiple of 8 and sums the others with
-    ggml_vec_dot_q4_K_q8_K: those get the repacked kernels' order here too, equal to llama.cpp's
-    to float32 rounding rather than bit for bit. Q4_0 takes either order, as ggml does; the
-    rows counted are all of the product's matrices', where ggml's test is on one 2-D matrix.)"""
-    return type in Q0_BLOCK_BYTES or type in (GGMLType.Q4_K, GGMLType.Q6_K)
-
-
-def block_sums(type: GGMLType) -> bool:
-    """Whether mul_mat(..., block_sums=True) has a kernel that sums each block of 32 whole
-    (for more than Q0_GEMV_MAX_COLS columns)."""
-    return type in Q0_BLOCK_BYTES
-
-
+# ---- planners (the type table's rows hold them: type_table.py) ------------------------------------
 Product = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any], None]  # (buf, offs, x, out, scratch)
 
 
-def plan_mul_mat(type: GGMLType, n: int, m: int, k: int, block_sums: bool = False) -> Product:
-    """The product out (n, m) = x (n, k) times the m quantized rows at buf[offs] (ggml's
-    sums, module doc), chosen once for its shape: the returned call quantizes x into the
-    backend's scratch and runs one kernel, deciding nothing.
+def _nothing(buf, offs, x, out, scratch) -> None:
+    """The product of no columns."""
 
-    block_sums (Q5_0 and Q8_0 with more than Q0_GEMV_MAX_COLS columns, else ignored): one
-    float multiply-add per block of 32 and column, in place of ggml's 8 lanes of 4 products
-    (llvmir.vnni.q0_blocks_vnni, or q0_blocks_tile without AVX512-VNNI: the same bits), the same
-    integer products, float32 rounding apart from ggml's, a column's results the same
-    whatever columns come with it. For the output layer
-    fused with the loss (linear_ce.py), which needs logits, not llama.cpp's bits. (Few columns
-    keep the gemv kernels: 2-10x faster there, bench/quant_matmul.py.)"""
+
+@dataclass(frozen=True)
+class Q0Rows:
+    """A type of 32-element blocks with an f16 scale and integers (Q4_0, Q5_0, Q8_0), as the Q0
+    kernels read its rows."""
+
+    block_bytes: int
+    bias: int  # stored bits = integer + bias: VNNI's unsigned operand
+    repack_rows: int = 0  # ggml repacks matrices with a multiple of this many rows (Q4_0: 8), summed by blocks
+    vnni_gemv: Callable[[int, int], Product] | None = None  # its own few-column VNNI kernel, planned for (n, k)
+
+
+def plan_q0(rows: Q0Rows, n: int, m: int, k: int, block_sums: bool = False) -> Product:
+    """The product out (n, m) = x (n, k) times the m rows at buf[offs] (ggml's sums, module
+    doc), chosen once for its shape: the returned call quantizes x into the backend's
+    scratch and runs one kernel, deciding nothing.
+
+    block_sums (more than Q0_GEMV_MAX_COLS columns, else ignored): one float multiply-add per
+    block of 32 and column, in place of ggml's 8 lanes of 4 products (llvmir.vnni.q0_blocks_vnni,
+    or q0_blocks_tile without AVX512-VNNI: the same bits), the same integer products, float32
+    rounding apart from ggml's, a column's results the same whatever columns come with it.
+    For the output layer fused with the loss (linear_ce.py), which needs logits, not
+    llama.cpp's bits. (Few columns keep the gemv kernels: 2-10x faster there,
+    bench/quant_matmul.py.)"""
     if n == 0:
-        return lambda buf, offs, x, out, scratch: None
-    if type in Q0_BLOCK_BYTES:
-        return _plan_q0(type, n, m, k, block_sums)
-    return _plan_q_k(type, n, k)
-
-
-def _plan_q0(type: GGMLType, n: int, m: int, k: int, block_sums: bool) -> Product:
-    """plan_mul_mat for the Q8_0-block products (Q4_0, Q5_0, Q8_0)."""
+        return _nothing
     few = n <= Q0_GEMV_MAX_COLS
-    block_bytes, bias = Q0_BLOCK_BYTES[type], Q0_BIAS[type]  # bias: makes the matrix integers unsigned
+    block_bytes, bias = rows.block_bytes, rows.bias  # bias: makes the matrix integers unsigned
     # ggml repacks the Q4_0 matrices whose rows are a multiple of 8 and sums them by blocks
     # (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0), whatever the column count
-    repacked = type == GGMLType.Q4_0 and m % 8 == 0
+    repacked = rows.repack_rows > 0 and m % rows.repack_rows == 0
     if repacked and few:
         act = _q8_0_input(n, k, ROWS)
 
@@ -843,17 +833,8 @@ def _plan_q0(type: GGMLType, n: int, m: int, k: int, block_sums: bool) -> Produc
             xcb = scratch.get("q8_0_cb", xd.size).view(np.int32).reshape(xd.shape)
             np.sum(xc.reshape(xd.shape[0], -1, 8, W), axis=2, out=xcb)
             _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out)
-    elif VNNI and few and type == GGMLType.Q8_0:
-        act = _q8_0_input(n, k, ROWS, int8=True)
-
-        def run(buf, offs, x, out, scratch):
-            _q8_0_gemv_vnni(buf, offs, *act(x, scratch), out)
-    elif VNNI and few and type == GGMLType.Q5_0:
-        act = _q8_0_input(n, k, ROWS, int8=True, weight=1)
-
-        def run(buf, offs, x, out, scratch):
-            xq, xd, xsum = act(x, scratch)
-            _q5_0_gemv_vnni(buf, offs, xq, xsum, xd, out)
+    elif VNNI and few and rows.vnni_gemv is not None:
+        run = rows.vnni_gemv(n, k)
     elif VNNI and not few:
         act = _q8_0_input(n, k, QUADS, int8=True, weight=-bias)
 
@@ -873,27 +854,56 @@ def _plan_q0(type: GGMLType, n: int, m: int, k: int, block_sums: bool) -> Produc
     return run
 
 
-def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
-    """plan_mul_mat for the Q8_K products (Q4_K, Q6_K)."""
-    if type == GGMLType.Q4_K:
-        n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns in the gemm's order, the rest in the gemv's
-        n_tiled = 0 if VNNI and n_gemm < Q4_K_TILE_MIN_COLS else n_gemm  # a group or two: column by column
-        n_chunked = n_gemm - n_tiled  # columns of the row kernels in the gemm's order
-        tiles = _q8_k_input(n_tiled, k, QUADS if VNNI else TILES, group=32)
-        rest = _q8_k_input(n - n_tiled, k, ROWS, group=32)
-        gemm = _q4_k_gemm
-        if VNNI:
-            gemm = _q4_k_gemm_vnni if n_tiled >= Q4_K_UNPACK_MIN_COLS else _q4_k_gemm_packed_vnni
+def plan_q8_0_gemv_vnni(n: int, k: int) -> Product:
+    """Q8_0's few-column VNNI kernel (q8_0_row_vnni)."""
+    act = _q8_0_input(n, k, ROWS, int8=True)
 
-        def run(buf, offs, x, out, scratch):
-            if n_tiled:
-                gemm(buf, offs, *tiles(x[:n_tiled], scratch), out, n_tiled)
-            if n_tiled < n:
-                if VNNI:
-                    _q4_k_gemv_vnni(buf, offs, *rest(x[n_tiled:], scratch), out[n_tiled:], n_chunked)
-                else:
-                    _q4_k_gemv(buf, offs, *rest(x[n_tiled:], scratch), out[n_tiled:])
-    elif n >= Q6_K_TILED_MIN_COLS:
+    def run(buf, offs, x, out, scratch):
+        _q8_0_gemv_vnni(buf, offs, *act(x, scratch), out)
+    return run
+
+
+def plan_q5_0_gemv_vnni(n: int, k: int) -> Product:
+    """Q5_0's few-column VNNI kernel (q5_0_row_vnni: the activations' sums for the bias)."""
+    act = _q8_0_input(n, k, ROWS, int8=True, weight=1)
+
+    def run(buf, offs, x, out, scratch):
+        xq, xd, xsum = act(x, scratch)
+        _q5_0_gemv_vnni(buf, offs, xq, xsum, xd, out)
+    return run
+
+
+def plan_q4_k(n: int, m: int, k: int, block_sums: bool = False) -> Product:
+    """The Q4_K product in the order of ggml's repacked kernels (plan_q0's contract; block_sums
+    changes nothing: these are already the fastest order)."""
+    if n == 0:
+        return _nothing
+    n_gemm = n - n % Q4_K_GEMM_GROUP  # groups of columns in the gemm's order, the rest in the gemv's
+    n_tiled = 0 if VNNI and n_gemm < Q4_K_TILE_MIN_COLS else n_gemm  # a group or two: column by column
+    n_chunked = n_gemm - n_tiled  # columns of the row kernels in the gemm's order
+    tiles = _q8_k_input(n_tiled, k, QUADS if VNNI else TILES, group=32)
+    rest = _q8_k_input(n - n_tiled, k, ROWS, group=32)
+    gemm = _q4_k_gemm
+    if VNNI:
+        gemm = _q4_k_gemm_vnni if n_tiled >= Q4_K_UNPACK_MIN_COLS else _q4_k_gemm_packed_vnni
+
+    def run(buf, offs, x, out, scratch):
+        if n_tiled:
+            gemm(buf, offs, *tiles(x[:n_tiled], scratch), out, n_tiled)
+        if n_tiled < n:
+            if VNNI:
+                _q4_k_gemv_vnni(buf, offs, *rest(x[n_tiled:], scratch), out[n_tiled:], n_chunked)
+            else:
+                _q4_k_gemv(buf, offs, *rest(x[n_tiled:], scratch), out[n_tiled:])
+    return run
+
+
+def plan_q6_k(n: int, m: int, k: int, block_sums: bool = False) -> Product:
+    """The Q6_K product: ggml's tiled kernel from Q6_K_TILED_MIN_COLS columns, its vec_dot below
+    (plan_q0's contract; block_sums changes nothing)."""
+    if n == 0:
+        return _nothing
+    if n >= Q6_K_TILED_MIN_COLS:
         if VNNI:
             act = _q8_k_input(n, k, QUADS, group=16)
 
@@ -912,10 +922,3 @@ def _plan_q_k(type: GGMLType, n: int, k: int) -> Product:
         def run(buf, offs, x, out, scratch):
             gemv(buf, offs, *act(x, scratch), out)
     return run
-
-
-def mul_mat(type: GGMLType, buf: np.ndarray, offs: np.ndarray, x: np.ndarray, out: np.ndarray, scratch,
-            block_sums: bool = False) -> None:
-    """plan_mul_mat's product for these operands, chosen and run at once (a one-off product;
-    a graph's nodes choose theirs when the plan is prepared)."""
-    plan_mul_mat(type, x.shape[0], offs.shape[0], x.shape[1], block_sums)(buf, offs, x, out, scratch)

@@ -1,10 +1,11 @@
 """Products with a block-quantized matrix, computed from the packed blocks.
 
-Q4_0, Q5_0, Q8_0, Q4_K and Q6_K matrices (Gemma 3's and most Q4_K_M models') go through
-qexact.py, which sums as llama.cpp's x86 kernels do, bit for bit. Q5_K with a few activation
-columns (generation) takes qdot.py's integer dot products on the blocks. Each product's
-kernel is chosen when its plan is prepared (plan_mul_mat_q), never per call. Every other
-product:
+A product takes the kernel its type's record (type_table.py) plans for its shape, when
+there is one: Q4_0, Q5_0, Q8_0, Q4_K and Q6_K matrices (Gemma 3's and most Q4_K_M models')
+through qexact.py, which sums as llama.cpp's x86 kernels do, bit for bit; Q5_K with a few
+activation columns (generation) through qdot.py's integer dot products on the blocks. Each
+product's kernel is chosen when its plan is prepared (plan_mul_mat_q), never per call.
+Every other product:
 
 A quantized matrix W (M rows of K elements, as ggml stores weights) is never expanded
 whole: a tile of rows is dequantized into a small float32 scratch (about TILE_BYTES)
@@ -32,9 +33,10 @@ import numpy as np
 from ... import quants
 from ...tensor import Tensor
 from ...types import GGMLType
-from . import bf16dot, qdot, qexact
+from . import bf16dot
 from .gemm import matmul
 from .plan import Scratch
+from .type_table import cpu_type
 
 TILE_BYTES = 1 << 20
 
@@ -65,7 +67,7 @@ class QuantMatrix:
         self.offs = np.ascontiguousarray(offs, dtype=np.int64).reshape(-1)
         self.k = int(k)
         self.dequantize = quants.kernels(self.type).dequantize
-        self.round_activations = quants.activation_rounder(self.type)
+        self.round_activations = cpu_type(self.type).round_activations
 
     @classmethod
     def from_bytes(cls, type: GGMLType, rows: np.ndarray, k: int) -> "QuantMatrix":
@@ -99,20 +101,16 @@ def plan_mul_mat_q(w: QuantMatrix, n: int) -> ProductQ:
 
     x~ is x rounded as ggml-cpu rounds the activations of the product (quantized to W's
     vec_dot_type and back: exactly the values its integer dot products use), written
-    into `scratch` (the backend's; tiles go there too); x is left unchanged. The types
-    llama.cpp's x86 build sums in a fixed order (Q5_0, Q8_0, Q4_K, Q6_K) take qexact.py's
-    kernels instead, which reproduce that order bit for bit, for any number of columns; Q5_K
-    with up to qdot.MAX_COLUMNS columns takes qdot.py's integer dot products on the blocks;
-    the rest below.
+    into `scratch` (the backend's; tiles go there too); x is left unchanged. Where the type
+    table plans a kernel on the packed rows for this shape (CpuType.plan_product), that
+    kernel; otherwise the tiles below.
 
     Tiles are dequantized one group at a time, a tile per thread, and each tile's product
     is one whole BLAS call: the result is the same for any thread count and the float
     rounding of every product is that of an unsliced (N, K) x (K, tile) GEMM."""
-    if qexact.supports(w.type):  # ggml's own summation order (qexact.py), any column count
-        exact = qexact.plan_mul_mat(w.type, n, w.m, w.k)
-        return lambda x, out, scratch: exact(w.buf, w.offs, x, out, scratch)
-    if qdot.supports(w.type, n):  # Q5_K with a few columns: integer dots on the blocks
-        return lambda x, out, scratch: qdot.mul_mat_dot(w.type, w.buf, w.offs, x, out, scratch)
+    packed = cpu_type(w.type).plan_product(n, w.m, w.k)  # the type table's kernel on the packed rows
+    if packed is not None:
+        return lambda x, out, scratch: packed(w.buf, w.offs, x, out, scratch)
     return lambda x, out, scratch: _mul_mat_tiles(w, x, out, scratch)
 
 
