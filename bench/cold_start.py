@@ -1,5 +1,5 @@
 """The first run after installing (an empty numba cache), with and without compile-ahead
-(ggmlpy/backend/cpu/compile_ahead.py), alternated so that the host's drift hits both alike.
+(ggmlpy/backend/cpu/plan/compile_ahead.py), alternated so that the host's drift hits both alike.
 
     python bench/cold_start.py [--repeat 2] [--threads 2] [--only ppl,lora]
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import ggmlpy.backend.cpu as cpu
-from ggmlpy.backend.cpu import gemm
+from ggmlpy.backend.cpu.products import gemm
 
 SHAPES = [(128, 128, 384), (128, 128, 128), (128, 384, 128), (128, 128, 512), (256, 128, 384), (32, 128, 384)]
 

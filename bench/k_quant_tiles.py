@@ -17,7 +17,7 @@ import numpy as np
 
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu import qexact, type_table
+from ggmlpy.backend.cpu.products import qexact, type_table
 from ggmlpy.backend.cpu.plan import Scratch
 
 

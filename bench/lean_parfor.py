@@ -17,7 +17,9 @@ import tempfile
 ONE = r"""
 import time
 import numpy as np
-from ggmlpy.backend.cpu import kernels as K, qexact as Q, small_head_attention as SHA
+from ggmlpy.backend.cpu.rows import kernels as K
+from ggmlpy.backend.cpu.products import qexact as Q
+from ggmlpy.backend.cpu.attention import small_head_attention as SHA
 
 rng = np.random.default_rng(0)
 q = rng.random((1, 8, 200, 8)).astype(np.float32)

@@ -21,9 +21,9 @@ from ggmlpy import GGMLType as T
 from ggmlpy import quants
 from dataclasses import replace
 
-from ggmlpy.backend.cpu import type_table
+from ggmlpy.backend.cpu.products import type_table
 from ggmlpy.backend.cpu.plan import Scratch
-from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
+from ggmlpy.backend.cpu.products.qmatmul import QuantMatrix, mul_mat_q
 
 SHAPES = {T.Q4_0: [(2048, 640)], T.Q5_K: [(640, 2048)]}
 

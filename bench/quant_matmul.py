@@ -24,7 +24,8 @@ import numpy as np
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu import CpuBackend, qmatmul, type_table
+from ggmlpy.backend.cpu import CpuBackend
+from ggmlpy.backend.cpu.products import qmatmul, type_table
 from ggmlpy.backend.cpu.plan import Scratch
 
 

@@ -7,7 +7,7 @@ new numba is checked here (pyproject.toml pins the versions this was written aga
 - numba's lowering registries loaded without the packages it probes for unused features;
 - the thread-count setter without numba's checks and lock (the executor switches often);
 - serialised cache saves and a dispatcher that compiles instead of running (compile-ahead's
-  child, backend/cpu/compile_ahead.py);
+  child, backend/cpu/plan/compile_ahead.py);
 - LLVM's bfloat type, which llvmlite's IR builder does not name (ggmlpy/llvmir/emit.py);
 - the code libraries of parallel kernels linked without compiling their bodies four times.
 
@@ -64,7 +64,7 @@ def compile_count() -> Callable[[], int]:
 
 
 # What numba imports when its registries load, for features no ggmlpy kernel uses: scipy's
-# BLAS (np.dot in njit code; products call BLAS through backend/cpu/gemm.py) and cffi's
+# BLAS (np.dot in njit code; products call BLAS through backend/cpu/products/gemm.py) and cffi's
 # C parser (cffi functions called from njit code).
 _UNUSED_BY_KERNELS = ("scipy.linalg", "cffi")
 

@@ -7,7 +7,6 @@ from pathlib import Path
 from types import MappingProxyType
 
 from ggmlpy import GGMLType, Tensor
-from ggmlpy.backend.cpu.type_table import MATRIX_TYPES
 
 from .arch import ARCHITECTURES, Architecture
 from .arch.base import TensorSpec
@@ -108,6 +107,7 @@ def check_tensors(source: GGUFMetadata, arch_name: str, specs: dict[str, TensorS
     for name, spec in specs.items():
         if spec.required:
             source.tensor(name)
+    from ggmlpy.backend.cpu.products.type_table import MATRIX_TYPES  # the backend's numba loads after start-up
     for name, t in source.tensors.items():
         ne = specs[name].ne
         if t.ne != ne + (1,) * (4 - len(ne)):

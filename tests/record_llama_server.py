@@ -41,7 +41,7 @@ PROMPT = "Once upon a time"
 CHAT = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me about Lily."}]
 
 # run -> (model, flags). Flash attention off: llamapy's flash-attention kernels round as ggml's
-# tiled kernel does for every ubatch (ggmlpy/backend/cpu/small_head_attention.py), so with it on
+# tiled kernel does for every ubatch (ggmlpy/backend/cpu/attention/small_head_attention.py), so with it on
 # hidden states differ from llama.cpp's by ~1e-3 (stories260K) to ~1 (Gemma 3's large
 # activations); without it both sides agree to 1e-4 (Gemma 3: bit for bit).
 RUNS = {

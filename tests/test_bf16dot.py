@@ -11,7 +11,7 @@ from test_quants import quantized_weights
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import convert
-from ggmlpy.backend.cpu import bf16dot, qmatmul
+from ggmlpy.backend.cpu.products import bf16dot, qmatmul
 from ggmlpy.backend.cpu.plan import Scratch
 
 
@@ -140,7 +140,7 @@ def test_fused_output_layer_with_prec_bf16(path, monkeypatch, type):
     after chunk; the loss rows are unchanged."""
     from test_linear_cross_entropy import graph_with_gradients, k_for, labels, logits_gradient, weight
 
-    from ggmlpy.backend.cpu import linear_ce
+    from ggmlpy.backend.cpu.train import linear_ce
     monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1)  # several chunks
     rng = np.random.default_rng(int(type) + 5)
     k, n_classes, n = k_for(type), 70, 9

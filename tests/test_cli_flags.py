@@ -268,7 +268,7 @@ def test_the_compile_note_comes_only_when_numba_compiles(tmp_path):
     probe = ("from ggmlpy.backend.cpu import on_first_compile\n"
              "import numpy as np\n"
              "on_first_compile(lambda: print('compiling'))\n"
-             "from ggmlpy.backend.cpu.kernels import rms_norm_f32\n"
+             "from ggmlpy.backend.cpu.rows.kernels import rms_norm_f32\n"
              "x = np.ones((1, 1, 2, 8), np.float32)\n"
              "rms_norm_f32(x, np.empty_like(x), 1e-5)\n")
     env = {**__import__("os").environ, "NUMBA_CACHE_DIR": str(tmp_path)}

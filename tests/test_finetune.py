@@ -86,7 +86,7 @@ def test_output_layer_fused_with_the_loss_equals_the_logits_graph(stories, wiki_
     prompt-like positions ignored; and no tensor of the graph is [n_vocab x n_tokens]."""
     import ggmlpy as gg
     from llamapy.graph_builder import GraphBuilder
-    from ggmlpy.backend.cpu import linear_ce
+    from ggmlpy.backend.cpu.train import linear_ce
     monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 1)  # 16 chunks of 32 tokens of the vocabulary
     ds = token_windows(wiki_tokens, N_CTX)
     labels = ds.labels[0].copy()

@@ -1,4 +1,4 @@
-"""Steps fused when a plan is prepared (ggmlpy/backend/cpu/fused.py): RMS_NORM then the MUL
+"""Steps fused when a plan is prepared (ggmlpy/backend/cpu/rows/fused.py): RMS_NORM then the MUL
 by its weight in one call. The fused call must give the bits of the two kernels run one
 after the other, write the norm's own result too (another graph may read it), and fuse only
 what it can: a norm whose next step does not read it, or a layout the kernel does not take,
@@ -10,8 +10,8 @@ import pytest
 
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
-from ggmlpy.backend.cpu import fused
-from ggmlpy.backend.cpu import kernels as K
+from ggmlpy.backend.cpu.rows import fused
+from ggmlpy.backend.cpu.rows import kernels as K
 
 
 def norm_then_mul(rows: int, width: int, w_rows: int, weight_first: bool, extra: bool = False):
@@ -100,7 +100,7 @@ def test_a_decode_step_fuses_every_norm(monkeypatch, stories_path):
     """stories260K's one-token step: the first norm is RMS_NORM+MUL, every later one (after a
     residual ADD) ADD+RMS_NORM+MUL, and the logits are those of plans without fusions."""
     import llamapy
-    from ggmlpy.backend.cpu import dispatch
+    from ggmlpy.backend.cpu.plan import dispatch
     model = llamapy.load_model(stories_path)
     n_layer = model.hparams.n_layer
     got = []

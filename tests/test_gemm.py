@@ -13,8 +13,8 @@ import numba
 import numpy as np
 import pytest
 
-from ggmlpy.backend.cpu import gemm
-from ggmlpy.backend.cpu.gemm import SLICE_ROWS, Matmul, matmul
+from ggmlpy.backend.cpu.products import gemm
+from ggmlpy.backend.cpu.products.gemm import SLICE_ROWS, Matmul, matmul
 
 
 @pytest.fixture(autouse=True, params=["sgemm", "numpy.matmul"])

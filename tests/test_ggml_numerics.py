@@ -19,10 +19,10 @@ from numba import njit
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu import qexact
-from ggmlpy.backend.cpu.type_table import cpu_type
+from ggmlpy.backend.cpu.products import qexact
+from ggmlpy.backend.cpu.products.type_table import cpu_type
 from ggmlpy.backend.cpu.plan import Scratch
-from ggmlpy.backend.cpu.qmatmul import QuantMatrix, mul_mat_q
+from ggmlpy.backend.cpu.products.qmatmul import QuantMatrix, mul_mat_q
 from ggmlpy.backend.cpu.simd import expf_avx512
 
 F32 = np.float32

@@ -38,7 +38,7 @@ from numba import njit
 import ggmlpy as gg
 from ggmlpy import half
 from ggmlpy import GGMLType as T
-from ggmlpy.backend.cpu.small_head_attention import MAX_HEAD_DIM as SMALL_HEAD_DIM
+from ggmlpy.backend.cpu.attention.small_head_attention import MAX_HEAD_DIM as SMALL_HEAD_DIM
 
 RTOL = 1e-6
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -192,7 +192,7 @@ def _gelu_ggml_ref(x, b=None):
     """GELU (times b) as ggml-cpu computes it (ggml_vec_gelu_f32 / ggml_vec_geglu_f32 with
     GGML_GELU_FP16): 0 at or below -10, x at or above 10, between them the entry of ggml's
     half table at x rounded to half (numpy's rounding here); float32 results."""
-    from ggmlpy.backend.cpu.kernels import GELU_TABLE
+    from ggmlpy.backend.cpu.rows.kernels import GELU_TABLE
     x = np.asarray(x, dtype=np.float32)
     looked_up = GELU_TABLE[x.astype(np.float16).view(np.uint16)]
     act = np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, looked_up))
@@ -229,7 +229,7 @@ def test_unary(rng, name, layout):
 @pytest.mark.parametrize("fn", ["silu_f32", "swiglu_f32"])
 def test_silu_over_its_input_is_the_same(rng, fn):
     """The graph computes SiLU and SwiGLU over their input when it dies there: the same bits."""
-    from ggmlpy.backend.cpu import kernels as K
+    from ggmlpy.backend.cpu.rows import kernels as K
     a, g = randn(rng, (2, 3, 5, 37), 4.0), randn(rng, (2, 3, 5, 37))
     args = (a, g) if fn == "swiglu_f32" else (a,)
     out = np.empty_like(a)
@@ -248,7 +248,7 @@ GGML_GELU_TABLE_SHA256 = "5eceda6f287dec9dc0bcfa24516d6744a031a5c52d1984688b4558
 def test_gelu_table_is_ggmls():
     """Bit for bit ggml's table; and GELU rounded to half: float32's cancellation in
     1 + tanh(u) for x << 0 aside (|x| * 2 eps), within one half-ulp of the float64 GELU."""
-    from ggmlpy.backend.cpu.kernels import GELU_TABLE
+    from ggmlpy.backend.cpu.rows.kernels import GELU_TABLE
     assert hashlib.sha256(GELU_TABLE.astype(np.float16).view(np.uint16).tobytes()).hexdigest() == GGML_GELU_TABLE_SHA256
     halves = np.arange(1 << 16).astype(np.uint16).view(np.float16)
     finite = np.isfinite(halves)
@@ -908,7 +908,7 @@ def _f32_to_halves_select(x, out):
 def _f16_kernels(path: str):
     """(halves -> float32, float32 -> halves) through the kernels the backend runs, or
     through the integer-select versions used on CPUs without conversion instructions."""
-    from ggmlpy.backend.cpu import kernels as K
+    from ggmlpy.backend.cpu.rows import kernels as K
 
     if path == "select":
         return _halves_to_f32_select, _f32_to_halves_select
@@ -953,7 +953,7 @@ def test_f16_bits_round_trip_as_numpy(path):
 def test_f16_cells_of_several_streams_as_numpy():
     """The KV reader of several sequences' streams: each stream a strided view of its first
     cells (a gap after them, heads before cells), converted up to `used` cells, as numpy."""
-    from ggmlpy.backend.cpu import kernels as K
+    from ggmlpy.backend.cpu.rows import kernels as K
     rng = np.random.default_rng(3)
     cache = rng.standard_normal((4, 2, 64, 16)).astype(np.float16)  # [streams, heads, kv_size, d]
     cells = cache[:, :, :40].transpose(0, 2, 1, 3)                 # [streams, n_kv 40, heads, d]: not contiguous

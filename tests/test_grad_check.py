@@ -312,7 +312,7 @@ def test_lora_gradients_through_quantized_base(qtype):
     The gradients of A and B reach them through W2's quantized product (OUT_PROD from
     packed rows); finite differences evaluate the same graph in float64 on gguf's own
     dequantization of the same bytes."""
-    from ggmlpy.backend.cpu.type_table import round_activations
+    from ggmlpy.backend.cpu.products.type_table import round_activations
     from ggmlpy.quants import quantize
     t = gg.GGMLType[qtype]
     rng = np.random.default_rng(4)

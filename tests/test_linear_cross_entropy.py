@@ -16,7 +16,8 @@ from test_quants import quantized_weights, ref_round_activations
 
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
-from ggmlpy.backend.cpu import linear_ce, qmatmul
+from ggmlpy.backend.cpu.train import linear_ce
+from ggmlpy.backend.cpu.products import qmatmul
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.Q6_K]
 RTOL = 2e-6

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ggmlpy as gg
-from ggmlpy.backend.cpu.dispatch import KERNELS
+from ggmlpy.backend.cpu.plan.dispatch import KERNELS
 from ggmlpy.backward import RULES
 
 COMPUTED = {op for op, info in gg.OPS.items() if info.kind is gg.OpKind.COMPUTE}

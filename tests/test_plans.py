@@ -131,7 +131,7 @@ def test_a_decode_step_on_a_long_cache_never_wakes_a_second_thread(model):
     """A one-token step of stories260K is far below a thread's worth of work in every op;
     SET_ROWS into a 4096-cell cache used to be judged by the whole cache it returns and
     switched numba to two threads (and back) twice a layer."""
-    from ggmlpy.backend.cpu import dispatch
+    from ggmlpy.backend.cpu.plan import dispatch
     ctx = llamapy.Context(model, n_ctx=4096, n_threads=2)
     ctx.decode(llamapy.Batch.from_tokens([1, 2, 3]))
     ctx.decode(llamapy.Batch.from_tokens([4], pos0=3))
@@ -150,7 +150,7 @@ def test_a_decode_steps_attention_is_judged_by_the_cache_it_reads(n_head, head_d
     """One query row a head is a small result, but the step reads every cell of the cache:
     a 1.5B model's decode after a long prompt is worth both threads (it ran on one), a
     stories260K step is not."""
-    from ggmlpy.backend.cpu import dispatch
+    from ggmlpy.backend.cpu.plan import dispatch
     c = gg.Context()
     q = c.new_tensor_4d(gg.GGMLType.F32, head_dim, 1, n_head, 1)
     k = c.new_tensor_4d(gg.GGMLType.F16, head_dim, n_kv, n_head // 4, 1)

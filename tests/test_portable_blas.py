@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 
 from ggmlpy import GGMLType
-from ggmlpy.backend.cpu import gemm
+from ggmlpy.backend.cpu.products import gemm
 
 
 def _libc() -> str:
@@ -49,7 +49,7 @@ NO_BLAS_DECODE = textwrap.dedent("""
 
     threadpoolctl.ThreadpoolController = Controller
     import ggmlpy
-    from ggmlpy.backend.cpu import gemm
+    from ggmlpy.backend.cpu.products import gemm
     assert gemm.BLAS == "numpy.matmul", gemm.BLAS
     import llamapy
     model = llamapy.load_model(sys.argv[1])

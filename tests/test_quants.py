@@ -27,7 +27,7 @@ from numba import njit
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants as Q
-from ggmlpy.backend.cpu import qmatmul, type_table
+from ggmlpy.backend.cpu.products import qmatmul, type_table
 from ggmlpy.quants.common import f32_to_f16_bits
 from ggmlpy.types import type_from_name
 
@@ -347,7 +347,7 @@ def test_block_sums_products(type, n):
     take the gemv kernels): one float multiply-add per block of 32, so float32 rounding only
     from the rounded activations' exact products, and each column's results the same bits
     whatever columns come with it (16 or more)."""
-    from ggmlpy.backend.cpu import qexact, type_table
+    from ggmlpy.backend.cpu.products import qexact, type_table
     from ggmlpy.backend.cpu.plan import Scratch
     rng = np.random.default_rng(int(type) + n)
     k, m = 160, 45  # 45 rows: a partial group of 8 and of 32
@@ -371,7 +371,7 @@ def test_block_sums_bits(type, vnni, monkeypatch):
     run), bit for bit: per block, the exact integer sum, then acc = fma(d_w * d_x, sum, acc)
     in block order (ggml_reference.mul_mat_q0_blocks)."""
     from ggml_reference import decode_q5_0, decode_q8_0, mul_mat_q0_blocks
-    from ggmlpy.backend.cpu import qexact, type_table
+    from ggmlpy.backend.cpu.products import qexact, type_table
     from ggmlpy.backend.cpu.plan import Scratch
     if vnni and not qexact.VNNI:
         pytest.skip("this CPU has no AVX512-VNNI")
@@ -562,7 +562,7 @@ def test_a_product_decides_its_kernel_when_the_plan_is_prepared(monkeypatch, n_c
     """Every MUL_MAT of a quantized matrix picks its kernel and activation layout once, when
     the plan is prepared: running the plan again consults no chooser (ggml-cpu's
     type_traits_cpu lookup is per node, not per call)."""
-    from ggmlpy.backend.cpu import qdot, qexact, type_table
+    from ggmlpy.backend.cpu.products import qdot, qexact, type_table
     rng = np.random.default_rng(3)
     ctx = gg.Context()
     outs = []

@@ -10,8 +10,8 @@ from conftest import REPO_ROOT
 AHEAD = """
 import mmap, os
 import numpy as np
-from ggmlpy.backend.cpu import kernels as K
-from ggmlpy.backend.cpu.compile_ahead import CompileAhead
+from ggmlpy.backend.cpu.rows import kernels as K
+from ggmlpy.backend.cpu.plan.compile_ahead import CompileAhead
 
 x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(1, 1, 4, 16)
 shared = np.frombuffer(mmap.mmap(-1, x.nbytes), dtype=np.float32).reshape(x.shape)  # seen by both processes
@@ -153,7 +153,7 @@ def test_compile_ahead_starts_when_a_plans_step_compiles(monkeypatch):
     import threading
 
     from ggmlpy.backend import cpu
-    from ggmlpy.backend.cpu import compile_ahead
+    from ggmlpy.backend.cpu.plan import compile_ahead
 
     started = []
 

@@ -11,7 +11,9 @@ import numba
 import numpy as np
 
 from ...graph import Graph
-from . import bf16dot, compile_ahead, dispatch, train_kernels
+from .products import bf16dot
+from .plan import compile_ahead, dispatch
+from .train import train_kernels
 from ...numba_compat import compile_count, fast_thread_setter, lean_parfor_libraries, on_first_compile  # noqa: F401 -- public
 from ...cores import FreeCores
 from .plan import Plan, Scratch

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import convert
-from ...ops import Prec, prec_of
-from ...tensor import Op, Tensor
-from ...types import GGMLType, traits
+from .... import convert
+from ....ops import Prec, prec_of
+from ....tensor import Op, Tensor
+from ....types import GGMLType, traits
 from . import floatdot
 from .gemm import GRAIN, Matmul, matmul
-from .kernel_table import KernelTable, Prepared, require_f32
-from .plan import Plan
+from ..plan.kernel_table import KernelTable, Prepared, require_f32
+from ..plan import Plan
 from .qmatmul import QuantMatrix, mul_mat_qt, plan_mul_mat_q, row_offsets
 
 KERNELS = KernelTable()

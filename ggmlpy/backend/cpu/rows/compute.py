@@ -10,16 +10,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ... import convert
-from ...ops import ROPE_TYPE_NEOX
-from ...tensor import Op, Tensor
-from ...types import GGMLType, traits
-from . import attention as ATT
+from .... import convert
+from ....ops import ROPE_TYPE_NEOX
+from ....tensor import Op, Tensor
+from ....types import GGMLType, traits
+from ..attention import attention as ATT
 from . import kernels as K
-from . import small_head_attention as SHA
-from .kernel_table import KernelTable, Prepared, read_only, require_f32
-from .matmul import PARALLEL_MIN_MACS
-from .plan import Plan
+from ..attention import small_head_attention as SHA
+from ..plan.kernel_table import KernelTable, Prepared, read_only, require_f32
+from ..products.matmul import PARALLEL_MIN_MACS
+from ..plan import Plan
 
 KERNELS = KernelTable()
 _EMPTY_F32 = np.zeros((1, 1, 1, 1), dtype=np.float32)
@@ -301,7 +301,7 @@ def _get_rows(node: Tensor, plan: Plan) -> Prepared:
 
 def _get_rows_quantized(a: Tensor, idx: np.ndarray, dv: np.ndarray) -> Prepared:
     """Only the picked rows are dequantized, straight into the result when it is contiguous."""
-    from .qmatmul import QuantMatrix, get_rows_q, row_offsets
+    from ..products.qmatmul import QuantMatrix, get_rows_q, row_offsets
     offs = row_offsets(a)  # (ne03, ne02, ne01)
     w = QuantMatrix(a.type, a.buffer, offs.reshape(-1), a.ne[0])
     n3, n2, n1 = offs.shape
@@ -335,7 +335,7 @@ def _set_rows(node: Tensor, plan: Plan) -> Prepared:
     n3, n2 = sv.shape[0], sv.shape[1]
     c2, c1 = iv.shape[0], iv.shape[1]
     if traits(dst_t.type).is_quantized:
-        from ... import quants
+        from .... import quants
         q_type = dst_t.type
         if quants.kernels(q_type).quantize is None:
             raise NotImplementedError(f"SET_ROWS into {q_type.name}")
@@ -384,7 +384,7 @@ def _copy(node: Tensor, plan: Plan) -> Prepared:
 def _convert_quantized(node: Tensor, src: Tensor) -> Prepared:
     """CPY/CONT/DUP between a block-quantized type and F32, element order kept (as ggml's
     dup: rows of the destination are filled in order, whatever the shapes)."""
-    from ... import quants
+    from .... import quants
     sv, dv = src.array(), node.array()
     if traits(src.type).is_quantized and node.type == GGMLType.F32:
         s_type = src.type

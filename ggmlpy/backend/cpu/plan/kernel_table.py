@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...tensor import Op, Tensor
-from ...types import GGMLType
+from ....tensor import Op, Tensor
+from ....types import GGMLType
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from . import Plan
 
 Prepared = Callable[[], None]  # computes one node into its bound memory
 Preparer = Callable[[Tensor, "Plan"], Prepared]  # the plan owns tables and scratch the call may use

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from ...llvmir.float_dots import dot_lanes16, float_tile_4x4, vec_dot_f16_row, vec_dot_f32_row
+from ....llvmir.float_dots import dot_lanes16, float_tile_4x4, vec_dot_f16_row, vec_dot_f32_row
 
 LANES = 16
 

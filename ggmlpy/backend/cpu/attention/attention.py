@@ -32,12 +32,12 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ...half import f16_bits_to_f32, f32_to_f16_bits
-from ...llvmir.attention import attn_scores_4x64, attn_values_4x64
-from ...llvmir.float_dots import vec_dot_f16_row, vec_dot_f32_row
-from ...llvmir.scalar import fma_f32
-from .kernels import alibi_slope
-from .simd import expf, expf_avx512, reduce16
+from ....half import f16_bits_to_f32, f32_to_f16_bits
+from ....llvmir.attention import attn_scores_4x64, attn_values_4x64
+from ....llvmir.float_dots import vec_dot_f16_row, vec_dot_f32_row
+from ....llvmir.scalar import fma_f32
+from ..rows.kernels import alibi_slope
+from ..simd import expf, expf_avx512, reduce16
 
 F32 = np.float32
 Q_TILE = 64   # ggml_fa_tile_config::Q: rows from which ggml uses the tiled kernel

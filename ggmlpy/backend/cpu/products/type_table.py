@@ -17,9 +17,9 @@ from functools import partial
 
 import numpy as np
 
-from ... import convert
-from ...quants import kquants, simple
-from ...types import TYPE_TRAITS, GGMLType
+from .... import convert
+from ....quants import kquants, simple
+from ....types import TYPE_TRAITS, GGMLType
 from . import qdot, qexact
 from .qexact import Product
 

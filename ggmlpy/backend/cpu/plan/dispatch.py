@@ -4,10 +4,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ...tensor import Op, Tensor
-from . import compute, compute_sampling, compute_train, fused, linear_ce, matmul
+from ....tensor import Op, Tensor
+from ..rows import compute, compute_sampling, fused
+from ..train import compute_train, linear_ce
+from ..products import matmul
 from .kernel_table import Kernel, Prepared
-from .plan import Plan
+from . import Plan
 
 
 def _merge(*tables: Mapping[Op, Kernel]) -> Mapping[Op, Kernel]:

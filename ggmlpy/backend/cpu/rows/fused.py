@@ -17,12 +17,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ...tensor import Op, Tensor
-from ...types import GGMLType
+from ....tensor import Op, Tensor
+from ....types import GGMLType
 from .compute import _rows_repeat
-from .kernel_table import Prepared, read_only
+from ..plan.kernel_table import Prepared, read_only
 from .kernels import sum_sq_f64
-from .plan import Plan
+from ..plan import Plan
 
 F32 = np.float32
 

@@ -15,9 +15,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ...half import f16_bits_to_f32, f32_to_f16_bits
-from ...llvmir.scalar import fma_f32
-from .simd import expf_avx512, reduce16
+from ....half import f16_bits_to_f32, f32_to_f16_bits
+from ....llvmir.scalar import fma_f32
+from ..simd import expf_avx512, reduce16
 
 F32 = np.float32
 

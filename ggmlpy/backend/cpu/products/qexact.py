@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ...llvmir.emit import W
-from ...llvmir.quant_tiles import (
+from ....llvmir.emit import W
+from ....llvmir.quant_tiles import (
     Q0_ROWS,
     Q4K_ROWS,
     Q6K_ROWS,
@@ -53,8 +53,8 @@ from ...llvmir.quant_tiles import (
     q6_k_gemv_tile,
     q6_k_tile,
 )
-from ...llvmir.scalar import fma_f32
-from ...llvmir.vnni import (
+from ....llvmir.scalar import fma_f32
+from ....llvmir.vnni import (
     BLOCK_ROWS,
     Q4K_ROW_CALL,
     Q4K_VNNI_ROWS,
@@ -72,10 +72,10 @@ from ...llvmir.vnni import (
     q6_k_tile_vnni,
     q8_0_row_vnni,
 )
-from ...quants.common import F32, QK_K, f16_to_f32
-from ...quants.kquants import activation_q8_k, activation_superblock_scale, scale_min_k4
-from ...quants.simple import activation_block_scale, activation_q8_0
-from .simd import hsum8
+from ....quants.common import F32, QK_K, f16_to_f32
+from ....quants.kquants import activation_q8_k, activation_superblock_scale, scale_min_k4
+from ....quants.simple import activation_block_scale, activation_q8_0
+from ..simd import hsum8
 
 QK = 32
 Q4_0_BYTES = 18          # bytes of a block: f16 d, then the elements

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import rowops
-from ...tensor import Op, Tensor
-from .kernel_table import KernelTable, Prepared, require_f32
-from .plan import Plan
+from .... import rowops
+from ....tensor import Op, Tensor
+from ..plan.kernel_table import KernelTable, Prepared, require_f32
+from ..plan import Plan
 
 KERNELS = KernelTable()
 

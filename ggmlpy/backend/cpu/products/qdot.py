@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit, prange
 
-from ...quants.common import F32, QK_K, f16_to_f32
-from ...quants.kquants import scale_min_k4
+from ....quants.common import F32, QK_K, f16_to_f32
+from ....quants.kquants import scale_min_k4
 from .qexact import ROWS, quantize_q8_k
 
 QK = 32

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ...numba_compat import cache_saves_lockable, compile_instead_of_running, lock_cache_saves
+from ....numba_compat import cache_saves_lockable, compile_instead_of_running, lock_cache_saves
 
 
 class _Compiled(Exception):

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ... import tensor as tensor_module
-from ...graph import Graph
-from ...registry import OPS, OpKind
-from ...tensor import Op, Tensor
-from . import kernels as K
+from .... import tensor as tensor_module
+from ....graph import Graph
+from ....registry import OPS, OpKind
+from ....tensor import Op, Tensor
+from ..rows import kernels as K
 
 
 class Scratch:

@@ -30,12 +30,12 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
-from ... import quants
-from ...tensor import Tensor
-from ...types import GGMLType
+from .... import quants
+from ....tensor import Tensor
+from ....types import GGMLType
 from . import bf16dot
 from .gemm import matmul
-from .plan import Scratch
+from ..plan import Scratch
 from .type_table import cpu_type
 
 TILE_BYTES = 1 << 20

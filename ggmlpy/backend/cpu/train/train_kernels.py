@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from ...rowops import exp_sum
-from .kernels import (
+from ....rowops import exp_sum
+from ..rows.kernels import (
     _EXP_MAX,
     GELU_COEF_A,
     SQRT_2_OVER_PI,

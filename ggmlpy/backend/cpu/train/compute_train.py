@@ -4,10 +4,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...tensor import Op, Tensor
+from ....tensor import Op, Tensor
 from . import train_kernels as TK
-from .kernel_table import PARALLEL_MIN_ELEMENTS, KernelTable, Prepared, require_f32
-from .plan import Plan
+from ..plan.kernel_table import PARALLEL_MIN_ELEMENTS, KernelTable, Prepared, require_f32
+from ..plan import Plan
 
 KERNELS = KernelTable()
 

@@ -1,0 +1,1 @@
+"""Element-wise and row ops (norms, RoPE, softmax, copies, gathers), fused pairs, sampling ops."""

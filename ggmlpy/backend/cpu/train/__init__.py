@@ -1,0 +1,1 @@
+"""Training ops: backward kernels, optimizer steps, the fused output layer and loss."""
