@@ -41,12 +41,8 @@ def _f16_round(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 
 
-def _store_cast(dst: np.ndarray, values: np.ndarray) -> None:
-    np.copyto(dst, values, casting="unsafe")
-
-
-def _store_bf16(dst: np.ndarray, values: np.ndarray) -> None:
-    np.copyto(dst, f32_to_bf16(values).reshape(dst.shape))
+def _copy_into(values: np.ndarray, out: np.ndarray) -> None:
+    np.copyto(out, values)
 
 
 @dataclass(frozen=True)
@@ -56,14 +52,14 @@ class Codec:
     to_f32: Callable[[np.ndarray], np.ndarray]  # a view when the values are float32 already
     to_f32_into: Callable[[np.ndarray, np.ndarray], None]  # (values, float32 out)
     round_to: Callable[[np.ndarray], np.ndarray]  # float32 rounded through the type
-    store: Callable[[np.ndarray, np.ndarray], None]  # (typed destination, float values)
+    encode: Callable[[np.ndarray], np.ndarray]  # float values as the type stores them (numpy casts the rest)
 
 
-_CAST = Codec(_as_f32, lambda v, out: np.copyto(out, v), _identity, _store_cast)  # F32, F64, integers
+_CAST = Codec(_as_f32, _copy_into, _identity, _identity)  # F32, F64, integers: numpy's casts
 CODECS: dict[GGMLType, Codec] = {
-    GGMLType.F32: Codec(_identity, lambda v, out: np.copyto(out, v), _identity, _store_cast),
-    GGMLType.F16: Codec(_as_f32, lambda v, out: np.copyto(out, v), _f16_round, _store_cast),
-    GGMLType.BF16: Codec(bf16_to_f32, _bf16_into, lambda x: bf16_to_f32(f32_to_bf16(x)), _store_bf16),
+    GGMLType.F32: Codec(_identity, _copy_into, _identity, _identity),
+    GGMLType.F16: Codec(_as_f32, _copy_into, _f16_round, _identity),
+    GGMLType.BF16: Codec(bf16_to_f32, _bf16_into, lambda x: bf16_to_f32(f32_to_bf16(x)), f32_to_bf16),
 }
 
 
@@ -89,4 +85,4 @@ def round_to(arr: np.ndarray, type: GGMLType) -> np.ndarray:
 
 def store(dst: np.ndarray, values: np.ndarray, type: GGMLType) -> None:
     """Write float values into a typed destination view, converting as ggml does."""
-    codec(type).store(dst, values)
+    np.copyto(dst, codec(type).encode(values).reshape(dst.shape), casting="unsafe")

@@ -34,6 +34,7 @@ from .gemm import GRAIN, Matmul, matmul
 from ..plan.kernel_table import KernelTable, Prepared, require_f32
 from ..plan import Plan
 from .qmatmul import QuantMatrix, mul_mat_qt, plan_mul_mat_q, row_offsets
+from .type_table import cpu_type
 
 KERNELS = KernelTable()
 
@@ -64,27 +65,28 @@ def prepare_mul_mat(node: Tensor, plan: Plan) -> Prepared:
         return _prepare_quantized(node, a, b, plan)
     av, bv, dv = a.array(), b.array(), node.array()
     ne03, ne02 = av.shape[0], av.shape[1]
-    a_type = a.type
-    if a_type == GGMLType.F16 or (a_type == GGMLType.F32 and prec_of(node) != Prec.BLAS):  # ggml's order (floatdot.py)
+    a_type, floats = a.type, cpu_type(a.type).floats
+    if prec_of(node) not in floats.blas_precs:  # ggml's order (floatdot.py)
         tinyblas = floatdot.uses_tinyblas(a.ne[1], b.ne[1], a.ne[0])
         if not dv.flags.c_contiguous:
             raise NotImplementedError(f"MUL_MAT of {a_type.name} into a non-contiguous result")
-        halves = a_type == GGMLType.F16
         return lambda: floatdot.mul_mat(np.ascontiguousarray(convert.to_f32(av, a_type)),
-                                        np.ascontiguousarray(convert.round_to(bv, a_type)), dv, tinyblas, halves)
+                                        np.ascontiguousarray(convert.round_to(bv, a_type)), dv, tinyblas,
+                                        floats.halves)
 
+    in_place = av.dtype == np.float32  # BLAS reads the matrix as it is; other types convert per call
     b2, d2 = _fold_rows(bv), _fold_rows(dv)
     if ne02 == 1 and ne03 == 1 and b2 is not None and d2 is not None:
         # one matrix for all of b: a single GEMM over every row of b
         a2 = av[0, 0]
-        if a_type == GGMLType.F32:
+        if in_place:
             return Matmul(b2, a2.T, d2, parallel=_mul_mat_parallel(node)).run
         return lambda: matmul(convert.round_to(b2, a_type), convert.to_f32(a2, a_type).T, d2)
 
     a6 = av.reshape(ne03, 1, ne02, 1, av.shape[2], av.shape[3])
     b6 = _split_batch(bv, ne02, ne03)
     d6 = _split_batch(dv, ne02, ne03)
-    if a_type == GGMLType.F32:
+    if in_place:
         return Matmul(b6, a6.swapaxes(-1, -2), d6, parallel=_mul_mat_parallel(node)).run
     return lambda: matmul(convert.round_to(b6, a_type), convert.to_f32(a6, a_type).swapaxes(-1, -2), d6)
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from .... import convert
 from ....quants import kquants, simple
+from ....ops import Prec
 from ....types import TYPE_TRAITS, GGMLType
 from . import qdot, qexact
 from .qexact import Product
@@ -40,13 +41,24 @@ class PackedProducts:
 
 
 @dataclass(frozen=True)
+class FloatProducts:
+    """How a product with a matrix stored as plain values sums: in ggml-cpu's order
+    (floatdot.py: llama.cpp's bits on any CPU), unless the node's precision is one of
+    `blas_precs`: then through BLAS (gemm.py), the values converted to float32 first."""
+
+    blas_precs: frozenset[Prec] = frozenset(Prec)
+    halves: bool = False  # ggml's order is that of its dot products of halves (vec_dot_f16)
+
+
+@dataclass(frozen=True)
 class CpuType:
     """What the CPU backend does with one tensor type."""
 
     type: GGMLType
     vec_dot_type: GGMLType | None = None  # what a product rounds its activations to; None: not a matrix type
     round_activations: RoundActivations | None = None  # that rounding, in place; None: used as they are
-    packed: PackedProducts | None = None
+    packed: PackedProducts | None = None  # block types: products that read the packed rows
+    floats: FloatProducts = FloatProducts()  # element types: products of the values
 
     @property
     def ggml_order(self) -> bool:
@@ -80,8 +92,8 @@ _Q8_K = dict(vec_dot_type=GGMLType.Q8_K, round_activations=kquants.round_rows_q8
 
 CPU_TYPES: dict[GGMLType, CpuType] = {t: CpuType(t) for t in TYPE_TRAITS}  # no products unless below
 CPU_TYPES.update({r.type: r for r in (
-    CpuType(GGMLType.F32, GGMLType.F32),
-    CpuType(GGMLType.F16, GGMLType.F16, _rounded_through(GGMLType.F16)),
+    CpuType(GGMLType.F32, GGMLType.F32, floats=FloatProducts(frozenset({Prec.BLAS}))),
+    CpuType(GGMLType.F16, GGMLType.F16, _rounded_through(GGMLType.F16), floats=FloatProducts(frozenset(), halves=True)),
     CpuType(GGMLType.BF16, GGMLType.BF16, _rounded_through(GGMLType.BF16)),
     CpuType(GGMLType.Q4_0, **_Q8_0, packed=_q0(qexact.Q0Rows(qexact.Q4_0_BYTES, bias=8, repack_rows=8))),
     CpuType(GGMLType.Q5_0, **_Q8_0, packed=_q0(qexact.Q0Rows(qexact.Q5_0_BYTES, bias=16,

@@ -15,14 +15,16 @@ from ....ops import ROPE_TYPE_NEOX
 from ....tensor import Op, Tensor
 from ....types import GGMLType, traits
 from ..attention import attention as ATT
-from . import kernels as K
 from ..attention import small_head_attention as SHA
+from ..plan import Plan
 from ..plan.kernel_table import KernelTable, Prepared, read_only, require_f32
 from ..products.matmul import PARALLEL_MIN_MACS
-from ..plan import Plan
+from ..products.type_table import cpu_type
+from . import kernels as K
 
 KERNELS = KernelTable()
 _EMPTY_F32 = np.zeros((1, 1, 1, 1), dtype=np.float32)
+MASK_TYPES = (GGMLType.F32, GGMLType.F16)  # what masks (and the tiled attention's K and V) may be
 
 
 def broadcast_views(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
@@ -143,11 +145,10 @@ def _soft_max(node: Tensor, plan: Plan) -> Prepared:
     if len(node.src) > 1:
         mask = node.src[1]
         mv = mask.array()
-        if mask.type not in (GGMLType.F32, GGMLType.F16):
+        if mask.type not in MASK_TYPES:
             raise NotImplementedError(f"SOFT_MAX mask of type {mask.type.name}")
-        if mask.type == GGMLType.F16:
-            return lambda: K.soft_max_f32(av, mv.astype(np.float32), dv, scale, max_bias, True, np.nan)
-        return lambda: K.soft_max_f32(av, mv, dv, scale, max_bias, True, np.nan)
+        mask_type = mask.type
+        return lambda: K.soft_max_f32(av, convert.to_f32(mv, mask_type), dv, scale, max_bias, True, np.nan)
     return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False, np.nan)
 
 
@@ -171,15 +172,14 @@ def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
     k_f32, v_f32 = _cells_f32(k), _cells_f32(v)
     if max(q.ne[0], node.ne[0]) <= SHA.MAX_HEAD_DIM:
         return _flash_attn_small_heads(qv, dv, has_mask, mv, mask_type, k_f32, v_f32, k.ne[1], (scale, max_bias, softcap))
-    float_kv = (GGMLType.F16, GGMLType.F32)
-    if q.ne[1] >= ATT.Q_TILE and k.type == v.type and k.type in float_kv:
+    if q.ne[1] >= ATT.Q_TILE and k.type == v.type and k.type in MASK_TYPES:  # F16 or F32 cells
         n_kv = k.ne[1]  # the tiled kernel reads every cell of a tile some row sees: all converted
 
         def run() -> None:
             ATT.flash_attn_tiled(qv, k_f32(n_kv), v_f32(n_kv), convert.to_f32(mv, mask_type), dv, scale, max_bias,
                                  softcap, has_mask)
         return run
-    half_k, half_v = k.type == GGMLType.F16, v.type == GGMLType.F16
+    half_k, half_v = cpu_type(k.type).floats.halves, cpu_type(v.type).floats.halves
     n_kv = k.ne[1]
     # an F16 cache is read in place, a cell at a time (its bits); others as float32 cells
     k_cells, v_cells = _cells_f16_bits(k) or k_f32, _cells_f16_bits(v) or v_f32
@@ -197,7 +197,7 @@ def _flash_attn_ext(node: Tensor, plan: Plan) -> Prepared:
 def _cells_f16_bits(t: Tensor) -> Callable[[int], np.ndarray] | None:
     """For an F16 K or V: a reader of its cells' bits ([n3, n_kv, n_head_kv, d] uint16, in
     place: nothing converted or copied); None for other types."""
-    if t.type != GGMLType.F16:
+    if not cpu_type(t.type).floats.halves:
         return None
     bits = t.array().transpose(0, 2, 1, 3).view(np.uint16)
     return lambda used: bits
@@ -223,7 +223,7 @@ def _attn_mask(node: Tensor) -> tuple[bool, np.ndarray, GGMLType]:
     """(has a mask, its array, its type) of a FLASH_ATTN_EXT node."""
     if len(node.src) > 3:
         return True, node.src[3].array(), node.src[3].type
-    return False, _EMPTY_F32, GGMLType.F32
+    return False, _EMPTY_F32, GGMLType.F32  # (an empty float32 array: no conversion)
 
 
 def _cells_f32(t: Tensor) -> Callable[[int], np.ndarray]:
@@ -232,10 +232,11 @@ def _cells_f32(t: Tensor) -> Callable[[int], np.ndarray]:
     on each call (F16 through numba, several times faster than numpy's cast) with at
     least the first `used` cells of each sequence."""
     cells = t.array().transpose(0, 2, 1, 3)
-    if t.type == GGMLType.F32 and cells.flags.c_contiguous:
+    if cells.dtype == np.float32 and cells.flags.c_contiguous:
         return lambda used: cells
     buf = np.empty(cells.shape, dtype=np.float32)
-    if t.type == GGMLType.F16 and cells.flags.c_contiguous:
+    halves = cpu_type(t.type).floats.halves  # read as bits by numba, which has no float16 arrays
+    if halves and cells.flags.c_contiguous:
         bits, flat = cells.reshape(-1).view(np.uint16), buf.reshape(-1)
         per_cell = math.prod(cells.shape[2:])
 
@@ -244,7 +245,7 @@ def _cells_f32(t: Tensor) -> Callable[[int], np.ndarray]:
             K.f16_to_f32(bits[:n], flat[:n])
             return buf
         return read_f16
-    if t.type == GGMLType.F16:  # several sequences' streams: each a view of the first cells of its own
+    if halves:  # several sequences' streams: each a view of the first cells of its own
         strided_bits = cells.view(np.uint16)
 
         def read_streams_f16(used: int) -> np.ndarray:
@@ -290,8 +291,9 @@ def _get_rows(node: Tensor, plan: Plan) -> Prepared:
     if tr.is_quantized:
         return _get_rows_quantized(a, idx, dv)
     av = a.array()
-    if a.type in (GGMLType.F16, GGMLType.BF16):
-        # numba has no float16 arrays: gather the picked rows in numpy and convert only those
+    if av.dtype != dv.dtype:
+        # stored values to convert (F16, BF16; numba has no float16 arrays): gather the picked
+        # rows in numpy and convert only those
         i12 = np.arange(idx.shape[0])[:, None, None]
         i11 = np.arange(idx.shape[1])[None, :, None]
         return lambda: np.copyto(dv, convert.to_f32(av[i12, i11, idx], a.type))
@@ -345,20 +347,15 @@ def _set_rows(node: Tensor, plan: Plan) -> Prepared:
                 for i2 in range(n2):
                     dv[i3, i2][iv[i3 % c2, i2 % c1]] = quants.quantize(sv[i3, i2], q_type)
         return run
-    if dst_t.type == GGMLType.F16:  # the KV cache's writes: numba rounds as numpy does, faster
+    if cpu_type(dst_t.type).floats.halves:  # the KV cache's writes: numba rounds as numpy does, faster
         bits = dv.view(np.uint16)
         return lambda: K.set_rows_f16(sv, iv, bits)
-    if dst_t.type == GGMLType.BF16:
-        def run() -> None:
-            for i3 in range(n3):
-                for i2 in range(n2):
-                    dv[i3, i2][iv[i3 % c2, i2 % c1]] = convert.f32_to_bf16(sv[i3, i2])
-        return run
+    encode = convert.codec(dst_t.type).encode
 
     def run() -> None:
         for i3 in range(n3):
             for i2 in range(n2):
-                dv[i3, i2][iv[i3 % c2, i2 % c1]] = sv[i3, i2]
+                dv[i3, i2][iv[i3 % c2, i2 % c1]] = encode(sv[i3, i2])
     return run
 
 
