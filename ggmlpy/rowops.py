@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import njit
 
-from .backend.cpu.rows.kernels import exp_f32, max_f32, sum_f64
+from .row_math import exp_f32, max_f32, sum_f64
 
 F32 = np.float32
 

@@ -21,7 +21,7 @@ from ....tensor import Op, Tensor
 from ....types import GGMLType
 from .compute import _rows_repeat
 from ..plan.kernel_table import Prepared, read_only
-from .kernels import sum_sq_f64
+from ....row_math import sum_sq_f64
 from ..plan import Plan
 
 F32 = np.float32

@@ -17,6 +17,7 @@ from numba import njit, prange
 
 from ....half import f16_bits_to_f32, f32_to_f16_bits
 from ....llvmir.scalar import fma_f32
+from ....row_math import exp_f32, max_f32, sum_f64, sum_sq_f64
 from ..simd import expf_avx512, reduce16
 
 F32 = np.float32
@@ -81,33 +82,6 @@ def norm_f32(x, dst, eps):
             dr[i0] *= sc
 
 
-# ggml_v_expf's constants (ggml-cpu/vec.h): round-to-integer shifter, log2(e), ln2 split
-# in two, and the degree-5 polynomial of 2^f.
-_EXP_SHIFT = F32(float.fromhex("0x1.8p23"))
-_EXP_LOG2E = F32(float.fromhex("0x1.715476p+0"))
-_EXP_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
-_EXP_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
-_EXP_C = tuple(F32(float.fromhex(h)) for h in ("0x1.0e4020p-7", "0x1.573e2ep-5", "0x1.555e66p-3",
-                                               "0x1.fffdb6p-2", "0x1.ffffecp-1"))
-
-
-_EXP_MAX = F32(88.0)  # exp_f32 is valid up to here (exp(88) = 1.65e38); callers clamp
-
-
-@njit(cache=True, inline="always")
-def exp_f32(x):
-    """expf as ggml vectorises it (range reduction + polynomial, no libm call), so loops over
-    it vectorise; inputs below -87 (including -inf) give 0, as softmax needs."""
-    z = x * _EXP_LOG2E + _EXP_SHIFT
-    n = z - _EXP_SHIFT
-    b = x - n * _EXP_LN2_HI - n * _EXP_LN2_LO
-    k = np.int32((np.float32(z).view(np.int32) << 23) + 0x3F800000).view(np.float32)
-    u = b * b
-    c0, c1, c2, c3, c4 = _EXP_C
-    j = ((c0 * b + c1) * u + (c2 * b + c3)) * u + c4 * b
-    return F32(0.0) if x < F32(-87.0) else j * k + k
-
-
 @njit(cache=True)
 def f16_to_f32(src_bits, dst):
     """dst = the float32 values of the half bits in src_bits (1-D, so the loop vectorises)."""
@@ -150,45 +124,6 @@ def alibi_slope(max_bias, h, n_head):
     if h < n_head_log2:
         return m0 ** F32(h + 1)
     return m1 ** F32(2 * (h - n_head_log2) + 1)
-
-
-# Row reductions. `reassoc` lets LLVM split a sum into vector lanes by element position, so
-# a row's result does not change when masked (zero) entries follow it; the exp stays in
-# functions without fast-math, where ggml_v_expf's rounding trick must survive.
-_REDUCE = {"nsz", "reassoc"}
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def sum_f64(v):
-    s = 0.0
-    for i in range(v.shape[0]):
-        s += np.float64(v[i])
-    return s
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def sum_sq_f64(v):
-    """sum of v[i] * v[i] (float32 products, as ggml's norms) in double."""
-    s = 0.0
-    for i in range(v.shape[0]):
-        s += np.float64(v[i] * v[i])
-    return s
-
-
-@njit(cache=True, fastmath=_REDUCE)
-def dot_f64(a, b):
-    s = 0.0
-    for i in range(a.shape[0]):
-        s += np.float64(a[i]) * np.float64(b[i])
-    return s
-
-
-@njit(cache=True)
-def max_f32(v):
-    m = F32(-np.inf)
-    for i in range(v.shape[0]):
-        m = max(m, v[i])
-    return m
 
 
 @njit(cache=True)

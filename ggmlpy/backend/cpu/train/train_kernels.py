@@ -9,17 +9,8 @@ import numpy as np
 from numba import get_thread_id, njit, prange
 
 from ....rowops import exp_sum
-from ..rows.kernels import (
-    _EXP_MAX,
-    GELU_COEF_A,
-    SQRT_2_OVER_PI,
-    _row_index,
-    dot_f64,
-    exp_f32,
-    exp_shifted,
-    max_f32,
-    sum_f64,
-)
+from ....row_math import EXP_MAX, dot_f64, exp_f32, max_f32, sum_f64
+from ..rows.kernels import GELU_COEF_A, SQRT_2_OVER_PI, _row_index, exp_shifted
 
 F32 = np.float32
 
@@ -66,7 +57,7 @@ def silu_back_f32(g, x, dst):
         i3, i2, i1 = _row_index(r, n2, n1)
         for i0 in range(n0):
             v = x[i3, i2, i1, i0]
-            s = F32(1.0) / (F32(1.0) + exp_f32(min(-v, _EXP_MAX)))
+            s = F32(1.0) / (F32(1.0) + exp_f32(min(-v, EXP_MAX)))
             dst[i3, i2, i1, i0] = g[i3, i2, i1, i0] * s * (F32(1.0) + v * (F32(1.0) - s))
 
 
