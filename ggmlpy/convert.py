@@ -67,6 +67,11 @@ def codec(type: GGMLType) -> Codec:
     return CODECS.get(type, _CAST)
 
 
+def is_float(type: GGMLType) -> bool:
+    """Whether the type stores floating-point values (NaN and infinity are possible)."""
+    return type in CODECS
+
+
 def to_f32(arr: np.ndarray, type: GGMLType) -> np.ndarray:
     """Values of a plain-typed array as float32 (a view when already float32)."""
     return codec(type).to_f32(arr)

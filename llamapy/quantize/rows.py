@@ -12,14 +12,11 @@ import numpy as np
 from numba import njit, prange
 
 from ggmlpy import GGMLType
-from ggmlpy.convert import bf16_to_f32, f32_to_bf16
+from ggmlpy import convert
 from ggmlpy.quants import dequantize_rows_into, kernels
 from ggmlpy.types import row_size, traits
 
 from ..errors import ModelLoadError
-
-_PLAIN = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
-
 
 @njit(parallel=True, cache=True)
 def _first_bad_row(bits):
@@ -54,10 +51,9 @@ def _read(fd: int, offset: int, out: np.ndarray) -> None:
 def _to_f32(src: np.ndarray, type: GGMLType, out: np.ndarray) -> None:
     """out (rows, ne0) = the float32 values of the row bytes src (rows, row bytes) of a type
     other than F32 (whose rows _first_bad_row copies)."""
-    if type == GGMLType.F16:
-        np.copyto(out, src.view(np.float16), casting="unsafe")
-    elif type == GGMLType.BF16:
-        np.copyto(out, bf16_to_f32(src.view(np.uint16)))
+    tr = traits(type)
+    if not tr.is_quantized:
+        convert.to_f32_into(src.view(tr.np_dtype), type, out)
     else:
         nbytes = src.shape[1]
         flat = np.ascontiguousarray(src).reshape(-1)
@@ -67,12 +63,9 @@ def _to_f32(src: np.ndarray, type: GGMLType, out: np.ndarray) -> None:
 def _from_f32(x: np.ndarray, type: GGMLType, out: np.ndarray) -> np.ndarray:
     """x (rows, ne0) float32 in `type`'s row bytes, written to out (rows, row bytes) when the
     type has a kernel; returns the bytes."""
-    if type == GGMLType.F32:
-        return x.view(np.uint8)
-    if type == GGMLType.F16:
-        return x.astype(np.float16).view(np.uint8)
-    if type == GGMLType.BF16:
-        return f32_to_bf16(x).view(np.uint8)
+    tr = traits(type)
+    if not tr.is_quantized:
+        return convert.codec(type).encode(x).astype(tr.np_dtype, copy=False).view(np.uint8)
     kernels(type).quantize(x, out)
     return out
 
@@ -84,17 +77,18 @@ def convert_rows(name: str, fd: int, offset: int, src_type: GGMLType, dst_type: 
     in buffers of about `slab_bytes`. A source value that is NaN or infinite is a
     ModelLoadError naming the tensor and row, as llama.cpp's loader checks every tensor it reads."""
     src_row, dst_row = row_size(src_type, ne0), row_size(dst_type, ne0)
-    checked = src_type in _PLAIN or traits(src_type).is_quantized  # ggml_validate_row_data passes integers
+    checked = convert.is_float(src_type) or traits(src_type).is_quantized  # ggml_validate_row_data passes integers
     rows = max(1, min(n_rows, slab_bytes // (src_row + dst_row + 4 * ne0)))
     raw = np.empty((rows, src_row), dtype=np.uint8)
-    x = raw.view(np.float32) if src_type == GGMLType.F32 else np.empty((rows, ne0), dtype=np.float32)
+    same = traits(src_type).np_dtype == np.float32  # the rows read are float32 values already
+    x = raw.view(np.float32) if same else np.empty((rows, ne0), dtype=np.float32)
     out = np.empty((rows, dst_row), dtype=np.uint8) if traits(dst_type).is_quantized else None
     for r0 in range(0, n_rows, rows):
         n = min(rows, n_rows - r0)
         src, xs = raw[:n], x[:n]
         _read(fd, offset + r0 * src_row, src)
         if checked:
-            if src_type != GGMLType.F32:
+            if not same:
                 _to_f32(src, src_type, xs)
             bad = _first_bad_row(xs.view(np.uint32))
             if bad >= 0:
