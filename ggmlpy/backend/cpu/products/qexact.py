@@ -272,7 +272,7 @@ def _unpack_q0_rows(buf, offs, m0, block_bytes, wq, wd, lane_major):
 
 @njit(cache=True)
 def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd):
-    """Rows m0.. -> wu[r, k] = integer of element k + the type's bias (Q0_BIAS), the bits as
+    """Rows m0.. -> wu[r, k] = integer of element k + the type's bias (Q0Rows.bias), the bits as
     stored made unsigned (Q8_0's flipped sign bit, Q5_0's five bits, Q4_0's nibble), wd[r, b] = d."""
     nb = wd.shape[1]
     for r in range(wu.shape[0]):
