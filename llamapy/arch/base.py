@@ -3,10 +3,11 @@
 Adding an architecture is one module in this package that subclasses `Architecture`,
 decorates it with `@register` and is imported in `__init__.py`. Its class is the family's one
 record, read by the runtime (model.py), the converter (its `hf`: hf.py), `new_model`
-(from_scratch.py), the tensor validator and the command lines' help texts (`listing`). It reads its
-hyper-parameters (most through `hparams.read_common`), names the tensors it needs and
-those it uses when present (their shapes from `Architecture.shapes`), and builds one ubatch's graph from the shared pieces of
-`GraphBuilder` (whose `mm` adds a projection's bias whenever the model has one).
+(from_scratch.py), the tensor validator and the command lines' help texts (`listing`). It
+reads its hyper-parameters (most through `hparams.read_common`), names the tensors it needs
+and those it uses when present (their shapes from `Architecture.shapes`), and builds one
+ubatch's graph from the shared pieces of `GraphBuilder` (whose `mm` adds a projection's bias
+whenever the model has one).
 
 A file's tensors must all be known to its architecture: a tensor llamapy would not read
 changes the model llama.cpp computes (Llama 3's `rope_freqs.weight`, a bias), so loading
