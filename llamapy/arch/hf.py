@@ -30,6 +30,8 @@ ExtraTensors = Callable[[dict, dict], Iterator[tuple[str, Callable[[], np.ndarra
 
 @dataclass(frozen=True)
 class HFConversion:
+    """One family's conversion: its data, and hooks for what only it writes."""
+
     names: tuple[str, ...]  # config.json "architectures" class names converted as this architecture
     layer: Mapping[str, str]  # module inside model.layers.N -> GGUF name inside blk.N
     defaults: Mapping[str, Any] = field(default_factory=dict)  # transformers' config class defaults
