@@ -50,7 +50,7 @@ def new_model(arch: str = "llama", vocab_from: str | os.PathLike | None = None, 
     layers (gemma3), `sliding_window` (default: the family's, 512 for gemma3) is their window.
     Raises InputError with one line for bad input.
     """
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise InputError(f"cannot create a model of architecture {arch!r} (supported: "
                          f"{', '.join(sorted(ARCHITECTURES))})")
     family = ARCHITECTURES[arch]
