@@ -41,3 +41,14 @@ def test_a_registered_family_is_known_everywhere(registered, stories_path):
         A.architecture_of({"architectures": ["GPT2LMHeadModel"]})
     model = llamapy.new_model("qwen2variant", stories_path, **SHAPE)
     assert model.hparams.arch == "qwen2variant" and "blk.0.attn_q.bias" in model.tensors
+
+
+def test_a_subclass_converts_only_the_class_names_it_declares(monkeypatch):
+    class Unconverted(Qwen2):
+        name = "qwen2unconverted"
+    from llamapy.arch import register
+    monkeypatch.setitem(ARCHITECTURES, Unconverted.name, Unconverted)
+    register(Unconverted)
+    assert Unconverted.hf is None and Qwen2.hf is not None
+    assert "qwen2unconverted" not in listing(converted=True) and "qwen2unconverted" in listing()
+    assert [a.name for a in A.convertible()] == [n for n, a in ARCHITECTURES.items() if a.hf is not None]

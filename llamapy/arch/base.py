@@ -39,6 +39,8 @@ class TensorSpec:
 
 
 def register(cls: type["Architecture"]) -> type["Architecture"]:
+    if "hf" not in vars(cls):  # config.json class names belong to one family: a subclass converts only its own
+        cls.hf = None
     ARCHITECTURES[cls.name] = cls
     return cls
 
