@@ -40,6 +40,9 @@ on the real templates in the repository (shared data/chat_templates, tests/data,
 built-in ones) and the conversations of tests/data/llama_cpp_chat_templates.json, and 3%
 of what a training sample costs (rendered three times for its loss mask, then tokenized):
 bench/chat_template_limits.py, bench/RESULTS.md. The output is identical.
+
+The code generator and the sandbox are extended through jinja2 internals; every one of them
+comes from jinja_compat.py, which checks them on import (a jinja2 lacking one: one line).
 """
 from __future__ import annotations
 
@@ -58,12 +61,22 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
-from jinja2.compiler import CodeGenerator, Frame, optimizeconst
-from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment, SandboxedFormatter
-from jinja2.utils import Namespace, generate_lorem_ipsum, object_type_repr
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from markupsafe import EscapeFormatter, Markup
 
 from .errors import InputError
+from .jinja_compat import (
+    MAX_RANGE,
+    CodeGenerator,
+    Frame,
+    Namespace,
+    SandboxedFormatter,
+    generate_lorem_ipsum,
+    make_attrgetter,
+    namespace_attrs,
+    object_type_repr,
+    optimizeconst,
+)
 
 _SMALL = 1 << 16  # sizes below every limit (RenderLimits.chars is at least this): no need to look at the budget
 
@@ -182,7 +195,7 @@ def _printed_size(value: Any, limit: int) -> int:
             total += 2 + 2 * len(x)
             stack.extend(x)
         elif isinstance(x, Namespace):
-            stack.append(getattr(x, "_Namespace__attrs", {}))
+            stack.append(namespace_attrs(x))
         else:  # numbers, None, jinja's objects: short
             total += 24
     return total
@@ -382,7 +395,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 def _sum(environment: jinja2.Environment, iterable: Iterable[Any], attribute: Any = None, start: Any = 0) -> Any:
     """jinja's sum with each addition checked (a sum of lists concatenates them)."""
     if attribute is not None:
-        iterable = map(jinja2.filters.make_attrgetter(environment, attribute), iterable)
+        iterable = map(make_attrgetter(environment, attribute), iterable)
     total = start
     for item in iterable:
         total = _add(total, item)

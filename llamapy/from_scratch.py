@@ -9,11 +9,15 @@ decodes, trains and saves like any loaded model; nothing touches the disk until 
 Initialisation (reproducible for a seed): one `numpy.random.default_rng(seed)` draws, in
 the order the tensors are stored — `token_embd.weight`, then for each layer `blk.{il}.*`
 in the architecture's layer order (`Architecture.layer_tensors`), then `output_norm.weight`
-and `output.weight` (llama, qwen2, qwen3; gemma3 ties the output to the embeddings) — one
+and `output.weight` (unless the family ties it to the embeddings: gemma3) — one
 float32 standard-normal matrix per weight matrix, scaled by 0.02; the residual output
 projections (`attn_output`, `ffn_down`) by 0.02 / sqrt(2 n_layer) (GPT-2's scaled init, so
 the residual stream's variance does not grow with depth). Norm weights are 1 and biases
 (qwen2's Q, K and V) 0; neither draws.
+
+Every architecture of the registry (llamapy.arch) can be made; what differs between families
+(layer tensors, biases, a tied output, a sliding window, the head size in the metadata) is read
+from its record.
 """
 from __future__ import annotations
 
@@ -32,32 +36,33 @@ from .model import Model, model_from
 
 INIT_STD = 0.02
 RESIDUAL_PROJECTIONS = ("attn_output", "ffn_down")  # written into the residual stream: scaled init
-GEMMA3_SLIDING_WINDOW = 512  # Gemma 3's own window
 LLAMA_FTYPE_ALL_F32 = 0  # general.file_type of a model whose tensors are all F32
-
-_SUPPORTED = ("gemma3", "llama", "qwen2", "qwen3")
 
 
 def new_model(arch: str = "llama", vocab_from: str | os.PathLike | None = None, *, n_embd: int, n_head: int,
               n_layer: int, n_ff: int, n_ctx_train: int, n_head_kv: int | None = None,
               rope_freq_base: float = 10000.0, rms_eps: float = 1e-5, seed: int = 0,
               head_dim: int | None = None, sliding_window: int | None = None, name: str | None = None) -> Model:
-    """A new model of architecture `arch` (see `_SUPPORTED`) with random F32 weights (see the
-    module docstring for the initialisation) and the tokenizer of the GGUF file `vocab_from`,
-    whose vocabulary size it takes. `n_head_kv` defaults to `n_head` (no grouped-query
-    attention); `head_dim` to n_embd / n_head. For gemma3, `sliding_window` (default 512) is
-    the window of its local-attention layers. Raises InputError with one line for bad input.
+    """A new model of architecture `arch` (any of llamapy.arch.ARCHITECTURES) with random F32
+    weights (see the module docstring for the initialisation) and the tokenizer of the GGUF file
+    `vocab_from`, whose vocabulary size it takes. `n_head_kv` defaults to `n_head` (no
+    grouped-query attention); `head_dim` to n_embd / n_head. For a family with sliding-window
+    layers (gemma3), `sliding_window` (default: the family's, 512 for gemma3) is their window.
+    Raises InputError with one line for bad input.
     """
-    if arch not in _SUPPORTED:
-        raise InputError(f"cannot create a model of architecture {arch!r} (supported: {', '.join(_SUPPORTED)})")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise InputError(f"cannot create a model of architecture {arch!r} (supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))})")
+    family = ARCHITECTURES[arch]
     sizes = {"n_embd": n_embd, "n_head": n_head, "n_layer": n_layer, "n_ff": n_ff, "n_ctx_train": n_ctx_train}
     if n_head_kv is not None:
         sizes["n_head_kv"] = n_head_kv
     if head_dim is not None:
         sizes["head_dim"] = head_dim
     if sliding_window is not None:
-        if arch != "gemma3":
-            raise InputError(f"sliding_window applies to gemma3 models, not {arch}")
+        if family.default_sliding_window is None:
+            windowed = " and ".join(n for n, a in ARCHITECTURES.items() if a.default_sliding_window is not None)
+            raise InputError(f"sliding_window applies to {windowed} models, not {arch}")
         sizes["sliding_window"] = sliding_window
     for key, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -76,8 +81,8 @@ def new_model(arch: str = "llama", vocab_from: str | os.PathLike | None = None, 
             raise InputError(f"{key} must be a positive number, got {value!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise InputError(f"seed must be a non-negative integer, got {seed!r}")
-    if arch == "gemma3" and sliding_window is None:
-        sliding_window = GEMMA3_SLIDING_WINDOW
+    if sliding_window is None:
+        sliding_window = family.default_sliding_window
 
     tokenizer = tokenizer_metadata(vocab_from)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"].value)
@@ -138,7 +143,7 @@ def _model_metadata(arch: str, name: str, *, n_ctx_train: int, n_embd: int, n_la
         f"{arch}.rope.dimension_count": _u32(head_dim),
         f"{arch}.attention.layer_norm_rms_epsilon": _f32(rms_eps),
     }
-    if arch in ("gemma3", "qwen3") or head_dim * n_head != n_embd:
+    if ARCHITECTURES[arch].head_dim_in_metadata or head_dim * n_head != n_embd:
         meta[f"{arch}.attention.key_length"] = _u32(head_dim)
         meta[f"{arch}.attention.value_length"] = _u32(head_dim)
     if sliding_window is not None:
@@ -164,7 +169,7 @@ def tensor_shapes(arch: str, *, n_vocab: int, n_embd: int, n_layer: int, n_ff: i
             if t in spec.layer_biases:
                 shapes[f"blk.{il}.{t}.bias"] = layer[t][1:]  # one per output
     shapes["output_norm.weight"] = (n_embd,)
-    if arch != "gemma3":
+    if not spec.ties_output:
         shapes["output.weight"] = (n_embd, n_vocab)  # untied
     return shapes
 

@@ -1,10 +1,13 @@
 """What an architecture provides: its hyper-parameters, its weights, its graph.
 
 Adding an architecture is one module in this package that subclasses `Architecture`,
-decorates it with `@register` and is imported in `__init__.py`: it reads its
-hyper-parameters (most through `hparams.read_common`), names the tensors it needs and
-those it uses when present (their shapes from `Architecture.shapes`), and builds one ubatch's graph from the shared pieces of
-`GraphBuilder` (whose `mm` adds a projection's bias whenever the model has one).
+decorates it with `@register` and is imported in `__init__.py`. Its class is the family's one
+record, read by the runtime (model.py), the converter (its `hf`: hf.py), `new_model`
+(from_scratch.py), the tensor validator and the command lines' help texts (`listing`). It
+reads its hyper-parameters (most through `hparams.read_common`), names the tensors it needs
+and those it uses when present (their shapes from `Architecture.shapes`), and builds one
+ubatch's graph from the shared pieces of `GraphBuilder` (whose `mm` adds a projection's bias
+whenever the model has one).
 
 A file's tensors must all be known to its architecture: a tensor llamapy would not read
 changes the model llama.cpp computes (Llama 3's `rope_freqs.weight`, a bias), so loading
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from ..gguf_file import GGUFMetadata
 from ..hparams import HParams
+from .hf import HFConversion
 
 ARCHITECTURES: dict[str, type["Architecture"]] = {}
 
@@ -35,8 +39,18 @@ class TensorSpec:
 
 
 def register(cls: type["Architecture"]) -> type["Architecture"]:
+    if "hf" not in vars(cls):  # config.json class names belong to one family: a subclass converts only its own
+        cls.hf = None
     ARCHITECTURES[cls.name] = cls
     return cls
+
+
+def listing(last: str = ", ", converted: bool = False) -> str:
+    """The registered architectures' GGUF names in registration order, for help texts and
+    messages: "llama, qwen2, qwen3, gemma3"; `last` " and " gives "llama, qwen2, qwen3 and
+    gemma3". `converted`: only those llamapy-convert converts (their `hf` set)."""
+    known = [name for name, cls in ARCHITECTURES.items() if cls.hf is not None or not converted]
+    return last.join([", ".join(known[:-1]), known[-1]]) if len(known) > 1 else "".join(known)
 
 
 class Architecture:
@@ -50,6 +64,14 @@ class Architecture:
     optional_layer_biases: tuple[str, ...] = ()
     # whole tensor names used when present: the output projection (else tied to the embeddings), ...
     optional_global_tensors: tuple[str, ...] = ("output.weight",)
+    # converting Hugging Face checkpoints of this family (None: llamapy-convert does not)
+    hf: HFConversion | None = None
+    # new_model: the head size written as attention.key_length / value_length even when it is
+    # n_embd / n_head (as the family's converter writes it); the output projection tied to the
+    # embeddings; the sliding window of the local-attention layers (None: the family has none)
+    head_dim_in_metadata = False
+    ties_output = False
+    default_sliding_window: int | None = None
 
     def read_hparams(self, f: GGUFMetadata, n_vocab: int) -> HParams:
         raise NotImplementedError

@@ -18,9 +18,27 @@ import ggmlpy as gg
 from ..errors import UnsupportedModelError
 from ..hparams import HParams, read_common
 from .base import Architecture, register
+from .hf import COMMON_LAYER, QK_NORM_LAYER, HFConversion, require
 
 SWA_PATTERN = 6          # every sixth layer attends to the whole context
 ROPE_FREQ_BASE_SWA = 10000.0
+NEW_MODEL_SLIDING_WINDOW = 512  # Gemma 3's own window, for new_model
+
+
+def _write_hparams(meta, hp: dict, rope: dict) -> None:
+    """What convert_hf_to_gguf.py's Gemma3Model adds (keys set again keep their place; the
+    soft-caps Gemma 3 has not are refused by convert.config.Gemma3Config)."""
+    meta.u32("gemma3.context_length", hp.get("max_position_embeddings", 131072))
+    meta.u32("gemma3.attention.head_count", hp.get("num_attention_heads", 8))
+    meta.f32("gemma3.attention.layer_norm_rms_epsilon", hp.get("rms_norm_eps", 1e-6))
+    meta.u32("gemma3.attention.key_length", hp.get("head_dim", 256))
+    meta.u32("gemma3.attention.value_length", hp.get("head_dim", 256))
+    meta.f32("gemma3.rope.freq_base", rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
+    if softcap := hp.get("final_logit_softcapping"):
+        meta.f32("gemma3.final_logit_softcapping", softcap)
+    if hp.get("sliding_window_pattern") != 1:
+        meta.u32("gemma3.attention.sliding_window", require(hp, "sliding_window"))
+    meta.u32("gemma3.attention.head_count_kv", hp.get("num_key_value_heads", 4))
 
 
 @register
@@ -29,6 +47,17 @@ class Gemma3(Architecture):
     name = "gemma3"
     layer_tensors = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                      "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+    head_dim_in_metadata = True
+    ties_output = True
+    default_sliding_window = NEW_MODEL_SLIDING_WINDOW
+    hf = HFConversion(("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+                      {**COMMON_LAYER, **QK_NORM_LAYER, "post_attention_layernorm": "post_attention_norm",
+                       "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+                      dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                           max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                           rope_local_base_freq=10000.0, sliding_window=4096),
+                      config_record="Gemma3Config", norm_shift=True, tokenizer="gemma", write_hparams=_write_hparams)
 
     def read_hparams(self, f, n_vocab: int) -> HParams:
         hp = read_common(f, self.name, n_vocab, gg.ROPE_TYPE_NEOX)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ggmlpy as gg
 
 from .base import register
+from .hf import COMMON_LAYER, QK_NORM_LAYER, HFConversion
 from .llama import Llama
 
 
@@ -16,6 +17,11 @@ class Qwen3(Llama):
     layer_tensors = Llama.layer_tensors + ("attn_q_norm", "attn_k_norm")
     optional_layer_biases = ()
     optional_global_tensors = ("output.weight",)
+    head_dim_in_metadata = True
+    hf = HFConversion(("Qwen3ForCausalLM",), {**COMMON_LAYER, **QK_NORM_LAYER, "post_attention_layernorm": "ffn_norm"},
+                      dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                           max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0))
 
     def queries_keys_values(self, g, blk: str, cur):
         q, k, v = super().queries_keys_values(g, blk, cur)

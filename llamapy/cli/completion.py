@@ -14,10 +14,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 from llamapy import Context, load_model
-from llamapy.chat import ChatTemplate
 from llamapy.defaults import default_model_path
 from llamapy.errors import InputError
 from llamapy.generate import Generator, sampler_chain, token_text
@@ -41,6 +40,9 @@ from .common import (
     thread_count,
     warn,
 )
+
+if TYPE_CHECKING:  # imported when a template is used (common.chat_template_for), inside the command's
+    from llamapy.chat import ChatTemplate  # error handling: a jinja2 it cannot use is one line (jinja_compat)
 
 EXIT_COMMANDS = ("/exit", "/quit")
 

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from llamapy.arch import listing
 from llamapy.convert import OUTTYPES, convert_checkpoint, outtype_of
 from llamapy.convert.peft import adapter_outtype, peft_to_gguf
 from llamapy.errors import InputError
@@ -38,10 +39,17 @@ ModelName = Annotated[Optional[str], flag("--model-name", metavar="NAME", group=
                                           help="general.name (default: from the folder's name)")]
 
 
+def _families(function):
+    """The command's help names the families llamapy-convert converts (the registry's)."""
+    function.__doc__ = function.__doc__.format(families=listing(converted=True))
+    return function
+
+
 @tool.command
+@_families
 def run(hf_dir: Folder = None, outfile: OutFile = None, outtype: OutType = None, model_name: ModelName = None,
         lora: Lora = None, base: Base = None) -> None:
-    """Convert the Hugging Face checkpoint in HF_DIR (llama, qwen2, qwen3, gemma3) to a GGUF file,
+    """Convert the Hugging Face checkpoint in HF_DIR ({families}) to a GGUF file,
     or the PEFT LoRA adapter in --lora PEFT_DIR to a GGUF adapter."""
     if lora is not None:
         if hf_dir is not None or model_name is not None:

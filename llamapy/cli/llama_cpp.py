@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from llamapy.arch import listing
+
 ALL = ("perplexity", "completion", "cli", "finetune", "export-lora", "server")
 GENERATING = ("completion", "cli", "server")  # the tools that sample tokens
 CHAT = ("completion", "cli", "server")
@@ -73,8 +75,8 @@ ENTRIES: list[_Entry] = [
     *refuse("split GGUF files are not written", ("--split-max-tensors", 1), ("--split-max-size", 1),
             ("--dry-run", 0), ("--no-tensor-first-split", 0), tools=CONVERT),
     *refuse("authorship override files are not read (--model-name sets the name)", ("--metadata", 1), tools=CONVERT),
-    *refuse("llamapy-convert converts llama, qwen2, qwen3 and gemma3 checkpoints (-h)", ("--print-supported-models", 0),
-            tools=CONVERT),
+    *refuse(f"llamapy-convert converts {listing(' and ', converted=True)} checkpoints (-h)",
+            ("--print-supported-models", 0), tools=CONVERT),
     *refuse("llamapy does not download models: give a local checkpoint folder", ("--remote", 0), tools=CONVERT),
     *refuse("only the text model is converted (no projector, MTP or draft heads)", ("--mmproj", 0), ("--mtp", 0),
             ("--no-nextn --no-mtp", 0), ("--dspark", 0), ("--target-model-dir", 1), tools=CONVERT),

@@ -97,8 +97,9 @@ def run(model: F.OptionalModel = None, ctx_size: F.CtxSize = 0, batch_size: F.Ba
         import uvicorn
 
         from llamapy.server.adapters import Adapters
-        from llamapy.server.app import Server, create_app
+        from llamapy.server.app import create_app
         from llamapy.server.engine import Engine
+        from llamapy.server.service import Server
     except ImportError as e:
         raise InputError(f"llamapy-server needs the server extra ({e.name} is missing): "
                          f"{install_hint('server')}") from None

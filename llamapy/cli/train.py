@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+from llamapy.arch import listing
 from llamapy.context import Context
 from llamapy.errors import InputError
 from llamapy.from_scratch import new_model
@@ -25,7 +26,7 @@ DEFAULT_LR = 1e-3  # llama2.c's and nanoGPT's small-model rate (a new model star
 
 VocabModel = Annotated[Path, flag("--vocab-model", metavar="FNAME", group=MODEL_SHAPE, path="read",
                                   help="GGUF model whose tokenizer (and chat template) the new model takes")]
-Arch = Annotated[str, flag("--arch", metavar="NAME", group=MODEL_SHAPE, help="llama, qwen2, qwen3 or gemma3")]
+Arch = Annotated[str, flag("--arch", metavar="NAME", group=MODEL_SHAPE, help=listing(" or "))]
 Embd = Annotated[int, flag("--embd", metavar="N", group=MODEL_SHAPE, min=1, help="embedding width")]
 Head = Annotated[int, flag("--head", metavar="N", group=MODEL_SHAPE, min=1, help="attention heads")]
 HeadKv = Annotated[Optional[int], flag("--head-kv", metavar="N", group=MODEL_SHAPE, show_default=False, min=1,

@@ -18,6 +18,7 @@ from ggmlpy import GGMLType
 from ggmlpy.convert import bf16_to_f32, f32_to_bf16
 from ggmlpy.quants import quantize
 from ggmlpy.types import TYPE_TRAITS
+from llamapy.arch import Architecture
 from llamapy.errors import CheckpointError
 from llamapy.gguf_writer import TensorOut
 from llamapy.save import write_atomically
@@ -61,7 +62,7 @@ def convert_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, outtyp
     generation = generation_config(ckpt.path / "generation_config.json")
     matrix_type, file_type = OUTTYPES[outtype]
     meta = Meta()
-    meta.string("general.architecture", arch.gguf)
+    meta.string("general.architecture", arch.name)
     meta.string("general.type", "model")
     vocab = Meta()  # written last, but the gemma3 embedding needs the token count first
     n_vocab = _vocabulary(vocab, arch, ckpt, hp)
@@ -73,7 +74,7 @@ def convert_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, outtyp
     meta.u32("general.quantization_version", QUANTIZATION_VERSION)
     meta.update(vocab)
     if log:
-        log(f"convert: {ckpt.path.name}: {arch.gguf}, {len(tensors)} tensors, {n_params:,} parameters, "
+        log(f"convert: {ckpt.path.name}: {arch.name}, {len(tensors)} tensors, {n_params:,} parameters, "
             f"{len(meta)} metadata keys -> {outtype.upper()}")
     return write_atomically(meta, tensors, Path(out), "the converted model")
 
@@ -85,14 +86,14 @@ def _model_name(ckpt: Checkpoint) -> str:
     return model_title(model_id if " " in model_id else model_id.split("/")[-1])
 
 
-def _vocabulary(meta: Meta, arch: A.Architecture, ckpt: Checkpoint, hp: dict) -> int:
+def _vocabulary(meta: Meta, arch: Architecture, ckpt: Checkpoint, hp: dict) -> int:
     """The tokenizer keys (module vocab), in the path convert_hf_to_gguf.py takes for the
     architecture; returns the number of tokens."""
     folder, vocab_size = ckpt.path, hp.get("vocab_size")
     has_spm, has_json = (folder / "tokenizer.model").is_file(), (folder / "tokenizer.json").is_file()
     if not has_spm and not has_json:
         raise CheckpointError(f"{folder} has neither tokenizer.model nor tokenizer.json")
-    if arch.gguf == "llama":
+    if arch.hf.tokenizer == "llama":
         tconf = optional_json(folder / "tokenizer_config.json") or {}
         if tconf.get("add_prefix_space") is not None:
             meta.bool("tokenizer.ggml.add_space_prefix", tconf["add_prefix_space"])
@@ -110,13 +111,14 @@ def _vocabulary(meta: Meta, arch: A.Architecture, ckpt: Checkpoint, hp: dict) ->
         if vocab_size == 49152:  # granite small models: no BOS
             meta.bool("tokenizer.ggml.add_bos_token", False)
         return n
-    if has_spm and arch.gguf in ("qwen2", "qwen3", "gemma3"):
+    gemma = arch.hf.tokenizer == "gemma"
+    if has_spm:
         n = add_spm_vocab(meta, folder, ckpt.config, vocab_size)
-        if arch.gguf == "gemma3":
+        if gemma:
             meta.bool("tokenizer.ggml.add_space_prefix", False)
         return n
     n = add_bpe_vocab(meta, folder, ckpt.config, vocab_size)
-    return bpe_token_count(folder) if arch.gguf == "gemma3" else n
+    return bpe_token_count(folder) if gemma else n
 
 
 def _is_llama_hf_json(folder: Path) -> bool:
@@ -126,7 +128,7 @@ def _is_llama_hf_json(folder: Path) -> bool:
     return model.get("type") == "BPE" and bool(model.get("byte_fallback"))
 
 
-def _tensors(arch: A.Architecture, named: dict[str, tuple[str, StTensor]], hp: dict, n_vocab: int,
+def _tensors(arch: Architecture, named: dict[str, tuple[str, StTensor]], hp: dict, n_vocab: int,
              matrix_type: GGMLType) -> list[TensorOut]:
     """Every tensor to write (`named`: GGUF name -> checkpoint tensor, checked), in convert's
     order (its extra tensors first), each converted lazily."""
@@ -142,8 +144,8 @@ def _tensors(arch: A.Architecture, named: dict[str, tuple[str, StTensor]], hp: d
     return out
 
 
-def _shape_after(arch: A.Architecture, name: str, shape: tuple[int, ...], n_vocab: int) -> tuple[int, ...]:
-    if arch.norm_shift and "embed_tokens.weight" in name:
+def _shape_after(arch: Architecture, name: str, shape: tuple[int, ...], n_vocab: int) -> tuple[int, ...]:
+    if arch.hf.norm_shift and "embed_tokens.weight" in name:
         return (min(shape[0], n_vocab), *shape[1:])
     return shape
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ggmlpy.convert import bf16_to_f32
+from llamapy.arch import Architecture
 from llamapy.atomic import replace_atomically
 from llamapy.errors import CheckpointError
 from llamapy.lora import DEFAULT_MODULES, LoraAdapter, layer_module
@@ -158,30 +159,31 @@ def peft_to_gguf(folder: str | os.PathLike, base: str | os.PathLike, out: str | 
         tensors += [tensor_out(f"{gguf}.lora_a", lambda a=a: _float32(a), matrix_type, a.shape),
                     tensor_out(f"{gguf}.lora_b", values_b, matrix_type, b.shape)]
     meta = Meta()
-    meta.string("general.architecture", arch.gguf)
+    meta.string("general.architecture", arch.name)
     meta.string("general.type", "adapter")
     meta.string("adapter.type", "lora")
     add_general(meta, generation_config(folder / "generation_config.json"), model_title(folder.resolve().name), 0)
     meta.f32("adapter.lora.alpha", float(config["lora_alpha"]))
     meta.u32("general.quantization_version", QUANTIZATION_VERSION)
     if log:
-        log(f"convert: {folder.name}: a LoRA adapter of {len(pairs)} {arch.gguf} matrices (r {config.get('r')}, "
+        log(f"convert: {folder.name}: a LoRA adapter of {len(pairs)} {arch.name} matrices (r {config.get('r')}, "
             f"alpha {config['lora_alpha']}) -> {outtype.upper()}")
     return write_atomically(meta, tensors, Path(out), "the converted adapter")
 
 
 # ---- GGUF -> PEFT ------------------------------------------------------------------------------
 
-def _architecture(model: Model) -> A.Architecture:
-    for arch in A.ARCHITECTURES:
-        if arch.gguf == model.hparams.arch:
+def _architecture(model: Model) -> Architecture:
+    convertible = A.convertible()
+    for arch in convertible:
+        if arch.name == model.hparams.arch:
             return arch
-    known = ", ".join(a.gguf for a in A.ARCHITECTURES)
+    known = ", ".join(a.name for a in convertible)
     raise CheckpointError(f"{model.path.name} is a {model.hparams.arch} model: PEFT adapters are written for the "
                           f"architectures llamapy-convert knows ({known})")
 
 
-def peft_tensors(model: Model, adapter: LoraAdapter) -> tuple[A.Architecture, dict[str, tuple[np.ndarray, np.ndarray]]]:
+def peft_tensors(model: Model, adapter: LoraAdapter) -> tuple[Architecture, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The adapter's A and B per transformers module (float32, in torch's order), B's rows
     of llama's q_proj and k_proj back in the checkpoint's order."""
     arch, hp = _architecture(model), model.hparams
@@ -265,12 +267,12 @@ def check_peft_folder(folder: str | os.PathLike) -> None:
                                   "overwritten; give a new or empty folder")
 
 
-def _check_base(base: Path, arch: A.Architecture, modules: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+def _check_base(base: Path, arch: Architecture, modules: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     """The checkpoint `base` is the model's: its architecture, and its weights of the adapted
     modules exist with the adapter's shapes."""
     ckpt = open_checkpoint(base)
-    if (base_arch := A.architecture_of(ckpt.config, ckpt.path / "config.json")) != arch:
-        raise CheckpointError(f"{base} is a {base_arch.gguf} checkpoint, the model {arch.gguf}")
+    if (base_arch := A.architecture_of(ckpt.config, ckpt.path / "config.json")).name != arch.name:
+        raise CheckpointError(f"{base} is a {base_arch.name} checkpoint, the model {arch.name}")
     for module, (a, b) in modules.items():
         weight = ckpt.tensors.get(f"{module}.weight")
         if weight is None or weight.shape != (b.shape[0], a.shape[1]):

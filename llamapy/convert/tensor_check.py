@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llamapy.arch import ARCHITECTURES as RUNTIME_ARCHITECTURES
+from llamapy.arch import Architecture
 from llamapy.errors import CheckpointError
 from llamapy.hparams import HParams
 
@@ -34,7 +34,7 @@ _SHAPE_KEYS = {
 }
 
 
-def text_tensors(arch: A.Architecture, ckpt: Checkpoint, cfg: TextConfig) -> dict[str, tuple[str, StTensor]]:
+def text_tensors(arch: Architecture, ckpt: Checkpoint, cfg: TextConfig) -> dict[str, tuple[str, StTensor]]:
     """GGUF name -> (checkpoint name, tensor) of every tensor converted, each one the
     architecture reads with the shape config.json implies, none missing; CheckpointError with
     one line (naming the config key where one is at fault) otherwise."""
@@ -48,11 +48,11 @@ def text_tensors(arch: A.Architecture, ckpt: Checkpoint, cfg: TextConfig) -> dic
         if gguf in named:
             raise CheckpointError(f"{ckpt.path}: {named[gguf][0]} and {hf} are both {gguf}")
         named[gguf] = hf, ckpt.tensors[hf]
-    specs = RUNTIME_ARCHITECTURES[arch.gguf]().tensor_specs(runtime_hparams(arch, cfg))
+    specs = arch.tensor_specs(runtime_hparams(arch, cfg))
     for gguf, (hf, st) in named.items():
         spec = specs.get(gguf)
         if spec is None:
-            raise CheckpointError(f"{st.path}: {hf} ({gguf}) is not part of a {arch.gguf} model as llamapy runs it")
+            raise CheckpointError(f"{st.path}: {hf} ({gguf}) is not part of a {arch.name} model as llamapy runs it")
         expected = tuple(reversed(spec.ne))
         if st.shape != expected:
             raise CheckpointError(f"{config}: {_keys(cfg, ckpt.config, gguf)} make {hf} {list(expected)}, but "
@@ -60,28 +60,28 @@ def text_tensors(arch: A.Architecture, ckpt: Checkpoint, cfg: TextConfig) -> dic
     missing = [gguf for gguf, spec in specs.items() if spec.required and gguf not in named]
     if missing:
         raise CheckpointError(f"{ckpt.path}: the weights have no {A.hf_name(arch, missing[0])}"
-                              + (f" (and {len(missing) - 1} more tensors a {arch.gguf} model needs)"
+                              + (f" (and {len(missing) - 1} more tensors a {arch.name} model needs)"
                                  if len(missing) > 1 else ""))
     return named
 
 
-def check_vocabulary(arch: A.Architecture, cfg: TextConfig, named: dict[str, tuple[str, StTensor]],
+def check_vocabulary(arch: Architecture, cfg: TextConfig, named: dict[str, tuple[str, StTensor]],
                      n_vocab: int, config: Path) -> None:
     """The token count the tokenizer gave is the rows of the embeddings as converted (gemma3's
     embedding is cut to the tokenizer's tokens, its other tensors are not)."""
     for gguf, (hf, st) in named.items():
         if gguf in ("token_embd.weight", "output.weight"):
-            rows = min(st.shape[0], n_vocab) if arch.norm_shift and gguf == "token_embd.weight" else st.shape[0]
+            rows = min(st.shape[0], n_vocab) if arch.hf.norm_shift and gguf == "token_embd.weight" else st.shape[0]
             if rows != n_vocab:
                 raise CheckpointError(f"{config}: the tokenizer has {n_vocab} tokens, but vocab_size is "
                                       f"{cfg.vocab_size}: {hf} has {st.shape[0]} rows, one per token")
 
 
-def runtime_hparams(arch: A.Architecture, cfg: TextConfig) -> HParams:
+def runtime_hparams(arch: Architecture, cfg: TextConfig) -> HParams:
     """The hyper-parameters llamapy's loader reads from the converted file (those that set
     tensor shapes), with config.json's vocab_size as the token count."""
     head = cfg.head_size
-    return HParams(arch=arch.gguf, n_vocab=cfg.vocab_size, n_ctx_train=cfg.max_position_embeddings,
+    return HParams(arch=arch.name, n_vocab=cfg.vocab_size, n_ctx_train=cfg.max_position_embeddings,
                    n_embd=cfg.hidden_size, n_layer=cfg.num_hidden_layers, n_head=cfg.num_attention_heads,
                    n_head_kv=cfg.n_kv_heads, n_ff=cfg.intermediate_size, n_embd_head_k=head, n_embd_head_v=head,
                    n_rot=head, norm_rms_eps=cfg.rms_norm_eps, rope_freq_base=10000.0, rope_freq_scale=1.0,

@@ -1,5 +1,6 @@
-"""What the server reports about itself: GET /props (what a client reads to set itself up)
-and GET /slots (each slot's state and its last request), in llama-server's shapes."""
+"""What the server reports about itself: GET /props (what a client reads to set itself up),
+GET /v1/models, GET /slots (each slot's state and its last request) and GET /metrics (its
+counters, in Prometheus' text format), in llama-server's shapes."""
 from __future__ import annotations
 
 from .native_shapes import metrics_settings
@@ -42,3 +43,37 @@ def slot_states(engine) -> list[dict]:
                       "lora": [{"id": i, "scale": x} for i, x in enumerate(s.lora)]})
         states.append(state)
     return states
+
+
+def model_list(server) -> dict:
+    """OpenAI's /v1/models: the one model served, with llama-server's `meta` sizes."""
+    engine = server.engine
+    hp = engine.ctx.model.hparams
+    return {"object": "list", "data": [{
+        "id": server.alias, "object": "model", "created": server.created, "owned_by": "llamapy",
+        "meta": {"n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd,
+                 "n_ctx_slot": engine.n_ctx_slot, "n_slots": len(engine.slots)}}]}
+
+
+def metrics_text(engine) -> str:
+    """llama-server's /metrics: its counters and gauges under its `llamacpp:` names."""
+    m = engine.metrics
+    busy = sum(s.busy for s in engine.slots)
+    rows = [
+        ("prompt_tokens_total", "counter", m.prompt_tokens, "Number of prompt tokens processed."),
+        ("prompt_seconds_total", "counter", m.prompt_seconds, "Prompt process time"),
+        ("tokens_predicted_total", "counter", m.predicted_tokens, "Number of generation tokens processed."),
+        ("tokens_predicted_seconds_total", "counter", m.predicted_seconds, "Predict process time"),
+        ("n_decode_total", "counter", m.n_decode, "Total number of llama_decode() calls"),
+        ("n_busy_slots_per_decode", "counter", m.n_busy_slots / max(m.n_decode, 1),
+         "Average number of busy slots per llama_decode() call"),
+        ("prompt_tokens_seconds", "gauge", m.prompt_tokens / m.prompt_seconds if m.prompt_seconds else 0.0,
+         "Average prompt throughput in tokens/s."),
+        ("predicted_tokens_seconds", "gauge",
+         m.predicted_tokens / m.predicted_seconds if m.predicted_seconds else 0.0,
+         "Average generation throughput in tokens/s."),
+        ("requests_processing", "gauge", busy, "Number of requests processing."),
+        ("requests_deferred", "gauge", engine.n_waiting, "Number of requests deferred."),
+    ]
+    return "".join(f"# HELP llamacpp:{name} {help_}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+                   for name, kind, value, help_ in rows)
