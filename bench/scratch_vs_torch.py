@@ -334,7 +334,7 @@ def _prepare_data(args, init_path: str, work: Path) -> tuple[dict, Path, Path]:
     """Split the text (train: the first 90%, held out: the rest, cut at a line start), make
     the training windows and every epoch's window order; write them for both halves."""
     from llamapy import load_model
-    from llamapy.context import validation_windows
+    from llamapy.dataset import validation_windows
     from llamapy.dataset import text_windows
     text = Path(args.file).read_text(encoding="utf-8", errors="replace")
     if args.chars:

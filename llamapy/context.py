@@ -23,6 +23,8 @@ from ggmlpy.opt import EpochResult, Result, evaluate_batches, opt_epoch
 
 from .batch import Batch, all_within, split_equal, split_simple
 from .errors import InputError
+from .fit import FitOptions, fit
+from .fit_watch import WatchOptions
 from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVMemory
 from .model import Model
@@ -31,28 +33,6 @@ from .pooling import Pooling, pool, pooling_of
 from .train_params import TrainParams
 
 MAX_CACHED_GRAPHS = 8
-
-
-def validation_windows(ndata: int, val_split: float) -> int:
-    """Windows held out for validation, as llama-finetune splits: the training windows are
-    the first int(ndata * (1 - val_split)), so at least one validates when asked for any
-    (two of the 28 windows of the README's main job, for a spread) -- unless the data is too
-    small for the split: when that one window would be more than twice the asked fraction
-    (1 of 2 windows for a 5% split), every window trains and none validates
-    (`split_too_small` says when)."""
-    if val_split <= 0 or ndata < 2 or split_too_small(ndata, val_split):
-        return 0
-    return _llama_finetune_split(ndata, val_split)
-
-
-def _llama_finetune_split(ndata: int, val_split: float) -> int:
-    return max(1, ndata - int(np.float32(ndata) * (np.float32(1.0) - np.float32(val_split))))  # in float, as ggml
-
-
-def split_too_small(ndata: int, val_split: float) -> bool:
-    """True when `ndata` windows are too few for a `val_split` fraction: the held-out part
-    would be more than twice the fraction asked for (validation_windows then holds none out)."""
-    return 0 < val_split and ndata >= 1 and (ndata < 2 or _llama_finetune_split(ndata, val_split) > 2 * val_split * ndata)
 
 
 class Context:
@@ -483,8 +463,6 @@ class Context:
         trains) of the lowest validation loss so far; `eval_tasks(ctx) -> {name: score}`:
         scores added to each validation's record. Over several ranks only rank 0 does these.
         """
-        from .fit import FitOptions, fit
-        from .fit_watch import WatchOptions
         if self.trainer is None or params is not None:
             self.opt_init(params, comm)
         elif comm is not None and self.trainer.opt.params.comm is not comm:
