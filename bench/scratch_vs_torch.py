@@ -357,7 +357,7 @@ def _prepare_data(args, init_path: str, work: Path) -> tuple[dict, Path, Path]:
     if n_train < 2 * wps:
         raise SystemExit(f"the training text gives {idata_split} training windows: too few for two steps of {wps}")
     perm, rng, orders = np.arange(ds.ndata), np.random.default_rng(args.seed), []
-    for _ in range(args.epochs):  # llamapy's FitRun.fit: Dataset.shuffle(rng, idata_split) each epoch
+    for _ in range(args.epochs):  # ggmlpy's TrainingLoop.run: Dataset.shuffle(rng, idata_split) each epoch
         rng.shuffle(perm[:idata_split])
         orders.append(perm[:n_train].copy())
     cfg = dict(n_ctx=args.ctx, n_batch=n_batch, n_ubatch=min(args.ubatch or args.ctx, args.ctx),
