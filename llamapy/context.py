@@ -18,7 +18,8 @@ from collections import OrderedDict
 import numpy as np
 
 import ggmlpy as gg
-from ggmlpy import CpuBackend, GGMLType, GraphAllocator
+from ggmlpy import GGMLType, GraphAllocator
+from ggmlpy.backend import default_backend
 from ggmlpy.opt import EpochResult, Result, evaluate_batches, opt_epoch
 
 from .batch import Batch, all_within, split_equal, split_simple
@@ -62,7 +63,7 @@ class Context:
             raise InputError(f"n_ctx {self.n_ctx} must be a multiple of n_seq_max {n_seq_max}")
         kv_size = self.n_ctx if unified else self.n_ctx // n_seq_max
         self.kv = KVMemory(hp, kv_size, n_seq_max, unified, type_k, type_v, self.n_ubatch)
-        self.backend = CpuBackend(n_threads)
+        self.backend = default_backend(n_threads)
         self._graphs: OrderedDict[tuple, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()  # (shape, deps)
         self.n_graphs_reused = 0  # decodes that found their graph built (llama_perf's graphs reused)
         self.outputs = Outputs(hp.n_vocab)  # the last decode's

@@ -268,6 +268,7 @@ class CountingBackend:
     """A backend of its own: the CPU's computations, counted (any Backend will do for opt)."""
 
     name = "counting"
+    bf16_dot_products = False
 
     def __init__(self) -> None:
         self.cpu, self.calls = gg.CpuBackend(1), []

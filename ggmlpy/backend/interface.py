@@ -23,6 +23,11 @@ class Backend(Protocol):
     name: str
     n_threads: int
 
+    @property
+    def bf16_dot_products(self) -> bool:
+        """Whether products on bf16 operands are faster here than float32's (a trainer then
+        runs its backward products through frozen weights in bf16)."""
+
     def set_n_threads(self, n_threads: int) -> None:
         """Threads (or the device's equivalent) later computations use."""
 
