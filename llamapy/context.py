@@ -31,6 +31,8 @@ from .kv_cache import KVMemory
 from .model import Model
 from .outputs import Outputs
 from .pooling import Pooling, pool, pooling_of
+from .resume import load_checkpoint_into, save_checkpoint_of
+from .train import Trainer
 from .train_params import TrainParams
 
 MAX_CACHED_GRAPHS = 8
@@ -417,7 +419,6 @@ class Context:
         weights (`trainer.adapter`). `comm` (an mpi4py communicator, or see
         llamapy.distributed) trains data-parallel over its ranks."""
         from .lora import LoraAdapter
-        from .train import Trainer
         params = params or TrainParams()
         adapter = None
         if params.lora is not None:
@@ -487,7 +488,6 @@ class Context:
 
     def opt_save_checkpoint(self, path) -> None:
         """Write the training state (trained tensors, optimizer state, position) to `path`."""
-        from .resume import save_checkpoint_of
         if self.trainer is None:
             raise InputError("opt_save_checkpoint: call opt_init first")
         save_checkpoint_of(self.trainer, path)
@@ -496,7 +496,6 @@ class Context:
         """Restore the trained tensors and optimizer state from `path`; the next opt_fit
         continues from its position. Returns the hyper-parameters that differ from the
         checkpoint's (this run's are used). Refused (InputError) for another model unless `force`."""
-        from .resume import load_checkpoint_into
         if self.trainer is None:
             raise InputError("opt_load_checkpoint: call opt_init first (with the run's parameters)")
         return load_checkpoint_into(self.trainer, path, force)
