@@ -77,9 +77,16 @@ class FitOptions:
 
 
 def fit(trainer, dataset: Dataset, options: FitOptions) -> list[EpochResult]:
-    """See Context.opt_fit. Over several ranks, a failure of one ends every rank."""
+    """See Context.opt_fit: the run set up and checked by every rank (FitRun), then ggmlpy's
+    TrainingLoop from the run's start with the run as its hooks, the stop request armed and
+    rank 0's records open. Over several ranks, a failure of one ends every rank."""
     try:
-        return FitRun(trainer, dataset, options).fit()
+        run = FitRun(trainer, dataset, options)
+        loop = TrainingLoop(trainer.opt, run.dataset, run.idata_split, run, epochs=run.epochs, shuffle=trainer.run.rng,
+                            start=run.start, start_result=run.start_result)
+        redo_epoch_end = run.resumed and run.start.ibatch >= loop.n_train  # its training done, not validated
+        with run.stop.armed(options.checkpoint is not None, run.say), run.watching(redo_epoch_end):
+            return loop.run()
     except BaseException as e:  # noqa: BLE001 - any failure of one rank must end all of them
         if trainer.comm.size > 1 and not getattr(e, "on_every_rank", False):  # a shared stop ends every rank by itself
             abort_job(trainer.comm, describe_error(e))
@@ -89,7 +96,7 @@ def fit(trainer, dataset: Dataset, options: FitOptions) -> list[EpochResult]:
 class FitRun(Hooks):
     """One opt_fit of a Trainer: the windows and their split, where the run starts (a
     resumed checkpoint's position), and, as the TrainingLoop's hooks, what it prints and
-    when it validates and checkpoints. Made, it has been checked by every rank; `fit()` runs it."""
+    when it validates and checkpoints. Made, it has been checked by every rank (`fit` runs it)."""
 
     def __init__(self, trainer, dataset: Dataset, options: FitOptions) -> None:
         self.trainer, self.opt, self.comm, self.options = trainer, trainer.opt, trainer.comm, options
@@ -161,18 +168,8 @@ class FitRun(Hooks):
             self.say(f"resume: epoch {self.start.epoch + 1}, window {self.start.ibatch} of the epoch, after "
                      f"{trainer.n_steps} optimizer steps")
 
-    def fit(self) -> list[EpochResult]:
-        """Run the TrainingLoop from the start position with these hooks (the stop request
-        armed, rank 0's records open); one EpochResult per epoch trained."""
-        run = self.trainer.run
-        loop = TrainingLoop(self.opt, self.dataset, self.idata_split, self, epochs=self.epochs, shuffle=run.rng,
-                            start=self.start, start_result=self.start_result)
-        redo_epoch_end = self.resumed and self.start.ibatch >= run.n_train_batches  # its training done, not validated
-        with self.stop.armed(self.options.checkpoint is not None, self.say), self._watching(redo_epoch_end):
-            return loop.run()
-
     @contextmanager
-    def _watching(self, redo_epoch_end: bool):
+    def watching(self, redo_epoch_end: bool):
         """Rank 0's FitWatch around the loop (FitWatch.running); nothing elsewhere."""
         if self.watch is None:
             yield
