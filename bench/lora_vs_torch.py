@@ -299,7 +299,7 @@ def llamapy_half(args) -> None:
 def prepare(args, work: Path) -> tuple[dict, Path]:
     """The windows, window orders and initial LoRA A, with llamapy's code, for both halves."""
     from llamapy.cli.training import TrainingArgs
-    from llamapy.context import validation_windows
+    from llamapy.dataset import validation_windows
     from llamapy.dataset import text_windows
     from llamapy.defaults import default_model_path, demo_corpus
     from llamapy.lora import LoraAdapter

@@ -334,7 +334,7 @@ def _prepare_data(args, init_path: str, work: Path) -> tuple[dict, Path, Path]:
     """Split the text (train: the first 90%, held out: the rest, cut at a line start), make
     the training windows and every epoch's window order; write them for both halves."""
     from llamapy import load_model
-    from llamapy.context import validation_windows
+    from llamapy.dataset import validation_windows
     from llamapy.dataset import text_windows
     text = Path(args.file).read_text(encoding="utf-8", errors="replace")
     if args.chars:
@@ -357,7 +357,7 @@ def _prepare_data(args, init_path: str, work: Path) -> tuple[dict, Path, Path]:
     if n_train < 2 * wps:
         raise SystemExit(f"the training text gives {idata_split} training windows: too few for two steps of {wps}")
     perm, rng, orders = np.arange(ds.ndata), np.random.default_rng(args.seed), []
-    for _ in range(args.epochs):  # llamapy's FitRun.fit: Dataset.shuffle(rng, idata_split) each epoch
+    for _ in range(args.epochs):  # ggmlpy's TrainingLoop.run: Dataset.shuffle(rng, idata_split) each epoch
         rng.shuffle(perm[:idata_split])
         orders.append(perm[:n_train].copy())
     cfg = dict(n_ctx=args.ctx, n_batch=n_batch, n_ubatch=min(args.ubatch or args.ctx, args.ctx),

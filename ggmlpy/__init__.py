@@ -6,6 +6,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .alloc import GraphAllocator
+from .backend import Backend, default_backend
 from .backward import NotDifferentiableError, build_backward_expand
 from .context import Context
 from .graph import Graph, build_forward_expand, new_graph
@@ -37,6 +38,7 @@ def __getattr__(name: str):
     return value
 
 __all__ = [
+    "Backend",
     "Context",
     "CpuBackend",
     "Flag",
@@ -58,12 +60,10 @@ __all__ = [
 ]
 
 
-def compute(graph: Graph, backend: CpuBackend | None = None, allocator: GraphAllocator | None = None) -> Graph:
-    """Allocate what the graph still lacks and compute it on the CPU: the one-call path for tests and scripts."""
+def compute(graph: Graph, backend: Backend | None = None, allocator: GraphAllocator | None = None) -> Graph:
+    """Allocate what the graph still lacks and compute it (on the default backend when none
+    is given): the one-call path for tests and scripts."""
     if any(t.buffer is None for t in graph.nodes + graph.leafs):
         (allocator or GraphAllocator()).alloc_graph(graph)
-    if backend is None:
-        from .backend.cpu import CpuBackend
-        backend = CpuBackend()
-    backend.compute(graph)
+    (backend or default_backend()).compute(graph)
     return graph

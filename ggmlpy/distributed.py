@@ -1,6 +1,6 @@
 """Data parallelism: what the training engine needs from a communicator, and two of them.
 
-The engine (`opt.py`) reduces through a `Communicator`: the world size and this
+The engine (`ggmlpy.opt`) reduces through a `Communicator`: the world size and this
 process's rank, an in-place sum of a float buffer across processes (the optimizer's one
 flat gradient buffer, sent in buckets), gathering small Python objects (a step's losses,
 results, checksums) and aborting the whole job. `Solo` is the single process; `MPIComm`

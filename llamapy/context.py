@@ -18,41 +18,24 @@ from collections import OrderedDict
 import numpy as np
 
 import ggmlpy as gg
-from ggmlpy import CpuBackend, GGMLType, GraphAllocator
+from ggmlpy import GGMLType, GraphAllocator
+from ggmlpy.backend import default_backend
 from ggmlpy.opt import EpochResult, Result, evaluate_batches, opt_epoch
 
 from .batch import Batch, all_within, split_equal, split_simple
 from .errors import InputError
+from .fit import FitOptions, fit
+from .fit_watch import WatchOptions
 from .graph_builder import GraphBuilder, GraphShape
 from .kv_cache import KVMemory
 from .model import Model
 from .outputs import Outputs
 from .pooling import Pooling, pool, pooling_of
+from .resume import load_checkpoint_into, save_checkpoint_of
+from .train import Trainer
 from .train_params import TrainParams
 
 MAX_CACHED_GRAPHS = 8
-
-
-def validation_windows(ndata: int, val_split: float) -> int:
-    """Windows held out for validation, as llama-finetune splits: the training windows are
-    the first int(ndata * (1 - val_split)), so at least one validates when asked for any
-    (two of the 28 windows of the README's main job, for a spread) -- unless the data is too
-    small for the split: when that one window would be more than twice the asked fraction
-    (1 of 2 windows for a 5% split), every window trains and none validates
-    (`split_too_small` says when)."""
-    if val_split <= 0 or ndata < 2 or split_too_small(ndata, val_split):
-        return 0
-    return _llama_finetune_split(ndata, val_split)
-
-
-def _llama_finetune_split(ndata: int, val_split: float) -> int:
-    return max(1, ndata - int(np.float32(ndata) * (np.float32(1.0) - np.float32(val_split))))  # in float, as ggml
-
-
-def split_too_small(ndata: int, val_split: float) -> bool:
-    """True when `ndata` windows are too few for a `val_split` fraction: the held-out part
-    would be more than twice the fraction asked for (validation_windows then holds none out)."""
-    return 0 < val_split and ndata >= 1 and (ndata < 2 or _llama_finetune_split(ndata, val_split) > 2 * val_split * ndata)
 
 
 class Context:
@@ -82,7 +65,7 @@ class Context:
             raise InputError(f"n_ctx {self.n_ctx} must be a multiple of n_seq_max {n_seq_max}")
         kv_size = self.n_ctx if unified else self.n_ctx // n_seq_max
         self.kv = KVMemory(hp, kv_size, n_seq_max, unified, type_k, type_v, self.n_ubatch)
-        self.backend = CpuBackend(n_threads)
+        self.backend = default_backend(n_threads)
         self._graphs: OrderedDict[tuple, tuple[GraphBuilder, GraphAllocator]] = OrderedDict()  # (shape, deps)
         self.n_graphs_reused = 0  # decodes that found their graph built (llama_perf's graphs reused)
         self.outputs = Outputs(hp.n_vocab)  # the last decode's
@@ -436,7 +419,6 @@ class Context:
         weights (`trainer.adapter`). `comm` (an mpi4py communicator, or see
         llamapy.distributed) trains data-parallel over its ranks."""
         from .lora import LoraAdapter
-        from .train import Trainer
         params = params or TrainParams()
         adapter = None
         if params.lora is not None:
@@ -483,8 +465,6 @@ class Context:
         trains) of the lowest validation loss so far; `eval_tasks(ctx) -> {name: score}`:
         scores added to each validation's record. Over several ranks only rank 0 does these.
         """
-        from .fit import FitOptions, fit
-        from .fit_watch import WatchOptions
         if self.trainer is None or params is not None:
             self.opt_init(params, comm)
         elif comm is not None and self.trainer.opt.params.comm is not comm:
@@ -508,7 +488,6 @@ class Context:
 
     def opt_save_checkpoint(self, path) -> None:
         """Write the training state (trained tensors, optimizer state, position) to `path`."""
-        from .resume import save_checkpoint_of
         if self.trainer is None:
             raise InputError("opt_save_checkpoint: call opt_init first")
         save_checkpoint_of(self.trainer, path)
@@ -517,7 +496,6 @@ class Context:
         """Restore the trained tensors and optimizer state from `path`; the next opt_fit
         continues from its position. Returns the hyper-parameters that differ from the
         checkpoint's (this run's are used). Refused (InputError) for another model unless `force`."""
-        from .resume import load_checkpoint_into
         if self.trainer is None:
             raise InputError("opt_load_checkpoint: call opt_init first (with the run's parameters)")
         return load_checkpoint_into(self.trainer, path, force)

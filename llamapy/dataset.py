@@ -144,6 +144,28 @@ def join_windows(train: Dataset, val: Dataset) -> tuple[PackedWindows, int]:
     return out, a.ndata
 
 
+def validation_windows(ndata: int, val_split: float) -> int:
+    """Windows held out for validation, as llama-finetune splits: the training windows are
+    the first int(ndata * (1 - val_split)), so at least one validates when asked for any
+    (two of the 28 windows of the README's main job, for a spread) -- unless the data is too
+    small for the split: when that one window would be more than twice the asked fraction
+    (1 of 2 windows for a 5% split), every window trains and none validates
+    (`split_too_small` says when)."""
+    if val_split <= 0 or ndata < 2 or split_too_small(ndata, val_split):
+        return 0
+    return _llama_finetune_split(ndata, val_split)
+
+
+def _llama_finetune_split(ndata: int, val_split: float) -> int:
+    return max(1, ndata - int(np.float32(ndata) * (np.float32(1.0) - np.float32(val_split))))  # in float, as ggml
+
+
+def split_too_small(ndata: int, val_split: float) -> bool:
+    """True when `ndata` windows are too few for a `val_split` fraction: the held-out part
+    would be more than twice the fraction asked for (validation_windows then holds none out)."""
+    return 0 < val_split and ndata >= 1 and (ndata < 2 or _llama_finetune_split(ndata, val_split) > 2 * val_split * ndata)
+
+
 def _sample_arrays(tokens, train_mask, where: str) -> tuple[np.ndarray, np.ndarray]:
     """A sample's inputs and labels: position i predicts token i + 1, and that prediction
     counts where train_mask[i + 1] is set: the mask marks the tokens to learn, as

@@ -1,10 +1,11 @@
-"""Context.opt_fit: a language model's training run, set up and then run in one loop that
-reads top to bottom (`FitRun.fit`): epoch -> optimizer step (each window forward and
-backward through the Trainer, gradients summed over the ranks, the step) -> validation
--> checkpoint.
+"""Context.opt_fit: a language model's training run on ggmlpy's one TrainingLoop.
 
-After every optimizer step and every validation a record goes to the run's FitWatch (the
-metrics file, the caller's hooks, the plot, the best model so far: fit_watch.py).
+`fit` sets a run up (`FitRun`: the windows and their split, a resumed checkpoint's
+position, the ranks' agreement), then runs `TrainingLoop.run` (ggmlpy/opt/loop.py: epoch
+-> optimizer step -> validation) with the FitRun as the loop's hooks: they print the
+progress lines, record every step and validation in the run's FitWatch (the metrics
+file, the caller's hooks, the plot, the best model so far: fit_watch.py), validate every
+`eval_every` steps and write the checkpoints.
 
 A checkpoint is written every `save_every` optimizer steps, at each epoch's end and on a
 requested stop, so an interrupted run loses at most the work since the last one. A first
@@ -38,17 +39,16 @@ from ggmlpy.opt import (
     Dataset,
     EpochResult,
     FitPosition,
-    PassProgress,
+    Hooks,
+    OptContext,
     ProgressBar,
     Result,
-    evaluate_batches,
+    TrainingLoop,
     loss_and_accuracy,
-    train_batches,
-    train_step,
 )
 
 from .checkpoint import model_fingerprint
-from .dataset import join_windows
+from .dataset import join_windows, validation_windows
 from .distributed import (RanksFailed, Setting, abort_job, any_rank, check_ranks_agree, check_same_weights,
                           describe_error, weights_digest)
 from .errors import InputError, TrainingInterrupted
@@ -77,19 +77,26 @@ class FitOptions:
 
 
 def fit(trainer, dataset: Dataset, options: FitOptions) -> list[EpochResult]:
-    """See Context.opt_fit. Over several ranks, a failure of one ends every rank."""
+    """See Context.opt_fit: the run set up and checked by every rank (FitRun), then ggmlpy's
+    TrainingLoop from the run's start with the run as its hooks, the stop request armed and
+    rank 0's records open. Over several ranks, a failure of one ends every rank."""
     try:
-        return FitRun(trainer, dataset, options).fit()
+        run = FitRun(trainer, dataset, options)
+        loop = TrainingLoop(trainer.opt, run.dataset, run.idata_split, run, epochs=run.epochs, shuffle=trainer.run.rng,
+                            start=run.start, start_result=run.start_result)
+        redo_epoch_end = run.resumed and run.start.ibatch >= loop.n_train  # its training done, not validated
+        with run.stop.armed(options.checkpoint is not None, run.say), run.watching(redo_epoch_end):
+            return loop.run()
     except BaseException as e:  # noqa: BLE001 - any failure of one rank must end all of them
         if trainer.comm.size > 1 and not getattr(e, "on_every_rank", False):  # a shared stop ends every rank by itself
             abort_job(trainer.comm, describe_error(e))
         raise
 
 
-class FitRun:
+class FitRun(Hooks):
     """One opt_fit of a Trainer: the windows and their split, where the run starts (a
-    resumed checkpoint's position), what it prints and when it validates and checkpoints.
-    Made, it has been checked by every rank; `fit()` runs it."""
+    resumed checkpoint's position), and, as the TrainingLoop's hooks, what it prints and
+    when it validates and checkpoints. Made, it has been checked by every rank (`fit` runs it)."""
 
     def __init__(self, trainer, dataset: Dataset, options: FitOptions) -> None:
         self.trainer, self.opt, self.comm, self.options = trainer, trainer.opt, trainer.comm, options
@@ -98,11 +105,11 @@ class FitRun:
         self.stream = options.stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.epoch = 0                                 # the epoch being trained (progress lines)
-        self.evals: list[tuple[int, Result]] = []      # this epoch's validations every eval_every steps
         self.start, self.start_result = FitPosition(), None
         self.resumed = False                           # from a checkpoint's position
         self.stop = _StopRequest()
         self.watch: FitWatch | None = None             # rank 0's records (fit_watch.py)
+        self._mark = None                              # the watch's mark before the step in progress
         error = None  # a rank's failure while setting up: said at the check below, where every rank stops
         try:
             self._set_up(dataset)
@@ -134,7 +141,6 @@ class FitRun:
             dataset, idata_split = join_windows(dataset, o.val_data)
             held_out = ""
         else:
-            from .context import validation_windows
             idata_split = dataset.ndata - validation_windows(dataset.ndata, o.val_split)
             held_out = f" after holding out {o.val_split:.0%} for validation"
         if idata_split < trainer.windows_per_step:
@@ -162,45 +168,8 @@ class FitRun:
             self.say(f"resume: epoch {self.start.epoch + 1}, window {self.start.ibatch} of the epoch, after "
                      f"{trainer.n_steps} optimizer steps")
 
-    # -- the loop --------------------------------------------------------------------------------
-    def fit(self) -> list[EpochResult]:
-        """Train epoch by epoch: shuffle the training windows, take the epoch's optimizer
-        steps (after each: validate and checkpoint when due), validate, checkpoint.
-        Returns one EpochResult per epoch trained (from the resumed one on)."""
-        opt, dataset, run, trainer = self.opt, self.dataset, self.trainer.run, self.trainer
-        n_train, per_step, n_batches, first_val = train_batches(opt, dataset, self.idata_split)
-        evals_per_window = trainer.evals_per_batch
-        history = []
-        redo_epoch_end = self.resumed and self.start.ibatch >= n_train  # its training done, not validated
-        with self.stop.armed(self.options.checkpoint is not None, self.say), self._watching(redo_epoch_end):
-            for epoch in range(self.start.epoch, self.epochs):
-                resumed = epoch == self.start.epoch
-                if run.rng is not None and not (resumed and self.start.shuffled):
-                    dataset.shuffle(run.rng, self.idata_split)
-                self.epoch, self.evals = epoch, []
-                train = self.start_result if resumed and self.start_result is not None else Result()
-                start_batch = self.start.ibatch if resumed else 0
-                progress = PassProgress(self.bar, True, opt, dataset, train, n_train * evals_per_window,
-                                        self.comm.size, done=start_batch * evals_per_window)
-                for first in range(start_batch, n_train, per_step):
-                    mark = self.watch.before_step(train) if self.watch else None
-                    train_step(opt, dataset, first, train, progress)  # trainer.run_batch per window, then the step
-                    self._after_step(FitPosition(epoch, first + per_step, True), train, mark)
-                progress.finish()
-                val = Result()
-                evaluate_batches(opt, dataset, range(first_val, n_batches), val, self.bar)
-                if self.watch:
-                    self.watch.epoch_ended(self.watch.validated(val, float(epoch + 1), end_of_epoch=True) is not None)
-                history.append(EpochResult(epoch, train, val, self.evals))
-                check_same_weights(self.comm, trainer.trained.values(), f"after epoch {epoch + 1}")
-                if self.options.on_epoch is not None:
-                    self.options.on_epoch(history[-1])
-                run.position, run.epoch_result = FitPosition(epoch + 1, 0, False), Result()  # the next epoch's start
-                self._checkpoint(due=True)
-        return history
-
     @contextmanager
-    def _watching(self, redo_epoch_end: bool):
+    def watching(self, redo_epoch_end: bool):
         """Rank 0's FitWatch around the loop (FitWatch.running); nothing elsewhere."""
         if self.watch is None:
             yield
@@ -208,28 +177,51 @@ class FitRun:
         with self.watch.running(redo_epoch_end):
             yield
 
-    def _after_step(self, position: FitPosition, train: Result, mark) -> None:
+    # -- the loop's hooks ------------------------------------------------------------------------
+    def on_epoch_start(self, loop: TrainingLoop, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_progress(self, train: bool, opt_ctx: OptContext, dataset: Dataset, result: Result | None, ibatch: int,
+                    ibatch_max: int, t_start: float) -> None:
+        if self.bar is not None:
+            self.bar(train, opt_ctx, dataset, result, ibatch, ibatch_max, t_start)
+
+    def on_step_start(self, loop: TrainingLoop, train: Result) -> None:
+        if self.watch:
+            self._mark = self.watch.before_step(train)
+
+    def on_step(self, loop: TrainingLoop, train: Result) -> None:
         """Between two optimizer steps: record the position (a checkpoint's) and the step,
         validate every eval_every steps and checkpoint every save_every steps (the epoch's
         last step leaves both to the epoch's end)."""
-        run, n_steps, o = self.trainer.run, self.trainer.n_steps, self.options
+        run, n_steps, o, position = self.trainer.run, self.trainer.n_steps, self.options, loop.position
         run.position, run.epoch_result = position, train
         if self.watch:
-            self.watch.stepped(mark, train, fractional_epoch(position, run.n_train_batches))
+            self.watch.stepped(self._mark, train, fractional_epoch(position, run.n_train_batches))
         last_step = position.ibatch == run.n_train_batches
         if o.eval_every and n_steps % o.eval_every == 0 and not last_step:
-            self._validate()
+            loop.validate()
         self._checkpoint(due=bool(o.save_every) and n_steps % o.save_every == 0 and not last_step)
 
-    def _validate(self) -> None:
-        """A validation pass between optimizer steps (EpochResult.evals)."""
-        result = Result()
-        evaluate_batches(self.opt, self.dataset, range(self.idata_split, self.dataset.ndata), result)
-        self.evals.append((self.trainer.n_steps, result))
+    def on_eval(self, loop: TrainingLoop, result: Result, end_of_epoch: bool) -> None:
+        """An epoch's validation goes to the records; one between steps also gets its line."""
+        if end_of_epoch:
+            if self.watch:
+                validated = self.watch.validated(result, float(loop.epoch + 1), end_of_epoch=True)
+                self.watch.epoch_ended(validated is not None)
+            return
         self.say(f"step {self.trainer.n_steps}: val {loss_and_accuracy(result)}")
         if self.watch:
             run = self.trainer.run
             self.watch.validated(result, fractional_epoch(run.position, run.n_train_batches), end_of_epoch=False)
+
+    def on_epoch_end(self, loop: TrainingLoop, epoch: EpochResult) -> None:
+        """Every rank holds the same weights, the caller's on_epoch, the epoch's checkpoint."""
+        check_same_weights(self.comm, self.trainer.trained.values(), f"after epoch {epoch.epoch + 1}")
+        if self.options.on_epoch is not None:
+            self.options.on_epoch(epoch)
+        self.trainer.run.position, self.trainer.run.epoch_result = FitPosition(epoch.epoch + 1, 0, False), Result()
+        self._checkpoint(due=True)
 
     def _checkpoint(self, due: bool) -> None:
         """Write the checkpoint (rank 0) when `due` or when any rank was asked to stop;

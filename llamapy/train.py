@@ -2,8 +2,8 @@
 Context.opt_init / opt_epoch / opt_fit).
 
 ggmlpy's `OptContext` owns the optimizer (accumulators, state, steps) and evaluation, and
-its `train_step` the optimizer step, which runs each window through `Trainer.run_batch`;
-fit.py is the run's loop around those steps. What is specific to a language model is
+its `TrainingLoop` the epochs and optimizer steps, which run each window through
+`Trainer.run_batch` (this trainer is the context's BatchFeeder); fit.py is the loop's hooks. What is specific to a language model is
 here: a window of n_ctx_train tokens is one datapoint, computed in ubatches of n_ubatch
 tokens, and the gradient of a window does not depend on n_ubatch: a later ubatch attends
 to the keys and values of earlier ones, so its loss has a gradient with respect to them,

@@ -262,3 +262,49 @@ def test_optimizer_hyper_parameters_are_validated_once():
     with pytest.raises(ValueError):
         opt.SGD(alpha=-1.0)
     assert opt.with_alpha(opt.AdamW(wd=0.1), 0.5) == opt.AdamW(alpha=0.5, wd=0.1)
+
+
+class CountingBackend:
+    """A backend of its own: the CPU's computations, counted (any Backend will do for opt)."""
+
+    name = "counting"
+    bf16_dot_products = False
+
+    def __init__(self) -> None:
+        self.cpu, self.calls = gg.CpuBackend(1), []
+        self.n_threads = self.cpu.n_threads
+
+    def set_n_threads(self, n_threads: int) -> None:
+        self.cpu.set_n_threads(n_threads)
+
+    def plan(self, graph):
+        return self.cpu.plan(graph)
+
+    def compute(self, graph) -> None:
+        self.calls.append("compute")
+        self.cpu.compute(graph)
+
+    def sum_squares(self, array) -> float:
+        self.calls.append("sum_squares")
+        return self.cpu.sum_squares(array)
+
+    def scale(self, array, factor: float) -> None:
+        self.calls.append("scale")
+        self.cpu.scale(array, factor)
+
+
+def test_the_optimizer_runs_on_any_backend_and_imports_no_concrete_one():
+    import subprocess
+    import sys
+    from ggmlpy.backend import Backend
+    assert isinstance(gg.CpuBackend(1), Backend) and isinstance(CountingBackend(), Backend)
+    ds, _, _ = regression_dataset(64)
+    ctx, inputs, outputs, a, _ = regression_model(batch=32)
+    backend = CountingBackend()
+    oc = opt.OptContext(opt.OptParams(ctx, inputs, outputs, opt.LossType.MEAN_SQUARED_ERROR, opt.SGD(alpha=0.1),
+                                      grad_clip=1e-3, backend=backend))
+    opt.opt_epoch(oc, ds, opt.Result(), None, -1)
+    assert oc.iter == 3 and backend.calls.count("sum_squares") == 2 and "scale" in backend.calls
+    loaded = subprocess.run([sys.executable, "-c", "import sys, ggmlpy.opt; print('ggmlpy.backend.cpu' in sys.modules)"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "False"

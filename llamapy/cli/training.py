@@ -19,7 +19,8 @@ from ggmlpy.opt import loss_and_accuracy
 from ggmlpy.records import explain
 from llamapy.atomic import special_kind
 from llamapy.checkpoint import data_fingerprint
-from llamapy.context import Context, split_too_small, validation_windows
+from llamapy.context import Context
+from llamapy.dataset import split_too_small, validation_windows
 from llamapy.distributed import Setting, oversubscription_warning
 from llamapy.errors import InputError, LlamapyError, TrainingInterrupted
 from llamapy.save import save_model_to_file
