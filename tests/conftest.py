@@ -34,15 +34,14 @@ def run_tool(name: str, *argv, capsys=None, stdin: str | None = None) -> tuple[i
     """The llamapy tool `name` (a key of llamapy.cli.TOOLS) run in this process on `argv`, as
     `python -m llamapy.cli.<module>` runs it: (exit code, stdout, stderr). Saves a child
     process's start-up (~2-3 s of interpreter, imports and numba's cache). With pytest's
-    `capsys` the output is read from its capture; without (in a module-scoped fixture) the
-    tool's sys.stdout and sys.stderr are redirected for the call. `stdin`: the text the tool
-    reads from sys.stdin (a pipe's, not a terminal's). An unexpected exception propagates (the
-    child would have printed a traceback): the test fails either way."""
+    `capsys` the output is read from its capture (what the test printed since its last read,
+    then the tool's); without (in a module-scoped fixture too) the tool's sys.stdout and
+    sys.stderr are redirected for the call. `stdin`: the text the tool reads from sys.stdin
+    (a pipe's, not a terminal's). An unexpected exception propagates (the child would have
+    printed a traceback): the test fails either way."""
     from llamapy.cli import TOOLS
     tool = importlib.import_module(TOOLS[name][0]).tool
     out, err = io.StringIO(), io.StringIO()
-    if capsys is not None:
-        capsys.readouterr()
     with contextlib.ExitStack() as stack:
         if capsys is None:
             stack.enter_context(contextlib.redirect_stdout(out))
