@@ -129,7 +129,7 @@ def test_finetune_on_shards_writes_the_model_finetune_on_the_file_writes(kind, w
     for data in (["-f", str(source), *extra], ["--data", str(tmp_path / "shards")]):
         out = tmp_path / f"out{len(outs)}.gguf"
         r = tool_process("finetune", "-m", stories, *data, "-c", "64", "--epochs", "2", "-t", "2", "--seed", "5",
-                "--shuffle", "-lr", "1e-3", "-val-split", "0.1", "-o", str(out))
+                         "--shuffle", "-lr", "1e-3", "-val-split", "0.1", "-o", str(out))
         assert r.returncode == 0, r.stderr
         # the losses and accuracies; the elapsed time and ETA vary with the machine's load
         outs.append((digest(out), [re.sub(r" t=\S+ ETA=\S+", "", ln) for ln in r.stderr.splitlines() if "loss=" in ln]))
