@@ -3,8 +3,13 @@
 `LLAMAPY_SHARED` overrides the default `../shared` (relative to the repository root).
 Tests skip with a stated reason only when that folder is absent; in CI it never is.
 """
+import contextlib
 import hashlib
+import importlib
+import io
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,51 @@ def file_sha256(path: Path) -> str:
     """The sha256 of a file, read in blocks (a model can be gigabytes)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def run_tool(name: str, *argv, capsys=None, stdin: str | None = None) -> tuple[int, str, str]:
+    """The llamapy tool `name` (a key of llamapy.cli.TOOLS) run in this process on `argv`, as
+    `python -m llamapy.cli.<module>` runs it: (exit code, stdout, stderr). Saves a child
+    process's start-up (~2-3 s of interpreter, imports and numba's cache). With pytest's
+    `capsys` the output is read from its capture (what the test printed since its last read,
+    then the tool's); without (in a module-scoped fixture too) the tool's sys.stdout and
+    sys.stderr are redirected for the call. `stdin`: the text the tool reads from sys.stdin
+    (a pipe's, not a terminal's). An unexpected exception propagates (the child would have
+    printed a traceback): the test fails either way."""
+    from llamapy.cli import TOOLS
+    tool = importlib.import_module(TOOLS[name][0]).tool
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if capsys is None:
+            stack.enter_context(contextlib.redirect_stdout(out))
+            stack.enter_context(contextlib.redirect_stderr(err))
+        if stdin is not None:
+            stack.enter_context(_stdin(io.StringIO(stdin)))
+        try:
+            tool.main([str(a) for a in argv])
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+    if capsys is not None:
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+    return code, out.getvalue(), err.getvalue()
+
+
+@contextlib.contextmanager
+def _stdin(stream):
+    saved, sys.stdin = sys.stdin, stream
+    try:
+        yield
+    finally:
+        sys.stdin = saved
+
+
+def tool_process(name: str, *argv, capsys=None, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """run_tool's result as subprocess.run's (returncode, stdout, stderr), for the tests that
+    ran the tool as a child process."""
+    code, out, err = run_tool(name, *argv, capsys=capsys, stdin=stdin)
+    return subprocess.CompletedProcess([name, *map(str, argv)], code, out, err)
 
 
 def shared_path(*parts: str) -> Path:

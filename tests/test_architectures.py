@@ -6,9 +6,6 @@ llama.cpp's perplexities and greedy texts on them are in ../shared/golden.
 from __future__ import annotations
 
 import filecmp
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,7 +20,7 @@ from llamapy.model import model_from
 from llamapy.perplexity import perplexity
 from llamapy.train_params import LRSchedule, TrainParams, param_filter_all, param_filter_lora
 
-from conftest import REPO_ROOT, shared_path
+from conftest import shared_path, tool_process
 from golden import running_ppl
 
 MODELS = ["qwen2", "qwen3", "rope-freqs"]
@@ -65,9 +62,8 @@ def test_perplexity_matches_llama_cpp(name, n_ubatch, wiki_tokens):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_text_matches_llama_cpp(name):
-    r = subprocess.run([sys.executable, "-m", "llamapy.cli.completion", "-m", str(model_path(name)), "-p", "Once upon a time",
-                        "-n", "32", "--temp", "0", "-s", "1", "-t", "2"], capture_output=True, text=True, cwd=REPO_ROOT,
-                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    r = tool_process("cli", "-m", str(model_path(name)), "-p", "Once upon a time", "-n", "32", "--temp", "0", "-s", "1",
+                     "-t", "2")  # in this process: a start-up saved
     assert r.returncode == 0, r.stderr
     expected = shared_path("golden", f"greedy_stories260K-{name}.txt").read_text(encoding="utf-8")
     assert r.stdout.strip() == expected.strip()
@@ -126,9 +122,8 @@ def test_refusal_is_one_line_from_the_cli(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    r = subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", "-m", str(out), "-f",
-                        str(shared_path("data", "wiki.test.raw")), "-c", "128", "--chunks", "2"],
-                       capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    r = tool_process("perplexity", "-m", str(out), "-f", str(shared_path("data", "wiki.test.raw")), "-c", "128",
+                     "--chunks", "2")  # in this process: a start-up saved
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "tensor 'blk.0.ffn_gate_inp.weight' is not part of a qwen2 model" in r.stderr
 

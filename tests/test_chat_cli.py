@@ -15,6 +15,7 @@ import llamapy
 from llamapy.chat import ChatTemplate
 from llamapy.generate import Generator
 
+from conftest import tool_process
 from test_cli_errors import assert_one_clear_line
 
 N = 12
@@ -23,8 +24,8 @@ USER = ["Tell me about a cat.", "And then what happened?"]
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.completion", *args], input=stdin, capture_output=True, text=True,
-                          timeout=300)
+    """llamapy-cli in this process, stdin a pipe's text (the terminal's test runs a child process)."""
+    return tool_process("cli", *args, stdin=stdin)
 
 
 def fresh_answer(model, template, messages) -> tuple[str, list[int]]:

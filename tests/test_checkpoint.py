@@ -26,7 +26,7 @@ from llamapy.lora import LoraAdapter, merge_adapters
 from llamapy.save import save_model_to_file, write_atomically
 from llamapy.train_params import SGD, AdamW, LoraParams, LRSchedule, TrainParams
 
-from conftest import REPO_ROOT, Killed, kill_after
+from conftest import REPO_ROOT, Killed, kill_after, tool_process
 
 N_CTX = 32
 EPOCHS = 3
@@ -217,6 +217,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(stories_path, text, tmp_path,
 
 # ---- through the command line: a real SIGKILL and a Ctrl-C -------------------------------------
 def finetune_cmd(stories_path: Path, text: Path, out: Path, *extra: str) -> list[str]:
+    """The child process's command line ([3:]: the tool's arguments, for tool_process)."""
     return [sys.executable, "-m", "llamapy.cli.finetune", "-m", str(stories_path), "-f", str(text), "-c", "32",
             "-b", "64", "--epochs", "3", "-lr", "1e-3", "--lr-schedule", "cosine", "--warmup", "2",
             "--grad-clip", "1", "--seed", "5", "--shuffle", "-t", "2", "-o", str(out), *extra]
@@ -239,7 +240,8 @@ def test_cli_run_killed_with_sigkill_resumes_bit_identical(stories_path, wiki_pa
     text.write_text(wiki_path.read_text()[:6000])
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     ref_out, out, ckpt = tmp_path / "ref.gguf", tmp_path / "out.gguf", tmp_path / "run.ckpt"
-    subprocess.run(finetune_cmd(stories_path, text, ref_out), check=True, capture_output=True, env=env, cwd=REPO_ROOT)
+    done = tool_process("finetune", *finetune_cmd(stories_path, text, ref_out)[3:])  # uninterrupted, in this process
+    assert done.returncode == 0, done.stderr
     run = finetune_cmd(stories_path, text, out, "--checkpoint-out", str(ckpt), "--save-every", "1")
     rng = np.random.default_rng()
     kills = 0
@@ -258,8 +260,7 @@ def test_cli_run_killed_with_sigkill_resumes_bit_identical(stories_path, wiki_pa
         assert proc.returncode == -signal.SIGKILL
         kills += 1
     assert kills >= 2, "the run ended before it was killed twice"
-    resumed = subprocess.run(run + ["--checkpoint-in", str(ckpt)], capture_output=True, text=True, env=env,
-                             cwd=REPO_ROOT)
+    resumed = tool_process("finetune", *run[3:], "--checkpoint-in", ckpt)  # the last resume, in this process
     assert resumed.returncode == 0, resumed.stderr
     expect, got = tensors_of(ref_out), tensors_of(out)
     for name in expect:
@@ -283,7 +284,7 @@ def test_cli_ctrl_c_writes_a_checkpoint_and_says_so(stories_path, wiki_path, tmp
     assert load_checkpoint(ckpt).position.shuffled  # written at a step, not only at an epoch end
     before = ckpt.read_bytes()
     for every in ("-2", "0"):
-        bad = subprocess.run(finetune_cmd(stories_path, text, out, "--checkpoint-out", str(ckpt), "--save-every", every),
-                             capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+        bad = tool_process("finetune", *finetune_cmd(stories_path, text, out, "--checkpoint-out", str(ckpt),
+                                                     "--save-every", every)[3:])  # in this process
         assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "--save-every" in bad.stderr
     assert ckpt.read_bytes() == before and not out.exists()

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import gguf
 import pytest
 
+from conftest import tool_process
+
 
 def run_perplexity(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", *args], capture_output=True, text=True, timeout=300)
+    """llamapy-perplexity in this process (test_perplexity.py runs it as a child process)."""
+    return tool_process("perplexity", *args)
 
 
 def assert_one_clear_line(proc: subprocess.CompletedProcess, expected: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_tool
 from llamapy.cli import TOOLS
 from llamapy.errors import InputError
 
@@ -34,17 +34,6 @@ OWN_COMMAND_LINE = ("quantize", "convert", "tokenize")  # tools whose flags are 
 
 def tool_of(name: str):
     return importlib.import_module(TOOLS[name][0]).tool
-
-
-def run_tool(name: str, *argv: str, capsys) -> tuple[int, str, str]:
-    """The tool in this process: exit code, stdout, stderr."""
-    try:
-        tool_of(name).main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def one_error_line(err: str) -> str:

@@ -20,7 +20,7 @@ import pytest
 
 import llamapy
 
-from conftest import REPO_ROOT, shared_path
+from conftest import REPO_ROOT, shared_path, tool_process
 
 pytest.importorskip("mpi4py", reason="the mpi extra: pip install -e '.[mpi]'")
 MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
@@ -36,9 +36,11 @@ def text(tmp_path_factory):
 
 
 def finetune(ranks: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "llamapy.cli.finetune", *args]
-    if ranks > 1:
-        cmd = [MPIRUN, "-n", str(ranks), *cmd]
+    """llamapy-finetune under mpirun with `ranks` ranks, or (ranks 1) as one process: this one,
+    the test's (no launcher, no MPI: a child's start-up saved)."""
+    if ranks == 1:
+        return tool_process("finetune", *args)
+    cmd = [MPIRUN, "-n", str(ranks), sys.executable, "-m", "llamapy.cli.finetune", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, env=ENV, timeout=timeout)
 
 

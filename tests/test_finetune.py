@@ -2,10 +2,8 @@
 path, finite differences, warmup, the README example and llamapy-finetune end to end."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +16,7 @@ from llamapy.errors import InputError
 from llamapy.train_params import SGD, LRSchedule, TrainParams, param_filter_pattern
 from llamapy.perplexity import perplexity
 
-from conftest import REPO_ROOT, SHARED, shared_path
+from conftest import REPO_ROOT, SHARED, shared_path, tool_process
 
 N_CTX = 128
 
@@ -204,9 +202,10 @@ def test_docs_python_training_example_runs(tmp_path, monkeypatch, stories_path):
 
 
 # ---- the command line ------------------------------------------------------------------------
-def finetune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+def finetune(*args: str) -> subprocess.CompletedProcess:
+    """llamapy-finetune in this process, a child's start-up saved (test_checkpoint.py runs it as
+    a child process, killed and resumed)."""
+    return tool_process("finetune", *args)
 
 
 @pytest.fixture(scope="module")
@@ -242,12 +241,7 @@ def _one_error_line(r: subprocess.CompletedProcess, pattern: str) -> None:
     assert re.search(pattern, r.stderr.strip().splitlines()[-1]), r.stderr
 
 
-def test_finetune_cli_bad_input(stories, slice_path, tmp_path, capsys):
-    from test_cli_flags import run_tool
-
-    def finetune(*args: str) -> subprocess.CompletedProcess:  # in this process: six start-ups saved
-        code, out, err = run_tool("finetune", *args, capsys=capsys)
-        return subprocess.CompletedProcess(["finetune", *args], code, out, err)
+def test_finetune_cli_bad_input(stories, slice_path, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short.")
     out = tmp_path / "out.gguf"

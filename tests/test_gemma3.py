@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from peak_rss import peak_rss_mb  # noqa: E402  (bench/: the same measure as the bench scripts')
 
 import llamapy
-from conftest import REPO_ROOT, shared_path
+from conftest import REPO_ROOT, shared_path, tool_process
 from ggmlpy import GGMLType
 from llamapy.gguf_file import GGUFFile
 from llamapy.vocab import Vocab
@@ -270,9 +269,8 @@ def test_gemma3_greedy_matches_llama_cpp(gemma3_path, run):
     (flash attention, F16 cache: both tools' defaults). The CLI's own path on one prompt: all
     64 tokens of every recorded prompt are generate()'s (test_generate.py) and the server's
     (test_server.py, two slots, streamed and not)."""
-    proc = subprocess.run([sys.executable, "-m", "llamapy.cli.completion", "-m", str(gemma3_path), "-p", run["prompt"],
-                           "-n", "24", "--temp", "0", "-s", "1", "-t", "2"],
-                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    proc = tool_process("cli", "-m", str(gemma3_path), "-p", run["prompt"], "-n", "24", "--temp", "0", "-s", "1",
+                        "-t", "2")  # in this process: a start-up saved
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout.rstrip("\n")
     assert len(text) > len(run["prompt"]) + 40 and run["text"].startswith(text)

@@ -4,10 +4,8 @@ ubatch splits, every layer boundary kept or every other), the planned arena is s
 and the flag works from the command line."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ import llamapy
 from llamapy.dataset import token_windows
 from llamapy.train_params import LoraParams, TrainParams
 
-from conftest import REPO_ROOT
+from conftest import tool_process
 
 N_CTX = 128
 MAX_REL_DIFF = 1e-5  # the acceptance bound; recomputation repeats the same kernels, so it is 0 here
@@ -126,8 +124,8 @@ def test_an_architecture_without_layer_boundaries_is_refused_in_one_line(stories
 
 
 def finetune(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *args], capture_output=True, text=True,
-                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=600)
+    """llamapy-finetune in this process (test_finetune.py and test_checkpoint.py run it as a child process)."""
+    return tool_process("finetune", *args)
 
 
 def test_finetune_cli_grad_checkpoint(stories_path, wiki_path, tmp_path):

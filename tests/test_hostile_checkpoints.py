@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ from llamapy.gguf_file import GGUFFile, MetaValue, ValueType
 from llamapy.gguf_writer import array_out
 from llamapy.train_params import AdamW, LRSchedule, TrainParams
 
-from conftest import REPO_ROOT, Killed, kill_after
+from conftest import Killed, kill_after, tool_process
 from test_cli_errors import assert_one_clear_line
 
 N_CTX = 32
@@ -282,10 +280,8 @@ def test_finetune_refuses_a_bad_checkpoint_in_one_line(stories_path, good, text,
     data.write_text(text)
     before = bad.read_bytes()
     out = tmp_path / "out.gguf"
-    proc = subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", "-m", str(stories_path), "-f", str(data),
-                           "-c", str(N_CTX), "-b", str(2 * N_CTX), "--seed", "11", "--shuffle", "-t", "2",
-                           "-o", str(out), "--checkpoint-in", str(bad)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    proc = tool_process("finetune", "-m", str(stories_path), "-f", str(data), "-c", str(N_CTX), "-b", str(2 * N_CTX),
+                        "--seed", "11", "--shuffle", "-t", "2", "-o", str(out), "--checkpoint-in", str(bad))  # in this process
     assert_one_clear_line(proc, f"{bad}: ")
     assert expected in proc.stderr
     assert not out.exists() and bad.read_bytes() == before

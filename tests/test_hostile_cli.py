@@ -4,24 +4,19 @@ user owns is modified (hashes of every input checked before and after)."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from llamapy.cli import TOOLS
+import conftest
 
 
 def run_tool(name: str, *argv: str, capsys) -> tuple[int, str]:
-    """The tool in this process: exit code and stderr."""
-    try:
-        importlib.import_module(TOOLS[name][0]).tool.main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    return code, capsys.readouterr().err
+    """The tool in this process (conftest.run_tool): exit code and stderr."""
+    code, _, err = conftest.run_tool(name, *argv, capsys=capsys)
+    return code, err
 
 
 def one_error(err: str) -> str:

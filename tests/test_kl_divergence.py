@@ -15,7 +15,6 @@ import io
 import math
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from llamapy.kl_divergence import KLDivergenceResult, kl_divergence, kld_rows, m
 from llamapy.kld_base import MAGIC, BaseLogProbs, BaseLogProbsWriter, file_size, quantize_log_probs, row_width
 from llamapy.perplexity import perplexity
 
-from conftest import REPO_ROOT, file_sha256
+from conftest import file_sha256, tool_process
 from ggml_reference import expf
 from record_llama_cpp_kld import CASES, chunk_digests
 
@@ -300,13 +299,13 @@ class Recorded:
 
 def quantize(src: Path, dst: Path, qtype: str) -> None:
     """The quantized model of the recorded run, by llamapy-quantize (llama-quantize's bytes)."""
-    subprocess.run([sys.executable, "-m", "llamapy.cli.quantize", "--allow-requantize", str(src), str(dst), qtype],
-                   capture_output=True, check=True, timeout=1800, cwd=REPO_ROOT)
+    done = tool_process("quantize", "--allow-requantize", src, dst, qtype)
+    assert done.returncode == 0, done.stderr
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", *args], capture_output=True, text=True,
-                          timeout=3600)
+    """llamapy-perplexity in this process (test_perplexity.py's acceptance run is a child process)."""
+    return tool_process("perplexity", *args)
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -17,7 +17,7 @@ from llamapy.errors import ModelLoadError
 from llamapy.lora import DEFAULT_MODULES, LoraAdapter, merge_adapters
 from llamapy.train_params import LRSchedule, TrainParams, param_filter_lora
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, tool_process
 
 
 def logits_of(model, tokens, adapters=()):
@@ -97,6 +97,8 @@ def test_lora_training_trains_only_the_adapter(model, tokens):
 
 
 def run_app(module: str, *args: str) -> subprocess.CompletedProcess:
+    """The tool `module` as a child process: llamapy-export-lora's one run as its users run it
+    (the other runs here are in this process, tool_process: a child's start-up saved each)."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
@@ -110,11 +112,11 @@ def test_cli_lora_finetune_perplexity_and_export(stories_path, wiki_path, tmp_pa
     text = tmp_path / "slice.txt"
     text.write_text(wiki_path.read_text()[:12000])
     adapter, merged = tmp_path / "ad.gguf", tmp_path / "merged.gguf"
-    r = run_app("llamapy.cli.finetune", "-m", str(stories_path), "-f", str(text), "-c", "64", "--epochs", "2", "-lr", "1e-3",
+    r = tool_process("finetune", "-m", str(stories_path), "-f", str(text), "-c", "64", "--epochs", "2", "-lr", "1e-3",
                 "--lora-rank", "4", "--lora-out", str(adapter), "-t", "1")
     assert r.returncode == 0, r.stderr
     assert f"try it: llamapy-perplexity -m {stories_path} --lora {adapter}" in r.stderr
-    ppl = lambda *extra: final_ppl(run_app("llamapy.cli.perplexity", "-m", *extra, "-f", str(text), "-c", "64", "-t", "1").stderr)  # noqa: E731
+    ppl = lambda *extra: final_ppl(tool_process("perplexity", "-m", *extra, "-f", str(text), "-c", "64", "-t", "1").stderr)  # noqa: E731
     base = ppl(str(stories_path))
     with_lora = ppl(str(stories_path), "--lora", str(adapter))
     assert with_lora < 0.5 * base
@@ -122,7 +124,7 @@ def test_cli_lora_finetune_perplexity_and_export(stories_path, wiki_path, tmp_pa
     r = run_app("llamapy.cli.export_lora", "-m", str(stories_path), "--lora", str(adapter), "-o", str(merged))
     assert r.returncode == 0, r.stderr
     assert ppl(str(merged)) == pytest.approx(with_lora, rel=1e-3)
-    bad = run_app("llamapy.cli.perplexity", "-m", str(stories_path), "--lora", str(stories_path), "-f", str(text), "-c", "64")
+    bad = tool_process("perplexity", "-m", str(stories_path), "--lora", str(stories_path), "-f", str(text), "-c", "64")
     assert bad.returncode != 0 and "not a LoRA adapter" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -151,13 +153,13 @@ def test_gemma3_lora_finetune_lowers_loss_and_perplexity(gemma3_path, wiki_path,
     text = tmp_path / "slice.txt"
     text.write_text(wiki_path.read_text()[:1100])  # 265 tokens: 5 training windows of 64, 2 for validation
     adapter = tmp_path / "gemma-ad.gguf"
-    r = run_app("llamapy.cli.finetune", "-m", str(gemma3_path), "-f", str(text), "-c", "64", "--epochs", "2",
+    r = tool_process("finetune", "-m", str(gemma3_path), "-f", str(text), "-c", "64", "--epochs", "2",
                 "-val-split", "0.2", "--lora-out", str(adapter))
     assert r.returncode == 0, r.stderr
     assert "training a LoRA adapter of rank 8" in r.stderr  # LoRA is the default on quantized weights
     val = [float(x) for x in __import__("re").findall(r"val: +\[███████▉\] data=\S+ loss=([\d.]+)", r.stderr)]
     assert len(val) == 2 and val[1] < val[0], r.stderr
-    ppl = lambda *extra: final_ppl(run_app("llamapy.cli.perplexity", "-m", str(gemma3_path), *extra, "-f", str(text),  # noqa: E731
+    ppl = lambda *extra: final_ppl(tool_process("perplexity", "-m", str(gemma3_path), *extra, "-f", str(text),  # noqa: E731
                                            "-c", "64", "-b", "64").stderr)
     base = ppl()
     assert ppl("--lora", str(adapter)) < base

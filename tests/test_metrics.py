@@ -8,7 +8,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -21,7 +20,7 @@ from llamapy.gguf_file import GGUFFile
 from llamapy.metrics import EvalRecord, MetricsFile, StepRecord, read_records
 from llamapy.train_params import LRSchedule, TrainParams
 
-from conftest import REPO_ROOT, Killed, kill_after
+from conftest import Killed, kill_after, tool_process
 
 N_CTX = 32
 PNG_END = b"IEND\xaeB`\x82"
@@ -163,9 +162,8 @@ def test_a_metrics_file_cut_mid_line_resumes_and_a_foreign_file_is_refused(tmp_p
 
 
 def run_finetune(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO_ROOT, timeout=600)
+    """llamapy-finetune in this process (test_finetune.py and test_checkpoint.py run it as a child process)."""
+    return tool_process("finetune", *args)
 
 
 def test_finetune_flags(stories_path, texts, tmp_path):

@@ -13,7 +13,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +20,9 @@ import pytest
 
 import hf_checkpoints as H
 import llamapy
-from conftest import REPO_ROOT, shared_path
+import conftest
+from conftest import shared_path
 from ggmlpy import GGMLType
-from llamapy.cli.convert import tool as convert_tool
-from llamapy.cli.export_lora import tool as export_tool
 from llamapy.convert.peft import PREFIX, adapter_to_peft, peft_to_gguf
 from llamapy.convert.safetensors import read_safetensors
 from llamapy.lora import LoraAdapter
@@ -141,11 +139,11 @@ def finetuned(checkpoints, converted, tmp_path_factory):
     text = root / "text.txt"
     text.write_text(shared_path("data", "tinystories_sample.txt").read_text()[:H.FINETUNE_CHARS])
     base, adapter, folder = converted("llama", "f32"), root / "adapter.gguf", root / "peft"
-    for argv in (["llamapy.cli.finetune", "-m", str(base), "-f", str(text), *H.FINETUNE_ARGS, "-o", str(adapter)],
-                 ["llamapy.cli.export_lora", "-m", str(base), "--lora", str(adapter), "--to-peft", str(folder),
+    for argv in (["finetune", "-m", str(base), "-f", str(text), *H.FINETUNE_ARGS, "-o", str(adapter)],
+                 ["export-lora", "-m", str(base), "--lora", str(adapter), "--to-peft", str(folder),
                   "--base", str(checkpoints("llama"))]):
-        run = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=REPO_ROOT)
-        assert run.returncode == 0, run.stderr
+        code, _, err = conftest.run_tool(*argv)  # in this process: a child's start-up saved
+        assert code == 0, err
     return base, adapter, folder
 
 
@@ -187,13 +185,10 @@ def test_peft_loads_the_export_now(finetuned, checkpoints, tmp_path):
 
 # ---- bad input --------------------------------------------------------------------------------
 
-def run_tool(tool, *argv: str, capsys) -> tuple[int, str]:
-    try:
-        tool.main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
+def run_tool(name: str, *argv: str, capsys) -> tuple[int, str]:
+    """The tool in this process (conftest.run_tool): exit code and stderr."""
+    code, _, err = conftest.run_tool(name, *argv, capsys=capsys)
+    return code, err
 
 
 def error_line(err: str) -> str:
@@ -261,7 +256,7 @@ def test_bad_peft_adapters_are_one_line(case, expected, checkpoints, tmp_path, c
     elif case == "half":
         _rewrite(folder, lambda ts: ts.remove(next(t for t in ts if t[0] == Q0 + ".lora_B.weight")))
     base = [] if case == "no base" else ["--base", str(checkpoints("llama"))]
-    code, err = run_tool(convert_tool, "--lora", str(folder), *base, "-o", str(tmp_path / "out.gguf"), capsys=capsys)
+    code, err = run_tool("convert", "--lora", str(folder), *base, "-o", str(tmp_path / "out.gguf"), capsys=capsys)
     assert code != 0
     assert expected in error_line(err)
     assert not (tmp_path / "out.gguf").exists()
@@ -283,7 +278,7 @@ def test_bad_exports_to_peft_are_one_line(case, expected, checkpoints, converted
             "base without": ["-m", model, "--lora", adapter, "--base", str(checkpoints("llama"))],
             "other base": ["-m", model, "--lora", adapter, "--to-peft", out, "--base", str(checkpoints("qwen2"))],
             }[case]
-    code, err = run_tool(export_tool, *argv, capsys=capsys)
+    code, err = run_tool("export-lora", *argv, capsys=capsys)
     assert code != 0
     assert expected in error_line(err)
     assert not (tmp_path / "peft").exists()

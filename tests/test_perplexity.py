@@ -14,7 +14,7 @@ import llamapy
 from llamapy.log_softmax import expf_or_nan_row, token_nll
 from llamapy.perplexity import perplexity
 
-from conftest import shared_path
+from conftest import shared_path, tool_process
 from ggml_reference import expf
 from golden import running_ppl
 
@@ -104,8 +104,14 @@ def test_too_short_text_is_an_input_error(stories):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """llamapy-perplexity as a child process, as its users run it (the acceptance run)."""
     return subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", *args], capture_output=True, text=True,
                           timeout=1800)
+
+
+def run_in_process(*args: str) -> subprocess.CompletedProcess:
+    """llamapy-perplexity in this process: the same output without a child's start-up."""
+    return tool_process("perplexity", *args)
 
 
 def final_estimate(stderr: str) -> tuple[float, float]:
@@ -136,7 +142,7 @@ def test_cli_full_wikitext_matches_llama_cpp(full_run, golden_c128):
 def test_cli_full_wikitext_ubatch_invariance(full_run, stories_path, wiki_path, extra):
     """Acceptance: -ub 32 (and -b 32 -ub 32) give the same PPL to 1e-5 relative: over the first
     600 chunks (77k tokens), against the full run's estimate there."""
-    proc = run_cli("-m", str(stories_path), "-f", str(wiki_path), "-c", "128", "--chunks", "600", *extra)
+    proc = run_in_process("-m", str(stories_path), "-f", str(wiki_path), "-c", "128", "--chunks", "600", *extra)
     assert proc.returncode == 0, proc.stderr
     at_600 = float(re.search(r"\[600\]([0-9.]+)", full_run.stdout).group(1))
     assert final_estimate(proc.stderr)[0] == pytest.approx(at_600, rel=1e-5)
@@ -151,7 +157,7 @@ def test_a_bare_cli_run_gives_llama_cpps_bare_run(stories_path, wiki_path):
     -b 2048) and its numbers (tests/data, recorded by tests/record_llama_cpp_cli.py): the running
     values of the first 400 chunks."""
     golden_path = Path(__file__).parent / "data" / "llama_cpp_ppl_stories260K_bare.txt"
-    proc = run_cli("-m", str(stories_path), "-f", str(wiki_path), *BARE_CHUNKS)
+    proc = run_in_process("-m", str(stories_path), "-f", str(wiki_path), *BARE_CHUNKS)
     assert proc.returncode == 0, proc.stderr
     ours = dict(re.findall(r"\[(\d+)\]([0-9.]+)", proc.stdout))
     want = dict(re.findall(r"\[(\d+)\]([0-9.]+)", golden_path.read_text()))

@@ -431,9 +431,9 @@ def test_state_errors(model, tiny_random_path):
 
 # ---- the CLI ------------------------------------------------------------------------------------------
 def run_cli(*args: str):
-    import subprocess
-    import sys
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.completion", *args], capture_output=True, text=True, timeout=300)
+    """llamapy-cli in this process (test_chat_cli.py and test_architectures.py run it as a child process)."""
+    from conftest import tool_process
+    return tool_process("cli", *args)
 
 
 @pytest.mark.parametrize("bs", [[], ["-bs"]])

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import llamapy
-from conftest import REPO_ROOT, shared_path
+from conftest import REPO_ROOT, shared_path, tool_process
 from llamapy.lora import LoraAdapter
 
 openai = pytest.importorskip("openai")
@@ -341,9 +341,15 @@ def test_tokenize_detokenize_models_health(server, model):
     assert props["model_path"].endswith("stories260K.gguf") and "im_start" in props["chat_template"]
 
 
-def test_command_line_errors_are_one_line(stories_path, tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "llamapy.cli.server", *a], cwd=REPO_ROOT,  # noqa: E731
-                                    capture_output=True, text=True, timeout=60)
+def test_command_line_errors_are_one_line(stories_path, tmp_path, monkeypatch):
+    """In this process (the other tests here start the server as a child process): a bad
+    command line that got as far as serving fails the test instead of serving for ever."""
+    import uvicorn
+
+    def served(self, *a, **kw):
+        raise AssertionError("the server started serving")
+    monkeypatch.setattr(uvicorn.Server, "run", served)
+    run = lambda *a: tool_process("server", *a)  # noqa: E731
     for args, message in [(["-m", str(tmp_path / "none.gguf")], "none.gguf"),
                           (["-m", str(stories_path), "-np", "0"], "-np must be >= 1"),
                           (["-m", str(stories_path), "--lora-dir", str(tmp_path / "nowhere")], "not a directory"),

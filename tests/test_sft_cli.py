@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from llamapy.chat import ChatTemplate
 from llamapy.dataset import IGNORE, load_samples
 from llamapy.train_params import LRSchedule, TrainParams
 
+from conftest import tool_process
 from test_cli_errors import assert_one_clear_line
 
 N_CTX = 256
@@ -53,7 +53,8 @@ def data_dir(tmp_path):
 
 
 def finetune(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llamapy.cli.finetune", *args], capture_output=True, text=True, timeout=600)
+    """llamapy-finetune in this process (test_finetune.py and test_checkpoint.py run it as a child process)."""
+    return tool_process("finetune", *args)
 
 
 def test_finetune_on_a_data_dir_validates_every_n_steps_and_tests_at_the_end(stories_path, data_dir, tmp_path):

@@ -13,12 +13,13 @@ import pytest
 
 import llamapy
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, tool_process
 
 SHAPE = ["--embd", "32", "--head", "4", "--head-kv", "2", "--layer", "2", "--ff", "96", "-c", "32"]
 
 
 def run_app(module: str, *args: str) -> subprocess.CompletedProcess:
+    """The tool as a child process (the end-to-end run); the other tests run it in this process."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
                           cwd=REPO_ROOT, timeout=600)
@@ -50,15 +51,16 @@ def test_train_from_scratch_end_to_end(stories_path, wiki_path, tmp_path):
 ])
 def test_shapes_that_cannot_be_built_fail_in_one_line(stories_path, wiki_path, tmp_path, shape, message):
     out = tmp_path / "new.gguf"
-    run = run_app("llamapy.cli.train", "--vocab-model", str(stories_path), "-f", str(wiki_path), "--embd", "32", "--ff", "64",
+    run = tool_process("train", "--vocab-model", str(stories_path), "-f", str(wiki_path), "--embd", "32", "--ff", "64",
                   "-c", "32", *shape, "-o", str(out))
     assert run.returncode == 1 and not out.exists()
     assert run.stderr.strip().splitlines() == [f"error: {message}" + run.stderr.strip().split(message, 1)[1]]
 
 
-@pytest.mark.parametrize("module", ["llamapy.cli.finetune", "llamapy.cli.train"])
-def test_help_lists_the_training_flags_with_defaults(module):
-    run = run_app(module, "--help")
+@pytest.mark.parametrize("module", ["finetune", "train"])
+def test_help_lists_the_training_flags_with_defaults(module, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # as run_app's child has it
+    run = tool_process(module, "--help")
     assert run.returncode == 0
     text = run.stdout
     for flag in ("--warmup", "--lr-schedule", "--cos-restart", "--grad-clip", "--grad-checkpoint", "--checkpoint-out",

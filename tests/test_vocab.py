@@ -6,8 +6,6 @@ add_special=False, parse_special=False. Pre-tokenizer types without such a file 
 against llama.cpp's output recorded by record_llama_cpp_pre.py.
 """
 import json
-import subprocess
-import sys
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from conftest import REPO_ROOT, shared_path
+from conftest import shared_path, tool_process
 from llamapy.errors import VocabError
 from llamapy.gguf_file import GGUFFile, MetaValue, ValueType
 from llamapy.pretokenizers import PRE_TOKENIZERS, PreTokenizer
@@ -341,8 +339,7 @@ def test_cli_reports_unsupported_tokenizer_in_one_line(tmp_path: Path, model: st
     path = write_gguf(tmp_path / "vocab.gguf", model, BYTE_LEVEL_TOKENS, pre=pre, merges=["a b"])
     text = tmp_path / "text.txt"
     text.write_text("Hello world", encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "llamapy.cli.perplexity", "-m", str(path), "-f", str(text)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    proc = tool_process("perplexity", "-m", str(path), "-f", str(text))  # in this process: a start-up saved
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"error: {path}: unsupported "), proc.stderr
     assert expected in proc.stderr
