@@ -11,9 +11,10 @@ reproduced here (simd.py says why it matters), for the kernels llama.cpp's x86 b
   Q4_0, IQ4_NL (x Q8_0) the 8x8-repacked kernels every such matrix with rows % 8 == 0 gets
                         (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0, _iq4_nl_8x8_q8_0: one template,
                         any number of columns): per 32-block b, acc = fma(isum[b], d_w[b] *
-                        d_x[b], acc), one chain; other matrices: Q5_0's order (tinyBLAS_Q0_AVX,
-                        and ggml_vec_dot_q4_0_q8_0; IQ4_NL's vec_dot, which pairs the blocks in
-                        two chains, runs only for non-contiguous activations, not here).
+                        d_x[b], acc), one chain; other matrices: Q5_0's order (tinyBLAS_Q0_AVX
+                        from 2 columns; for one column ggml_vec_dot_q4_0_q8_0, the same order, or
+                        ggml_vec_dot_iq4_nl_q8_0, which pairs the blocks in two chains:
+                        _q0_pairs_vec_dot).
                         IQ4_NL's integers are a 16-value table's entries (Q0Rows.values).
   Q4_K (x Q8_K)         the 8x8-repacked kernels every Q4_K matrix with rows % 8 == 0 gets:
                         columns in groups of 4 through ggml_gemm_q4_K_8x8_q8_K (per 64-element
@@ -582,6 +583,45 @@ def _q0_gemv(buf, offs, block_bytes, values, xq, xd, out):
                 out[n, m] = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
 
 
+@njit(parallel=True, cache=True)
+def _q0_pairs_vec_dot(buf, offs, block_bytes, values, xq, xd, out):
+    """One column (xq (1, K), xd (1, nb)) in ggml_vec_dot_iq4_nl_q8_0's order (x86, AVX2 and
+    AVX-512 builds alike), which llama.cpp runs for a single column of a matrix it does not
+    repack (llamafile's sgemm takes 2 columns and more): the blocks in pairs, the even ones
+    into one chain of 8 lanes and the odd ones into another, lane j = fma(d_w * d_x, the exact
+    sum of the products 4 j .. 4 j + 3, lane j); hsum8 of the two chains added lane by lane;
+    a last unpaired block then added as total + (d_w * d_x) * its exact sum, each step rounded
+    (no fma there: checked against ggml's kernel)."""
+    m_rows = offs.shape[0]
+    nb = xd.shape[1]
+    x, dx = xq[0], xd[0]
+    for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
+        w = np.empty(QK, dtype=np.float32)
+        acc = np.empty(16, dtype=np.float32)
+        for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS)):
+            acc[:] = 0.0
+            for b in range(nb - nb % 2):
+                o = offs[m] + b * block_bytes
+                _decode_q0_block(buf, o, block_bytes, values, w)
+                s = f16_to_f32(buf[o], buf[o + 1]) * dx[b]
+                xb = x[b * QK:(b + 1) * QK]
+                c = 8 * (b % 2)
+                for j in range(8):
+                    p = w[4 * j] * xb[4 * j] + w[4 * j + 1] * xb[4 * j + 1] + w[4 * j + 2] * xb[4 * j + 2] + w[4 * j + 3] * xb[4 * j + 3]
+                    acc[c + j] = fma_f32(s, p, acc[c + j])
+            total = hsum8(acc[0] + acc[8], acc[1] + acc[9], acc[2] + acc[10], acc[3] + acc[11],
+                          acc[4] + acc[12], acc[5] + acc[13], acc[6] + acc[14], acc[7] + acc[15])
+            if nb % 2:
+                o = offs[m] + (nb - 1) * block_bytes
+                _decode_q0_block(buf, o, block_bytes, values, w)
+                xb = x[(nb - 1) * QK:nb * QK]
+                isum = F32(0.0)
+                for e in range(QK):
+                    isum += w[e] * xb[e]  # integers below 2^24: exact in any order
+                total += F32(f16_to_f32(buf[o], buf[o + 1]) * dx[nb - 1]) * isum
+            out[0, m] = total
+
+
 @njit(cache=True, fastmath=INT_SUMS)
 def _q4_0_block_sums(buf, o, values, x, sums):
     """sums[b] = the integer sum of the 32 products of Q4_0 (with `values`: IQ4_NL) block b of
@@ -815,6 +855,7 @@ class Q0Rows:
     repack_rows: int = 0  # ggml repacks matrices with a multiple of this many rows (Q4_0: 8), summed by blocks
     vnni_gemv: Callable[[int, int], Product] | None = None  # its own few-column VNNI kernel, planned for (n, k)
     values: tuple[int, ...] = ()  # 18-byte blocks whose nibble n is the integer values[n] (IQ4_NL), not n - 8
+    pairs_vec_dot: bool = False  # ggml's vec_dot (one column, not repacked) pairs the blocks (_q0_pairs_vec_dot)
 
 
 def plan_q0(rows: Q0Rows, n: int, m: int, k: int, block_sums: bool = False) -> Product:
@@ -843,6 +884,11 @@ def plan_q0(rows: Q0Rows, n: int, m: int, k: int, block_sums: bool = False) -> P
 
         def run(buf, offs, x, out, scratch):
             _q4_0_gemv(buf, offs, values, *act(x, scratch), out)
+    elif n == 1 and rows.pairs_vec_dot:
+        act = _q8_0_input(n, k, ROWS)
+
+        def run(buf, offs, x, out, scratch):
+            _q0_pairs_vec_dot(buf, offs, block_bytes, values, *act(x, scratch), out)
     elif (block_sums or repacked) and not VNNI and not few:
         act = _q8_0_input(n, k, TILES)
 
