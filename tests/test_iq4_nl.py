@@ -178,6 +178,20 @@ def test_rows_addressed_by_offset_in_a_shared_buffer(kernels, m, n):
     np.testing.assert_array_equal(out, reference(rows, x))
 
 
+@pytest.mark.parametrize("m", [16, 13])
+def test_block_sums_for_the_fused_loss(m):
+    """The fused output layer's order (block_sums: one fma per block of 32 and column), for
+    repacked and plain matrices alike."""
+    rng = np.random.default_rng(m)
+    k, n = 160, 20
+    rows = quants.quantize(rng.standard_normal((m, k)).astype(F32), T.IQ4_NL).reshape(m, -1)
+    x = (rng.standard_normal((n, k)) * 3).astype(F32)
+    out = np.empty((n, m), F32)
+    w = QuantMatrix.from_bytes(T.IQ4_NL, rows, k)
+    cpu_type(T.IQ4_NL).plan_product(n, m, k, block_sums=True)(w.buf, w.offs, x, out, Scratch())
+    np.testing.assert_array_equal(out, mul_mat_q0_blocks(*decode_iq4_nl(rows), x))
+
+
 def test_the_table_row():
     """vec_dot_type Q8_0, llama.cpp's order for every shape (no BLAS tiles), block sums for the
     fused loss."""

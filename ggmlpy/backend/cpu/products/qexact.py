@@ -438,7 +438,7 @@ def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
 
 @njit(parallel=True, cache=True)
 def _q0_gemm(buf, offs, block_bytes, values, blocks, xq, xd, out):
-    """out = the Q5_0/Q8_0 product, in ggml's order (q0_lanes_tile, xq lane-major) or with
+    """out = the Q0 product (Q4_0, Q5_0, Q8_0, IQ4_NL), in ggml's order (q0_lanes_tile, xq lane-major) or with
     `blocks` by block sums (q0_blocks_tile, xq in natural order): one kernel for both, as a
     training step takes both (the layers' products and the output layer's), compiled once."""
     m_rows, n_cols = offs.shape[0], out.shape[0]
