@@ -28,6 +28,7 @@ class GGMLType(IntEnum):
     Q5_K = 13
     Q6_K = 14
     Q8_K = 15
+    IQ4_NL = 20
     I8 = 24
     I16 = 25
     I32 = 26
@@ -81,6 +82,7 @@ TYPE_TRAITS: dict[GGMLType, TypeTraits] = {
     GGMLType.Q5_K: TypeTraits("q5_K", 256, 176, None),
     GGMLType.Q6_K: TypeTraits("q6_K", 256, 210, None),
     GGMLType.Q8_K: TypeTraits("q8_K", 256, 292, None),
+    GGMLType.IQ4_NL: TypeTraits("iq4_nl", 32, 18, None),
 }
 
 

@@ -122,6 +122,17 @@ def decode_q8_0(rows):
     return b[..., 2:].view(np.int8).astype(np.int64).reshape(rows.shape[0], -1), d
 
 
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])  # ggml-common.h
+
+
+def decode_iq4_nl(rows):
+    """rows (M, 18 nb) uint8 -> integers (M, 32 nb) (kvalues_iq4nl[nibble]), d (M, nb)."""
+    b = rows.reshape(rows.shape[0], -1, 18)
+    d = b[..., :2].copy().view(np.float16)[..., 0].astype(F32)
+    qs = b[..., 2:].astype(np.int64)
+    return KVALUES_IQ4NL[np.concatenate([qs & 15, qs >> 4], -1)].reshape(rows.shape[0], -1), d
+
+
 def _scale_min_k4(j, s):
     if j < 4:
         return s[..., j] & 63, s[..., j + 4] & 63
@@ -182,6 +193,25 @@ def mul_mat_q0_blocks(w, dw, x):
     for b in range(nb):
         acc = fma((dw[None, :, b] * dx[:, None, b]).astype(F32), sums[:, :, b].astype(F32), acc)
     return acc
+
+
+def mul_mat_q0_pairs(w, dw, x):
+    """ggml_vec_dot_iq4_nl_q8_0 (x86 AVX2 path, one column at a time): blocks in pairs, the even
+    ones in one chain of 8 lanes, the odd ones in another (lane j: the exact sum of the products
+    4 j .. 4 j + 3, fma'd with d_w * d_x); hsum_float_8 of the chains added lane by lane; an
+    unpaired last block added as sumf + d * sum, rounded twice. Arguments as mul_mat_q0's."""
+    xq, dx = quantize_q8_0(x)
+    n, m, nb = x.shape[0], w.shape[0], dw.shape[1]
+    lanes = np.einsum("mbjt,nbjt->nmbj", w.reshape(m, nb, 8, 4), xq.reshape(n, nb, 8, 4))
+    acc = np.zeros((2, n, m, 8), F32)
+    for b in range(nb - nb % 2):
+        s = (dw[None, :, b] * dx[:, None, b]).astype(F32)
+        acc[b % 2] = fma(s[..., None], lanes[:, :, b].astype(F32), acc[b % 2])
+    total = hsum8(acc[0] + acc[1])
+    if nb % 2:
+        d = (dw[None, :, -1] * dx[:, None, -1]).astype(F32)
+        total = (total + (d * lanes[:, :, -1].sum(-1).astype(F32)).astype(F32)).astype(F32)
+    return total
 
 
 def mul_mat_q4_k(rows, x):

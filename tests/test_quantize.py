@@ -226,7 +226,7 @@ def test_without_out_the_file_goes_beside_the_input(stories_path, tmp_path, caps
     (["{model}"], "give IN.gguf [OUT.gguf] TYPE [NTHREADS]"),
     (["--imatrix", "i.dat", "{model}", "{tmp}/o.gguf", "q8_0"], "--imatrix: importance matrices are not supported"),
     (["--keep-split", "{model}", "{tmp}/o.gguf", "q8_0"], "--keep-split: split GGUF files are not supported"),
-    (["--output-tensor-type", "iq4_nl", "{model}", "{tmp}/o.gguf", "q8_0"], "--output-tensor-type 'iq4_nl': not a"),
+    (["--output-tensor-type", "iq4_xs", "{model}", "{tmp}/o.gguf", "q8_0"], "--output-tensor-type 'iq4_xs': not a"),
     (["--output-tensor-type", "q4_k", "{model}", "{tmp}/o.gguf", "q8_0"],
      "tensor output.weight: rows of 64 values do not fit q4_K's blocks of 256"),
     (["--tensor-type", "attn_q", "{model}", "{tmp}/o.gguf", "q8_0"], "expected NAME=GGML_TYPE"),

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..numba_compat import lean_parfor_libraries
 from ..types import GGMLType, row_size, traits
+from . import iquants as _i
 from . import kquants as _k
 from . import simple as _s
 
@@ -41,6 +42,7 @@ KERNELS: dict[GGMLType, QuantKernels] = {
     GGMLType.Q5_K: QuantKernels(_k.dequantize_q5_k, _k.quantize_q5_k),
     GGMLType.Q6_K: QuantKernels(_k.dequantize_q6_k, _k.quantize_q6_k),
     GGMLType.Q8_K: QuantKernels(_k.dequantize_q8_k, _k.quantize_q8_k),
+    GGMLType.IQ4_NL: QuantKernels(_i.dequantize_iq4_nl, _i.quantize_iq4_nl),
 }
 
 

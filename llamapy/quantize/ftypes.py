@@ -3,8 +3,9 @@ tensor type each one quantizes to by default.
 
 The table is llama-quantize's QUANT_OPTIONS, in its order (which decides what a number
 means when two names share it: `15` is `Q4_K`, the alias listed before `Q4_K_M`). The file
-types whose tensor types llamapy has no quantizer for (the IQ, TQ, MXFP4, NVFP4, Q1_0 and
-Q2_0 families) are known by name so that they are refused as such, not as typos.
+types whose tensor types llamapy has no quantizer for (the IQ family but IQ4_NL, the TQ,
+MXFP4, NVFP4, Q1_0 and Q2_0 families) are known by name so that they are refused as such,
+not as typos.
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ DEFAULT_TYPE: dict[FileType, GGMLType] = {
     F.MOSTLY_Q5_1: GGMLType.Q5_1, F.MOSTLY_Q8_0: GGMLType.Q8_0, F.MOSTLY_Q2_K: GGMLType.Q2_K,
     F.MOSTLY_Q3_K_S: GGMLType.Q3_K, F.MOSTLY_Q3_K_M: GGMLType.Q3_K, F.MOSTLY_Q3_K_L: GGMLType.Q3_K,
     F.MOSTLY_Q4_K_S: GGMLType.Q4_K, F.MOSTLY_Q4_K_M: GGMLType.Q4_K, F.MOSTLY_Q5_K_S: GGMLType.Q5_K,
-    F.MOSTLY_Q5_K_M: GGMLType.Q5_K, F.MOSTLY_Q6_K: GGMLType.Q6_K,
+    F.MOSTLY_Q5_K_M: GGMLType.Q5_K, F.MOSTLY_Q6_K: GGMLType.Q6_K, F.MOSTLY_IQ4_NL: GGMLType.IQ4_NL,
 }
 
 # the file type llama.cpp guesses from a file's most common tensor type (llama_model_loader)
@@ -128,7 +129,7 @@ GUESS_FROM_TYPE: dict[GGMLType, FileType] = {
     GGMLType.Q4_0: F.MOSTLY_Q4_0, GGMLType.Q4_1: F.MOSTLY_Q4_1, GGMLType.Q5_0: F.MOSTLY_Q5_0,
     GGMLType.Q5_1: F.MOSTLY_Q5_1, GGMLType.Q8_0: F.MOSTLY_Q8_0, GGMLType.Q2_K: F.MOSTLY_Q2_K,
     GGMLType.Q3_K: F.MOSTLY_Q3_K_M, GGMLType.Q4_K: F.MOSTLY_Q4_K_M, GGMLType.Q5_K: F.MOSTLY_Q5_K_M,
-    GGMLType.Q6_K: F.MOSTLY_Q6_K,
+    GGMLType.Q6_K: F.MOSTLY_Q6_K, GGMLType.IQ4_NL: F.MOSTLY_IQ4_NL,
 }
 
 
@@ -163,4 +164,4 @@ def check_writable(option: QuantOption) -> None:
                          "use Q2_K")
     if option.ftype not in DEFAULT_TYPE:
         raise InputError(f"{option.name}: llamapy has no quantizer for this type (it writes F32, F16, BF16, Q4_0, "
-                         "Q4_1, Q5_0, Q5_1, Q8_0 and the K-quant mixes Q2_K .. Q6_K)")
+                         "Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and the K-quant mixes Q2_K .. Q6_K)")

@@ -10,8 +10,8 @@
   Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0, then F16), each one said as llama.cpp says it.
 
 Counters advance in the order tensors are visited (attn_v's index, ffn_down's), so the
-caller visits them in llama.cpp's order (`tensor_order`). Branches that only the IQ, TQ and
-MXFP4 file types reach (which llamapy does not write) are left out.
+caller visits them in llama.cpp's order (`tensor_order`). Branches that only the IQ (but
+IQ4_NL), TQ and MXFP4 file types reach (which llamapy does not write) are left out.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ T = GGMLType
 
 # the tensor types llamapy can write (ggml_quantize_chunk's, less the ones without a quantizer here)
 WRITABLE = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K,
-                      T.Q5_K, T.Q6_K})
+                      T.Q5_K, T.Q6_K, T.IQ4_NL})
 
 
 def parse_tensor_type(text: str, what: str) -> GGMLType:
@@ -284,6 +284,8 @@ class TypeChooser:
                 new_type = T.Q5_K if i < 2 else T.Q4_K
             elif ft == F.MOSTLY_Q3_K_L:
                 new_type = T.Q5_K
+            elif ft == F.MOSTLY_IQ4_NL and facts.n_gqa >= 4:
+                new_type = T.Q5_K
             elif ft in (F.MOSTLY_Q4_K_M, F.MOSTLY_Q5_K_M) and _use_more_bits(i, n):
                 new_type = T.Q6_K
             elif ft == F.MOSTLY_Q4_K_S and i < 4:
@@ -311,6 +313,8 @@ class TypeChooser:
                                 else T.Q5_K if _use_more_bits(i_layer, n_layer) else T.Q4_K)
                 elif _use_more_bits(i_layer, n_layer):
                     new_type = T.Q6_K
+            elif ft == F.MOSTLY_IQ4_NL and i_layer < n_layer // 8:  # without an importance matrix
+                new_type = T.Q5_K
             elif ft == F.MOSTLY_Q5_K_M and _use_more_bits(i_layer, n_layer):
                 new_type = T.Q6_K
             elif ft == F.MOSTLY_Q4_K_S and not falcon and i_layer < n_layer // 8:
@@ -319,7 +323,8 @@ class TypeChooser:
         elif category == Category.ATTENTION_OUTPUT:
             if not falcon:
                 if facts.n_expert == 8:
-                    if ft in (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_S, F.MOSTLY_Q3_K_M, F.MOSTLY_Q4_K_S, F.MOSTLY_Q4_K_M):
+                    if ft in (F.MOSTLY_Q2_K, F.MOSTLY_Q3_K_S, F.MOSTLY_Q3_K_M, F.MOSTLY_IQ4_NL, F.MOSTLY_Q4_K_S,
+                              F.MOSTLY_Q4_K_M):
                         new_type = T.Q5_K
                 else:
                     new_type = {F.MOSTLY_Q2_K: T.Q3_K, F.MOSTLY_Q3_K_M: T.Q4_K, F.MOSTLY_Q3_K_L: T.Q5_K}.get(ft, new_type)

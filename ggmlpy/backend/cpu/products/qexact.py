@@ -8,10 +8,14 @@ reproduced here (simd.py says why it matters), for the kernels llama.cpp's x86 b
   Q5_0, Q8_0 (x Q8_0)   ggml_vec_dot_q*_0_q8_0 and llamafile's tinyBLAS_Q0_AVX (any number
                         of columns): per 32-block b, 8 lanes of 4 products each,
                         lane_j = fma(d_w[b] * d_x[b], isum[b, j], lane_j), then hsum8.
-  Q4_0 (x Q8_0)         the 8x8-repacked kernels every Q4_0 matrix with rows % 8 == 0 gets
-                        (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0, any number of columns): per
-                        32-block b, acc = fma(isum[b], d_w[b] * d_x[b], acc), one chain; other
-                        Q4_0 matrices: Q5_0's order (ggml_vec_dot_q4_0_q8_0, tinyBLAS).
+  Q4_0, IQ4_NL (x Q8_0) the 8x8-repacked kernels every such matrix with rows % 8 == 0 gets
+                        (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0, _iq4_nl_8x8_q8_0: one template,
+                        any number of columns): per 32-block b, acc = fma(isum[b], d_w[b] *
+                        d_x[b], acc), one chain; other matrices: Q5_0's order (tinyBLAS_Q0_AVX
+                        from 2 columns; for one column ggml_vec_dot_q4_0_q8_0, the same order, or
+                        ggml_vec_dot_iq4_nl_q8_0, which pairs the blocks in two chains:
+                        _q0_pairs_vec_dot).
+                        IQ4_NL's integers are a 16-value table's entries (Q0Rows.values).
   Q4_K (x Q8_K)         the 8x8-repacked kernels every Q4_K matrix with rows % 8 == 0 gets:
                         columns in groups of 4 through ggml_gemm_q4_K_8x8_q8_K (per 64-element
                         chunk: acc = fma(isum, d_w * d_x, acc), the mins in a second sum,
@@ -230,12 +234,17 @@ def _u32(buf, o):
 
 
 @njit(cache=True, inline="always")
-def _decode_q0_block(buf, o, block_bytes, w):
+def _decode_q0_block(buf, o, block_bytes, values, w):
     """w[e] = integer of element e of the Q4_0 / Q5_0 / Q8_0 block (18 / 22 / 34 bytes) at
-    buf[o] (natural order)."""
+    buf[o] (natural order); with `values` (IQ4_NL: 18 bytes) the integer is values[nibble]."""
     if block_bytes == Q8_0_BYTES:
         for e in range(QK):
             w[e] = F32(np.int8(buf[o + 2 + e]))
+    elif values.shape[0]:
+        for e in range(16):
+            q = np.int32(buf[o + 2 + e])
+            w[e] = values[q & 0xF]
+            w[e + 16] = values[q >> 4]
     elif block_bytes == Q4_0_BYTES:
         for e in range(16):
             q = np.int32(buf[o + 2 + e])
@@ -250,7 +259,7 @@ def _decode_q0_block(buf, o, block_bytes, w):
 
 
 @njit(cache=True)
-def _unpack_q0_rows(buf, offs, m0, block_bytes, wq, wd, lane_major):
+def _unpack_q0_rows(buf, offs, m0, block_bytes, values, wq, wd, lane_major):
     """Rows m0.. (as many as wq has; past the last matrix row, the last again) -> wq[r, _at(e)]
     = integer of element e, wd[r, b] = d."""
     nb = wd.shape[1]
@@ -261,9 +270,9 @@ def _unpack_q0_rows(buf, offs, m0, block_bytes, wq, wd, lane_major):
             o = o0 + b * block_bytes
             wd[r, b] = f16_to_f32(buf[o], buf[o + 1])
             if not lane_major:
-                _decode_q0_block(buf, o, block_bytes, wq[r, b * QK:(b + 1) * QK])
+                _decode_q0_block(buf, o, block_bytes, values, wq[r, b * QK:(b + 1) * QK])
                 continue
-            _decode_q0_block(buf, o, block_bytes, w)
+            _decode_q0_block(buf, o, block_bytes, values, w)
             for j in range(8):
                 run = 4 * (j * nb + b)  # _at's place of element 4 j of block b
                 for t in range(4):
@@ -271,9 +280,10 @@ def _unpack_q0_rows(buf, offs, m0, block_bytes, wq, wd, lane_major):
 
 
 @njit(cache=True)
-def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd):
+def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, uvalues, wu, wd):
     """Rows m0.. -> wu[r, k] = integer of element k + the type's bias (Q0Rows.bias), the bits as
-    stored made unsigned (Q8_0's flipped sign bit, Q5_0's five bits, Q4_0's nibble), wd[r, b] = d."""
+    stored made unsigned (Q8_0's flipped sign bit, Q5_0's five bits, Q4_0's nibble) or, with
+    `uvalues` (IQ4_NL), uvalues[nibble] (its table + its bias), wd[r, b] = d."""
     nb = wd.shape[1]
     for r in range(wu.shape[0]):
         o0 = offs[min(m0 + r, offs.shape[0] - 1)]
@@ -284,6 +294,11 @@ def _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd):
             if block_bytes == Q8_0_BYTES:
                 for e in range(QK):
                     dst[b * QK + e] = buf[o + 2 + e] ^ np.uint8(0x80)
+            elif uvalues.shape[0]:
+                for e in range(16):
+                    q = buf[o + 2 + e]
+                    dst[b * QK + e] = uvalues[q & np.uint8(0xF)]
+                    dst[b * QK + e + 16] = uvalues[q >> np.uint8(4)]
             elif block_bytes == Q4_0_BYTES:
                 for e in range(16):
                     q = buf[o + 2 + e]
@@ -422,8 +437,8 @@ def _store_tile(out, res, rows, m0, n0, m_rows, n_cols):
 
 
 @njit(parallel=True, cache=True)
-def _q0_gemm(buf, offs, block_bytes, blocks, xq, xd, out):
-    """out = the Q5_0/Q8_0 product, in ggml's order (q0_lanes_tile, xq lane-major) or with
+def _q0_gemm(buf, offs, block_bytes, values, blocks, xq, xd, out):
+    """out = the Q0 product (Q4_0, Q5_0, Q8_0, IQ4_NL), in ggml's order (q0_lanes_tile, xq lane-major) or with
     `blocks` by block sums (q0_blocks_tile, xq in natural order): one kernel for both, as a
     training step takes both (the layers' products and the output layer's), compiled once."""
     m_rows, n_cols = offs.shape[0], out.shape[0]
@@ -435,7 +450,7 @@ def _q0_gemm(buf, offs, block_bytes, blocks, xq, xd, out):
         wd = np.empty((group, nb), dtype=np.float32)
         sbuf = np.empty(0 if blocks else Q0_ROWS * nb * W, dtype=np.float32)  # q0_lanes_tile's lane sums
         res = np.empty(Q0_ROWS * W, dtype=np.float32)
-        _unpack_q0_rows(buf, offs, m0, block_bytes, wq, wd, not blocks)
+        _unpack_q0_rows(buf, offs, m0, block_bytes, values, wq, wd, not blocks)
         for tile in range(xq.shape[0]):
             for r in range(0, min(group, m_rows - m0), Q0_ROWS):
                 if blocks:
@@ -446,7 +461,7 @@ def _q0_gemm(buf, offs, block_bytes, blocks, xq, xd, out):
 
 
 @njit(parallel=True, cache=True)
-def _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out):
+def _q0_gemm_vnni(buf, offs, block_bytes, uvalues, xq, xc, xd, out):
     """_q0_gemm in ggml's order with AVX512-VNNI (q0_tile2_vnni, 2 rows a step). It and
     _q0_blocks_gemm_vnni stay two drivers, unlike _q0_gemm: one with a `blocks` flag made the
     row step a run-time value and the block-sum product 1.4x slower (bench/RESULTS.md,
@@ -458,7 +473,7 @@ def _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out):
         wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
         wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
         res = np.empty(2 * W, dtype=np.float32)
-        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, uvalues, wu, wd)
         for tile in range(xq.shape[0]):
             for r in range(0, min(ROW_GROUP, m_rows - m0), 2):
                 q0_tile2_vnni(wu, wd, xq, xc, xd, res, r, tile, nb)
@@ -466,7 +481,7 @@ def _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out):
 
 
 @njit(parallel=True, cache=True)
-def _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out):
+def _q0_blocks_gemm_vnni(buf, offs, block_bytes, uvalues, xq, xcb, xd, out):
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
     for task in prange((m_rows + ROW_GROUP - 1) // ROW_GROUP):
@@ -474,7 +489,7 @@ def _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out):
         wu = np.empty((ROW_GROUP, nb * QK), dtype=np.uint8)
         wd = np.empty((ROW_GROUP, nb), dtype=np.float32)
         res = np.empty(BLOCK_ROWS * W, dtype=np.float32)
-        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, wu, wd)
+        _unpack_q0_rows_u8(buf, offs, m0, block_bytes, uvalues, wu, wd)
         for tile in range(xq.shape[0]):
             for r in range(0, min(ROW_GROUP, m_rows - m0), BLOCK_ROWS):
                 q0_blocks_vnni(wu, wd, xq, xcb, xd, res, r, tile, nb)
@@ -541,7 +556,7 @@ def _q8_0_gemv_vnni(buf, offs, xs, xd, out):
 
 
 @njit(parallel=True, cache=True, fastmath={"contract"})
-def _q0_gemv(buf, offs, block_bytes, xq, xd, out):
+def _q0_gemv(buf, offs, block_bytes, values, xq, xd, out):
     """Few columns (generation): a row at a time, each block decoded once for every column.
     xq (N, K): the activations' integers in natural order, xd (N, nb). Lane j of block b is
     the exact sum of the 4 products 4 j .. 4 j + 3, fma'd into lane j's chain; hsum8."""
@@ -554,7 +569,7 @@ def _q0_gemv(buf, offs, block_bytes, xq, xd, out):
             acc[:] = 0.0
             for b in range(nb):
                 o = offs[m] + b * block_bytes
-                _decode_q0_block(buf, o, block_bytes, w)
+                _decode_q0_block(buf, o, block_bytes, values, w)
                 dw = f16_to_f32(buf[o], buf[o + 1])
                 for n in range(n_cols):
                     x = xq[n, b * QK:(b + 1) * QK]
@@ -568,27 +583,72 @@ def _q0_gemv(buf, offs, block_bytes, xq, xd, out):
                 out[n, m] = hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
 
 
+@njit(parallel=True, cache=True)
+def _q0_pairs_vec_dot(buf, offs, block_bytes, values, xq, xd, out):
+    """One column (xq (1, K), xd (1, nb)) in ggml_vec_dot_iq4_nl_q8_0's order (x86, AVX2 and
+    AVX-512 builds alike), which llama.cpp runs for a single column of a matrix it does not
+    repack (llamafile's sgemm takes 2 columns and more): the blocks in pairs, the even ones
+    into one chain of 8 lanes and the odd ones into another, lane j = fma(d_w * d_x, the exact
+    sum of the products 4 j .. 4 j + 3, lane j); hsum8 of the two chains added lane by lane;
+    a last unpaired block then added as total + (d_w * d_x) * its exact sum, each step rounded
+    (no fma there: checked against ggml's kernel)."""
+    m_rows = offs.shape[0]
+    nb = xd.shape[1]
+    x, dx = xq[0], xd[0]
+    for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
+        w = np.empty(QK, dtype=np.float32)
+        acc = np.empty(16, dtype=np.float32)
+        for m in range(task * GEMV_ROWS, min(m_rows, task * GEMV_ROWS + GEMV_ROWS)):
+            acc[:] = 0.0
+            for b in range(nb - nb % 2):
+                o = offs[m] + b * block_bytes
+                _decode_q0_block(buf, o, block_bytes, values, w)
+                s = f16_to_f32(buf[o], buf[o + 1]) * dx[b]
+                xb = x[b * QK:(b + 1) * QK]
+                c = 8 * (b % 2)
+                for j in range(8):
+                    p = w[4 * j] * xb[4 * j] + w[4 * j + 1] * xb[4 * j + 1] + w[4 * j + 2] * xb[4 * j + 2] + w[4 * j + 3] * xb[4 * j + 3]
+                    acc[c + j] = fma_f32(s, p, acc[c + j])
+            total = hsum8(acc[0] + acc[8], acc[1] + acc[9], acc[2] + acc[10], acc[3] + acc[11],
+                          acc[4] + acc[12], acc[5] + acc[13], acc[6] + acc[14], acc[7] + acc[15])
+            if nb % 2:
+                o = offs[m] + (nb - 1) * block_bytes
+                _decode_q0_block(buf, o, block_bytes, values, w)
+                xb = x[(nb - 1) * QK:nb * QK]
+                isum = F32(0.0)
+                for e in range(QK):
+                    isum += w[e] * xb[e]  # integers below 2^24: exact in any order
+                total += F32(f16_to_f32(buf[o], buf[o + 1]) * dx[nb - 1]) * isum
+            out[0, m] = total
+
+
 @njit(cache=True, fastmath=INT_SUMS)
-def _q4_0_block_sums(buf, o, x, sums):
-    """sums[b] = the integer sum of the 32 products of Q4_0 block b of the row at buf[o] with
-    x, in float32 straight from the nibbles: every partial sum is an integer below 2^24, exact
-    in any order (so vectorised)."""
+def _q4_0_block_sums(buf, o, values, x, sums):
+    """sums[b] = the integer sum of the 32 products of Q4_0 (with `values`: IQ4_NL) block b of
+    the row at buf[o] with x, in float32 straight from the nibbles: every partial sum is an
+    integer below 2^24, exact in any order (so vectorised)."""
     half = x.shape[0] // sums.shape[0] // 2  # 16, as a run-time count: LLVM vectorises the loop then
     for b in range(sums.shape[0]):
         w = buf[o + b * Q4_0_BYTES + 2:o + b * Q4_0_BYTES + 2 + half]
         xb = x[b * QK:b * QK + QK]
         s = F32(0.0)
-        for j in range(half):
-            q = np.int32(w[j])
-            s += F32((q & 0xF) - 8) * xb[j] + F32((q >> 4) - 8) * xb[half + j]
+        if values.shape[0]:
+            for j in range(half):
+                q = np.int32(w[j])
+                s += values[q & 0xF] * xb[j] + values[q >> 4] * xb[half + j]
+        else:
+            for j in range(half):
+                q = np.int32(w[j])
+                s += F32((q & 0xF) - 8) * xb[j] + F32((q >> 4) - 8) * xb[half + j]
         sums[b] = s
 
 
 @njit(parallel=True, cache=True)
-def _q4_0_gemv(buf, offs, xq, xd, out):
-    """Few columns of ggml_gemv_q4_0_8x8_q8_0 (the repacked Q4_0): per row and column,
-    acc = fma(d_w * d_x, the block's integer sum, acc) over the blocks in order. xq (N, K) the
-    activations' integers in natural order, xd (N, nb)."""
+def _q4_0_gemv(buf, offs, values, xq, xd, out):
+    """Few columns of ggml_gemv_q4_0_8x8_q8_0 / ggml_gemv_iq4_nl_8x8_q8_0 (the repacked Q4_0 and
+    IQ4_NL, one template in ggml): per row and column, acc = fma(d_w * d_x, the block's integer
+    sum, acc) over the blocks in order. xq (N, K) the activations' integers in natural order,
+    xd (N, nb)."""
     m_rows, n_cols = offs.shape[0], out.shape[0]
     nb = xd.shape[1]
     for task in prange((m_rows + GEMV_ROWS - 1) // GEMV_ROWS):
@@ -599,7 +659,7 @@ def _q4_0_gemv(buf, offs, xq, xd, out):
             for b in range(nb):
                 wd[b] = f16_to_f32(buf[o + b * Q4_0_BYTES], buf[o + b * Q4_0_BYTES + 1])
             for n in range(n_cols):
-                _q4_0_block_sums(buf, o, xq[n], sums)
+                _q4_0_block_sums(buf, o, values, xq[n], sums)
                 acc = F32(0.0)
                 for b in range(nb):
                     acc = fma_f32(wd[b] * xd[n, b], sums[b], acc)
@@ -787,13 +847,15 @@ def _nothing(buf, offs, x, out, scratch) -> None:
 
 @dataclass(frozen=True)
 class Q0Rows:
-    """A type of 32-element blocks with an f16 scale and integers (Q4_0, Q5_0, Q8_0), as the Q0
-    kernels read its rows."""
+    """A type of 32-element blocks with an f16 scale and integers (Q4_0, Q5_0, Q8_0, IQ4_NL), as
+    the Q0 kernels read its rows."""
 
     block_bytes: int
-    bias: int  # stored bits = integer + bias: VNNI's unsigned operand
+    bias: int  # integer + bias: VNNI's unsigned operand (the stored bits, but for a `values` type)
     repack_rows: int = 0  # ggml repacks matrices with a multiple of this many rows (Q4_0: 8), summed by blocks
     vnni_gemv: Callable[[int, int], Product] | None = None  # its own few-column VNNI kernel, planned for (n, k)
+    values: tuple[int, ...] = ()  # 18-byte blocks whose nibble n is the integer values[n] (IQ4_NL), not n - 8
+    pairs_vec_dot: bool = False  # ggml's vec_dot (one column, not repacked) pairs the blocks (_q0_pairs_vec_dot)
 
 
 def plan_q0(rows: Q0Rows, n: int, m: int, k: int, block_sums: bool = False) -> Product:
@@ -812,19 +874,26 @@ def plan_q0(rows: Q0Rows, n: int, m: int, k: int, block_sums: bool = False) -> P
         return _nothing
     few = n <= Q0_GEMV_MAX_COLS
     block_bytes, bias = rows.block_bytes, rows.bias  # bias: makes the matrix integers unsigned
-    # ggml repacks the Q4_0 matrices whose rows are a multiple of 8 and sums them by blocks
-    # (ggml_gemm / ggml_gemv_q4_0_8x8_q8_0), whatever the column count
+    values = np.array(rows.values, dtype=np.float32)  # the float kernels' table (empty: none)
+    uvalues = (np.array(rows.values, dtype=np.int32) + bias).astype(np.uint8)  # the VNNI kernels': + bias
+    # ggml repacks the Q4_0 and IQ4_NL matrices whose rows are a multiple of 8 and sums them by
+    # blocks (ggml_gemm / ggml_gemv_*_8x8_q8_0), whatever the column count
     repacked = rows.repack_rows > 0 and m % rows.repack_rows == 0
     if repacked and few:
         act = _q8_0_input(n, k, ROWS)
 
         def run(buf, offs, x, out, scratch):
-            _q4_0_gemv(buf, offs, *act(x, scratch), out)
+            _q4_0_gemv(buf, offs, values, *act(x, scratch), out)
+    elif n == 1 and rows.pairs_vec_dot:
+        act = _q8_0_input(n, k, ROWS)
+
+        def run(buf, offs, x, out, scratch):
+            _q0_pairs_vec_dot(buf, offs, block_bytes, values, *act(x, scratch), out)
     elif (block_sums or repacked) and not VNNI and not few:
         act = _q8_0_input(n, k, TILES)
 
         def run(buf, offs, x, out, scratch):
-            _q0_gemm(buf, offs, block_bytes, True, *act(x, scratch), out)
+            _q0_gemm(buf, offs, block_bytes, values, True, *act(x, scratch), out)
     elif (block_sums or repacked) and not few:
         act = _q8_0_input(n, k, QUADS, int8=True, weight=-bias)
 
@@ -832,7 +901,7 @@ def plan_q0(rows: Q0Rows, n: int, m: int, k: int, block_sums: bool = False) -> P
             xq, xd, xc = act(x, scratch)
             xcb = scratch.get("q8_0_cb", xd.size).view(np.int32).reshape(xd.shape)
             np.sum(xc.reshape(xd.shape[0], -1, 8, W), axis=2, out=xcb)
-            _q0_blocks_gemm_vnni(buf, offs, block_bytes, xq, xcb, xd, out)
+            _q0_blocks_gemm_vnni(buf, offs, block_bytes, uvalues, xq, xcb, xd, out)
     elif VNNI and few and rows.vnni_gemv is not None:
         run = rows.vnni_gemv(n, k)
     elif VNNI and not few:
@@ -840,17 +909,17 @@ def plan_q0(rows: Q0Rows, n: int, m: int, k: int, block_sums: bool = False) -> P
 
         def run(buf, offs, x, out, scratch):
             xq, xd, xc = act(x, scratch)
-            _q0_gemm_vnni(buf, offs, block_bytes, xq, xc, xd, out)
+            _q0_gemm_vnni(buf, offs, block_bytes, uvalues, xq, xc, xd, out)
     elif few:
         act = _q8_0_input(n, k, ROWS)
 
         def run(buf, offs, x, out, scratch):
-            _q0_gemv(buf, offs, block_bytes, *act(x, scratch), out)
+            _q0_gemv(buf, offs, block_bytes, values, *act(x, scratch), out)
     else:
         act = _q8_0_input(n, k, LANES)
 
         def run(buf, offs, x, out, scratch):
-            _q0_gemm(buf, offs, block_bytes, False, *act(x, scratch), out)
+            _q0_gemm(buf, offs, block_bytes, values, False, *act(x, scratch), out)
     return run
 
 

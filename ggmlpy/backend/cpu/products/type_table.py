@@ -18,8 +18,8 @@ from functools import partial
 import numpy as np
 
 from .... import convert
-from ....quants import kquants, simple
 from ....ops import Prec
+from ....quants import iquants, kquants, simple
 from ....types import TYPE_TRAITS, GGMLType
 from . import qdot, qexact
 from .qexact import Product
@@ -100,6 +100,8 @@ CPU_TYPES.update({r.type: r for r in (
                                                              vnni_gemv=qexact.plan_q5_0_gemv_vnni))),
     CpuType(GGMLType.Q8_0, **_Q8_0, packed=_q0(qexact.Q0Rows(qexact.Q8_0_BYTES, bias=128,
                                                              vnni_gemv=qexact.plan_q8_0_gemv_vnni))),
+    CpuType(GGMLType.IQ4_NL, **_Q8_0, packed=_q0(qexact.Q0Rows(iquants.BLOCK_BYTES, bias=128, repack_rows=8,
+                                                               values=iquants.KVALUES_IQ4NL, pairs_vec_dot=True))),
     CpuType(GGMLType.Q4_1, **_Q8_1),
     CpuType(GGMLType.Q5_1, **_Q8_1),
     CpuType(GGMLType.Q2_K, **_Q8_K),
