@@ -51,8 +51,11 @@ def run_tool(name: str, *argv, capsys=None, stdin: str | None = None) -> tuple[i
         try:
             tool.main([str(a) for a in argv])
             code = 0
-        except SystemExit as e:
+        except SystemExit as e:  # as the interpreter ends a child: a message exits 1 after printing it
             code = e.code or 0
+            if isinstance(code, str):
+                print(code, file=sys.stderr)
+                code = 1
     if capsys is not None:
         captured = capsys.readouterr()
         return code, captured.out, captured.err
@@ -73,6 +76,17 @@ def tool_process(name: str, *argv, capsys=None, stdin: str | None = None) -> sub
     ran the tool as a child process."""
     code, out, err = run_tool(name, *argv, capsys=capsys, stdin=stdin)
     return subprocess.CompletedProcess([name, *map(str, argv)], code, out, err)
+
+
+@pytest.fixture(params=["vnni", "float"])
+def kernels(request, monkeypatch):
+    """Both integer-sum kernels of the quantized products: AVX512-VNNI's (skipped on CPUs
+    without it) and the float32 ones every other CPU runs; the same bits either way."""
+    from ggmlpy.backend.cpu.products import qexact
+    if request.param == "vnni" and not qexact.VNNI:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(qexact, "VNNI", request.param == "vnni")
+    return request.param
 
 
 def shared_path(*parts: str) -> Path:

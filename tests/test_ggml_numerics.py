@@ -19,22 +19,12 @@ from numba import njit
 import ggmlpy as gg
 from ggmlpy import GGMLType as T
 from ggmlpy import quants
-from ggmlpy.backend.cpu.products import qexact
-from ggmlpy.backend.cpu.products.type_table import cpu_type
 from ggmlpy.backend.cpu.plan import Scratch
 from ggmlpy.backend.cpu.products.qmatmul import QuantMatrix, mul_mat_q
+from ggmlpy.backend.cpu.products.type_table import cpu_type
 from ggmlpy.backend.cpu.simd import expf_avx512
 
 F32 = np.float32
-
-
-@pytest.fixture(params=["vnni", "float"])
-def kernels(request, monkeypatch):
-    """Both integer-sum kernels (the float32 ones are what CPUs without AVX512-VNNI run)."""
-    if request.param == "vnni" and not qexact.VNNI:
-        pytest.skip("this CPU has no AVX512-VNNI")
-    monkeypatch.setattr(qexact, "VNNI", request.param == "vnni")
-    return request.param
 
 
 def quantized_rows(rng, type, m, k):

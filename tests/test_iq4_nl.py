@@ -129,15 +129,6 @@ def test_dequantize_is_gguf_pys():
 RECORDED = sorted({tuple(int(v) for v in key.split("_")[1:]) for key in PRODUCTS.files if key.startswith("out_")})
 
 
-@pytest.fixture(params=["vnni", "float"])
-def kernels(request, monkeypatch):
-    """Both integer-sum kernels (the VNNI ones take the table + 128 as their unsigned operand)."""
-    if request.param == "vnni" and not qexact.VNNI:
-        pytest.skip("this CPU has no AVX512-VNNI")
-    monkeypatch.setattr(qexact, "VNNI", request.param == "vnni")
-    return request.param
-
-
 def reference(rows: np.ndarray, x: np.ndarray) -> np.ndarray:
     """ggml's order for the shape: repacked (rows % 8 == 0) block sums, else one column through
     ggml_vec_dot_iq4_nl_q8_0, more through tinyBLAS's lanes."""

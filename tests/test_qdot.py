@@ -12,9 +12,9 @@ import pytest
 
 import ggmlpy as gg
 from ggmlpy import GGMLType, quants
-from ggmlpy.backend.cpu.products.type_table import cpu_type, round_activations
 from ggmlpy.backend.cpu.plan import Scratch
 from ggmlpy.backend.cpu.products.qmatmul import QuantMatrix, mul_mat_q
+from ggmlpy.backend.cpu.products.type_table import cpu_type, round_activations
 
 
 BLOCKS_32 = (GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0)

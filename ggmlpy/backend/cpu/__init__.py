@@ -10,13 +10,12 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
-from ...graph import Graph
-from .products import bf16dot
-from .plan import compile_ahead, dispatch
-from .train import train_kernels
-from ...numba_compat import compile_count, fast_thread_setter, lean_parfor_libraries, on_first_compile  # noqa: F401 -- public
 from ...cores import FreeCores
-from .plan import Plan, Scratch
+from ...graph import Graph
+from ...numba_compat import compile_count, fast_thread_setter, lean_parfor_libraries, on_first_compile  # noqa: F401 -- public
+from .plan import Plan, Scratch, compile_ahead, dispatch
+from .products import bf16dot
+from .train import train_kernels
 
 SUM_SQUARES_SERIAL = 1 << 20  # elements: a serial sum of squares takes ~1 ms there
 

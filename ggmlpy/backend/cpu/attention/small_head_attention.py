@@ -23,9 +23,9 @@ from numba import njit, prange
 
 from ....llvmir.attention import LANES, lanes_scores, lanes_values
 from ....llvmir.scalar import fma_f32
-from .attention import KV_TILE, softcap_scales
 from ..rows.kernels import alibi_slope
 from ..simd import expf, expf_avx512
+from .attention import KV_TILE, softcap_scales
 
 F32 = np.float32
 MAX_HEAD_DIM = 32  # head sizes unrolled at compile time; wider heads go to attention.py

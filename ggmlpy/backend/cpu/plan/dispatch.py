@@ -5,11 +5,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ....tensor import Op, Tensor
+from ..products import matmul
 from ..rows import compute, compute_sampling, fused
 from ..train import compute_train, linear_ce
-from ..products import matmul
-from .kernel_table import Kernel, Prepared
 from . import Plan
+from .kernel_table import Kernel, Prepared
 
 
 def _merge(*tables: Mapping[Op, Kernel]) -> Mapping[Op, Kernel]:

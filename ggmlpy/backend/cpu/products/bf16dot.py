@@ -25,8 +25,8 @@ from numba import njit, prange
 from .... import convert
 from ....llvmir.bf16 import BF16, tile
 from ....types import GGMLType
-from .gemm import matmul
 from ..plan import Scratch
+from .gemm import matmul
 
 LANES = 16           # float32 lanes of one vector (16 columns of out)
 TILE_COLS = 4        # vectors of columns per micro-tile (64 columns)

@@ -29,10 +29,10 @@ from .... import convert
 from ....ops import Prec, prec_of
 from ....tensor import Op, Tensor
 from ....types import GGMLType, traits
+from ..plan import Plan
+from ..plan.kernel_table import KernelTable, Prepared, require_f32
 from . import floatdot
 from .gemm import GRAIN, Matmul, matmul
-from ..plan.kernel_table import KernelTable, Prepared, require_f32
-from ..plan import Plan
 from .qmatmul import QuantMatrix, mul_mat_qt, plan_mul_mat_q, row_offsets
 from .type_table import cpu_type
 

@@ -33,9 +33,9 @@ import numpy as np
 from .... import quants
 from ....tensor import Tensor
 from ....types import GGMLType
+from ..plan import Scratch
 from . import bf16dot
 from .gemm import matmul
-from ..plan import Scratch
 from .type_table import cpu_type
 
 TILE_BYTES = 1 << 20

@@ -9,8 +9,8 @@ import numpy as np
 
 from .... import rowops
 from ....tensor import Op, Tensor
-from ..plan.kernel_table import KernelTable, Prepared, require_f32
 from ..plan import Plan
+from ..plan.kernel_table import KernelTable, Prepared, require_f32
 
 KERNELS = KernelTable()
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ....row_math import sum_sq_f64
 from ....tensor import Op, Tensor
 from ....types import GGMLType
-from .compute import _rows_repeat
-from ..plan.kernel_table import Prepared, read_only
-from ....row_math import sum_sq_f64
 from ..plan import Plan
+from ..plan.kernel_table import Prepared, read_only
+from .compute import _rows_repeat
 
 F32 = np.float32
 

@@ -5,9 +5,9 @@ import numba
 import numpy as np
 
 from ....tensor import Op, Tensor
-from . import train_kernels as TK
-from ..plan.kernel_table import PARALLEL_MIN_ELEMENTS, KernelTable, Prepared, require_f32
 from ..plan import Plan
+from ..plan.kernel_table import PARALLEL_MIN_ELEMENTS, KernelTable, Prepared, require_f32
+from . import train_kernels as TK
 
 KERNELS = KernelTable()
 

@@ -35,13 +35,13 @@ from ....ops import Prec, prec_of
 from ....ops_train import LCE_FIELDS, LCE_LSE
 from ....tensor import Op, Tensor
 from ....types import traits
-from ..products import bf16dot
-from . import train_kernels as TK
-from ..products.gemm import GRAIN, SLICE_COLS, Matmul
-from ..plan.kernel_table import KernelTable, Prepared, require_f32
 from ..plan import Plan, Scratch
+from ..plan.kernel_table import KernelTable, Prepared, require_f32
+from ..products import bf16dot
+from ..products.gemm import GRAIN, SLICE_COLS, Matmul
 from ..products.qmatmul import QuantMatrix, row_offsets, tile_rows
 from ..products.type_table import cpu_type
+from . import train_kernels as TK
 
 KERNELS = KernelTable()
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import get_thread_id, njit, prange
 
-from ....rowops import exp_sum
 from ....row_math import EXP_MAX, dot_f64, exp_f32, max_f32, sum_f64
+from ....rowops import exp_sum
 from ..rows.kernels import GELU_COEF_A, SQRT_2_OVER_PI, _row_index, exp_shifted
 
 F32 = np.float32
