@@ -147,6 +147,8 @@ def _soft_max(node: Tensor, plan: Plan) -> Prepared:
         mv = mask.array()
         if mask.type not in MASK_TYPES:
             raise NotImplementedError(f"SOFT_MAX mask of type {mask.type.name}")
+        if mv.dtype == np.float32:  # read in place: nothing to convert per call
+            return lambda: K.soft_max_f32(av, mv, dv, scale, max_bias, True, np.nan)
         mask_type = mask.type
         return lambda: K.soft_max_f32(av, convert.to_f32(mv, mask_type), dv, scale, max_bias, True, np.nan)
     return lambda: K.soft_max_f32(av, _EMPTY_F32, dv, scale, max_bias, False, np.nan)
